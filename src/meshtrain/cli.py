@@ -1,0 +1,99 @@
+"""The ``meshtrain`` command: parse arguments, dispatch, map errors to exit statuses.
+
+Exit statuses: 0 done; 2 a config or usage error (one paragraph on stderr, no traceback);
+1 a failure during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from meshtrain.config import Config, ConfigError, default_config_path, load_config
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML run config (default: the built-in demo)")
+    parser.add_argument("--nproc", type=int, help="processes to launch (default: dp × tp × pp)")
+    parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
+    parser.add_argument("--run-dir", help="where metrics.jsonl and final weights go")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="meshtrain",
+        description="Train transformer language models with data, tensor, pipeline and expert "
+                    "parallelism that give the same numbers as one process.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (no --config: the built-in demo)")
+    _add_run_options(train)
+    gen = sub.add_parser("generate", help="generate text from a finished run's final weights")
+    gen.add_argument("--checkpoint", required=True, help="run directory (or its final/ folder)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def resolve_run_config(args: argparse.Namespace) -> tuple[Config, int]:
+    """Load, override and validate the config of a train-like command; return it and the world."""
+    path = args.config if args.config else default_config_path()
+    config = load_config(path, args.overrides)
+    if args.steps is not None:
+        config.train.steps = args.steps
+    if args.run_dir is not None:
+        config.train.run_dir = args.run_dir
+    world = config.validate(args.nproc)
+    return config, world
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``meshtrain train``."""
+    from meshtrain.launch import launch, write_run_config
+
+    config, world = resolve_run_config(args)
+    print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model for "
+          f"{config.train.steps} steps on {world} process(es) "
+          f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}); "
+          f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
+    write_run_config(config)
+    return launch(config, world, "train")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``meshtrain generate``."""
+    from meshtrain.generate import generate, load_for_generation
+
+    model, tokenizer, _ = load_for_generation(args.checkpoint)
+    text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                    args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    from meshtrain.launch import LaunchError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as error:
+        print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)
+        return 2
+    except LaunchError as error:
+        print(f"meshtrain {args.command}: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
+        return 1

@@ -1,0 +1,324 @@
+"""Typed run configuration: dataclasses, TOML loading, ``--set`` overrides and validation.
+
+A run is described by one :class:`Config` with five sections (``model``, ``parallel``, ``train``,
+``data``, ``checkpoint``). It is built from defaults, then a TOML file (parsed with the standard
+library's ``tomllib``), then ``--set section.key=value`` overrides, each value parsed to the field's
+declared type. :func:`Config.validate` rejects unknown keys, wrong types and impossible values
+*before* any worker process starts; every refusal is a :class:`ConfigError` whose message names the
+key and the valid values, which the CLI prints as one paragraph and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration or usage error; the CLI prints its message and exits with status 2."""
+
+
+MLP_KINDS = ("swiglu", "gelu")
+MOE_BALANCE_KINDS = ("aux-loss", "bias", "none")
+MOE_SCORE_KINDS = ("softmax", "sigmoid")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+ACTIVATION_CHECKPOINTING_KINDS = ("none", "full", "selective")
+LR_SCHEDULES = ("cosine", "constant", "wsd")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (dense or Mixture-of-Experts)."""
+
+    vocab_size: int = 0
+    """Embedding rows. 0 = the tokenizer's vocabulary; a larger value pads it (e.g. for tp)."""
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 = n_heads (plain multi-head attention)."""
+    ffn_dim: int = 704
+    mlp: str = "swiglu"
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    moe_experts: int = 0
+    """Routed experts per MoE layer; 0 = a dense model."""
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert accepts, as a multiple of its fair share; 0 = dropless."""
+    moe_balance: str = "aux-loss"
+    moe_aux_coef: float = 0.01
+    moe_bias_rate: float = 0.001
+    """Step size of the auxiliary-loss-free bias update (``moe_balance = "bias"``)."""
+    moe_score: str = "softmax"
+    moe_every: int = 1
+    """Every k-th block (counting from block k-1) is an MoE block; the rest are dense."""
+    moe_ffn_dim: int = 0
+    """Hidden size of each expert; 0 = ffn_dim."""
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width: dim / n_heads."""
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Effective key/value head count (n_kv_heads, or n_heads when 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Effective hidden size of one expert."""
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) holds an MoE feed-forward instead of a dense one."""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallel axis and how the step is scheduled."""
+
+    dp: int = 0
+    """Data-parallel degree; 0 = whatever the world size leaves after tp × pp."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    """Micro-batches per data-parallel rank per step (gradient accumulation = pipeline micro-batches)."""
+    activation_checkpointing: str = "none"
+    dp_bucket_mb: float = 25.0
+    """Gradient bucket size for data-parallel reduction, in MiB."""
+
+    def model_parallel_size(self) -> int:
+        """tp × pp: the ranks that together hold one replica of the model."""
+        return self.tp * self.pp
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run-length settings."""
+
+    steps: int = 100
+    """Total optimizer steps; a resumed run continues up to this number."""
+    global_batch: int = 16
+    """Sequences per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    """For ``wsd``: the fraction of steps spent in the final decay."""
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    precision: str = "fp32"
+    device: str = "auto"
+    run_dir: str = "runs/latest"
+    log_every: int = 1
+    tensorboard: bool = False
+    peak_tflops: float = 0.0
+    """Device peak dense TFLOP/s for MFU; 0 = look the device up (unknown devices report null)."""
+    threads_per_worker: int = 0
+    """torch intra-op threads per worker process; 0 = the machine's cores split over the workers."""
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is tokenized."""
+
+    source: str = "builtin"
+    """``builtin`` (the interpreter's own standard-library sources) or a path / glob of
+    .txt, .jsonl, .parquet or pre-tokenized .bin files (or a directory of them)."""
+    tokenizer: str = "bytes"
+    """``bytes`` (byte-level, 264 ids) or the path of a Hugging Face ``tokenizer.json``."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl and .parquet sources."""
+    max_bytes: int = 4_000_000
+    """Upper bound on the built-in corpus size, so start-up stays fast."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written, and what to resume from."""
+
+    dir: str = ""
+    """Checkpoint directory; empty = RUN_DIR/checkpoints."""
+    every: int = 0
+    """Save every N steps; 0 = only the final weights."""
+    keep: int = 3
+    resume: str = "none"
+    """``auto`` (newest valid checkpoint in dir), ``none``, or a checkpoint path."""
+
+
+@dataclass
+class Config:
+    """A whole run: the five sections."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """A plain nested dict (TOML/JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], origin: str = "config") -> Config:
+        """Build a config from a nested dict, refusing unknown sections/keys and wrong types."""
+        config = cls()
+        apply_mapping(config, data, origin)
+        return config
+
+    def validate(self, world_size: int | None = None) -> int:
+        """Refuse impossible values (see :mod:`meshtrain.validation`); return the world size."""
+        from meshtrain.validation import validate_config
+
+        return validate_config(self, world_size)
+
+
+SECTION_NAMES = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _did_you_mean(name: str, options: typing.Iterable[str]) -> str:
+    matches = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f' Did you mean "{matches[0]}"?' if matches else ""
+
+
+def _section(config: Config, section: str, origin: str) -> Any:
+    if section not in SECTION_NAMES:
+        raise ConfigError(
+            f'{origin}: unknown section "{section}".{_did_you_mean(section, SECTION_NAMES)} '
+            f"Valid sections: {', '.join(SECTION_NAMES)}."
+        )
+    return getattr(config, section)
+
+
+def _field_types(obj: Any) -> dict[str, Any]:
+    return typing.get_type_hints(type(obj))
+
+
+def _coerce(value: Any, kind: type, key: str, origin: str) -> Any:
+    """Convert a TOML value or an override string to the field's type."""
+    bad = ConfigError(f'{origin}: {key} = {value!r} is not a valid {kind.__name__}.')
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{origin}: {key} = {value!r} is not a boolean; use true or false.")
+    if kind is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise bad from None
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if kind is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if kind is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise bad
+
+
+def set_key(config: Config, dotted: str, value: Any, origin: str = "--set") -> None:
+    """Set ``section.key`` on ``config`` to ``value`` parsed as the field's type."""
+    if "." not in dotted:
+        raise ConfigError(
+            f'{origin}: "{dotted}" must be written section.key (sections: '
+            f"{', '.join(SECTION_NAMES)}), e.g. model.dim=128."
+        )
+    section_name, key = dotted.split(".", 1)
+    section = _section(config, section_name, origin)
+    types = _field_types(section)
+    if key not in types:
+        raise ConfigError(
+            f'{origin}: unknown key "{section_name}.{key}".{_did_you_mean(key, types)} '
+            f"Valid keys in [{section_name}]: {', '.join(types)}."
+        )
+    setattr(section, key, _coerce(value, types[key], f"{section_name}.{key}", origin))
+
+
+def apply_mapping(config: Config, data: dict[str, Any], origin: str) -> None:
+    """Apply a nested ``{section: {key: value}}`` mapping (e.g. a parsed TOML file)."""
+    for section_name, values in data.items():
+        _section(config, section_name, origin)
+        if not isinstance(values, dict):
+            raise ConfigError(f'{origin}: "{section_name}" must be a table ([{section_name}]).')
+        for key, value in values.items():
+            set_key(config, f"{section_name}.{key}", value, origin)
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """Split one ``--set`` argument ``section.key=value``."""
+    if "=" not in text:
+        raise ConfigError(f'--set "{text}": expected section.key=value, e.g. model.dim=128.')
+    key, value = text.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides, in order."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (or is not a file).")
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
+        apply_mapping(config, data, str(path))
+    for text in overrides:
+        key, value = parse_override(text)
+        set_key(config, key, value)
+    return config
+
+
+def default_config_path() -> Path | None:
+    """The demo config shipped in ``configs/demo.toml`` (or packaged beside this module)."""
+    candidates = [
+        Path(__file__).resolve().parents[2] / "configs" / "demo.toml",
+        Path(__file__).resolve().parent / "configs" / "demo.toml",
+    ]
+    return next((c for c in candidates if c.is_file()), None)

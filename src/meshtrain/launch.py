@@ -1,0 +1,114 @@
+"""Start the worker processes of a run, or join a job that ``torchrun`` or SLURM already started.
+
+- Inside ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or an ``srun`` step with several tasks
+  (``SLURM_PROCID``/``SLURM_NTASKS``), this process *is* a worker: it joins the existing job.
+- Otherwise ``--nproc 1`` runs in this process, and ``--nproc N`` spawns N local workers through
+  ``torch.distributed.run``'s elastic launcher (gloo on CPU, NCCL on CUDA).
+
+The resolved config travels to the workers as ``RUN_DIR/config.json``; it was validated before
+any process started. Each worker gets ``threads_per_worker`` intra-op threads (by default the
+machine's cores divided among the local workers), so N workers on few cores do not thrash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from meshtrain.config import Config
+
+
+class LaunchError(RuntimeError):
+    """A worker failed; the message says which rank and why."""
+
+
+def in_existing_job() -> bool:
+    """True when torchrun or a multi-task SLURM step already started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def adopt_slurm_environment() -> None:
+    """Translate SLURM's variables into the ones ``torch.distributed`` reads (torchrun's names).
+
+    MASTER_ADDR defaults to the node that launched the step (``SLURM_LAUNCH_NODE_IPADDR``) and
+    MASTER_PORT to 29500; set them in the batch script to override.
+    """
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_worker(config: Config, local_workers: int) -> int:
+    """Intra-op threads for each local worker."""
+    if config.train.threads_per_worker > 0:
+        return config.train.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
+
+
+def write_run_config(config: Config) -> Path:
+    """Write the resolved config to ``RUN_DIR/config.json`` and return its path."""
+    run_dir = Path(config.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.json"
+    path.write_text(json.dumps(config.to_dict(), indent=2))
+    return path
+
+
+def launch(config: Config, world_size: int, task: str = "train") -> int:
+    """Run ``task`` for a validated ``config`` on ``world_size`` processes; returns exit status."""
+    from meshtrain import worker
+
+    if in_existing_job():
+        adopt_slurm_environment()
+        return worker.run(config, task)
+    if world_size == 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(config, 1)))
+        return worker.run(config, task)
+    return spawn_local(config, world_size, task)
+
+
+def spawn_local(config: Config, nproc: int, task: str) -> int:
+    """Spawn ``nproc`` workers on this machine and wait for them."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config_path = write_run_config(config)
+    threads = threads_per_worker(config, nproc)
+    launch_config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn",
+        local_addr="127.0.0.1",
+    )
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MESHTRAIN_THREADS"] = str(threads)
+    try:
+        elastic_launch(launch_config, sys.executable)(
+            "-m", "meshtrain.worker", str(config_path), task)
+    except ChildFailedError as error:
+        first = min(error.failures)
+        failure = error.failures[first]
+        detail = failure.message if isinstance(failure.message, str) else ""
+        if isinstance(failure.message, dict):
+            detail = failure.message.get("message", "")
+        raise LaunchError(f"worker rank {failure.rank} failed with exit code {failure.exitcode}"
+                          + (f": {detail}" if detail else "")) from None
+    return 0

@@ -1,0 +1,192 @@
+"""``ParallelMesh``: the one topology object, passed explicitly to everything that communicates.
+
+Ranks are laid out with **pp outermost and tp innermost**::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+so tensor-parallel peers are neighbours (on one node, on the fastest links) and pipeline stages
+are furthest apart. Expert parallelism is a second factorisation of the data-parallel ranks: the
+``ep`` consecutive dp ranks form an expert group, and the ``dp / ep`` ranks holding the same experts
+form the ``edp`` group (expert-data-parallel) over which expert gradients are reduced.
+
+The mesh owns every process group (none are module-level globals), the counted collectives of
+each axis (:mod:`meshtrain.parallel.comm`), and the per-axis random-number streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.parallel.comm import CommLog, CountedComm
+
+AXIS_ORDER = ("pp", "dp", "tp")
+
+
+class ParallelMesh:
+    """Degrees, coordinates, groups, counted comms and RNG streams of one process."""
+
+    def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0,
+                 device: torch.device | str = "cpu", seed: int = 0):
+        if ep < 1 or dp % ep:
+            raise ValueError(f"ep = {ep} must divide dp = {dp}")
+        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
+        self.world_size = dp * tp * pp
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        self.rank = rank
+        self.device = torch.device(device)
+        self.seed = seed
+        self.tp_rank = rank % tp
+        self.dp_rank = (rank // tp) % dp
+        self.pp_rank = rank // (tp * dp)
+        self.ep_rank = self.dp_rank % ep
+        self.edp_rank = self.dp_rank // ep
+        self.comm_log = CommLog()
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._group_ranks: dict[str, list[int]] = {}
+        self._build_groups()
+        self.comms = {axis: CountedComm(axis, self._groups[axis], len(self._group_ranks[axis]),
+                                        self.comm_log)
+                      for axis in self._groups}
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0,
+                         device: torch.device | str = "cpu") -> ParallelMesh:
+        """Build the mesh for this process; the default process group must already exist
+        when the world has more than one rank."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != dp * tp * pp:
+            raise ValueError(f"world size {world} != dp × tp × pp = {dp} × {tp} × {pp}")
+        return cls(dp=dp, tp=tp, pp=pp, ep=ep, rank=rank, device=device, seed=seed)
+
+    def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """Global rank of the process at the given coordinates."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def _axis_members(self) -> dict[str, list[list[int]]]:
+        """Every group of every axis, as lists of global ranks."""
+        r = self.coords_to_rank
+        pp, dp, tp, ep = self.pp, self.dp, self.tp, self.ep
+        groups: dict[str, list[list[int]]] = {
+            "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+            "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+            "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+            "ep": [[r(p, e0 + e, t) for e in range(ep)]
+                   for p in range(pp) for t in range(tp) for e0 in range(0, dp, ep)],
+            "edp": [[r(p, e + k * ep, t) for k in range(dp // ep)]
+                    for p in range(pp) for t in range(tp) for e in range(ep)],
+        }
+        return groups
+
+    def _build_groups(self) -> None:
+        distributed = dist.is_initialized() and self.world_size > 1
+        built: dict[tuple, dist.ProcessGroup | None] = {}
+        for axis, member_lists in self._axis_members().items():
+            mine = next(m for m in member_lists if self.rank in m)
+            self._group_ranks[axis] = mine
+            self._groups[axis] = None
+            key = tuple(map(tuple, member_lists))
+            if not distributed or len(mine) == 1:
+                continue
+            if key in built:  # e.g. edp == dp when ep == 1: reuse, don't create twice
+                self._groups[axis] = built[key]
+                continue
+            # new_group is collective over the whole world: every rank creates every group.
+            for members in member_lists:
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self._groups[axis] = built[key] = group
+
+    # ---------------------------------------------------------------- queries
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """Process group of ``axis`` for this rank (None when the axis has one rank)."""
+        return self._groups[axis]
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``."""
+        return list(self._group_ranks[axis])
+
+    def comm(self, axis: str) -> CountedComm:
+        """Counted collectives along ``axis``."""
+        return self.comms[axis]
+
+    def size(self, axis: str) -> int:
+        """Degree of ``axis`` as seen by this rank."""
+        return len(self._group_ranks[axis])
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the first pipeline stage (holds the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (holds the head and computes the loss)."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 writes metrics and files."""
+        return self.rank == 0
+
+    def describe(self) -> str:
+        """One line: degrees and this rank's coordinates."""
+        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp "
+                f"{self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp} ep {self.ep_rank}/{self.ep}")
+
+    # ---------------------------------------------------------------- RNG streams
+    def rng_seed(self, stream: str, vary_along: Iterable[str] = ()) -> int:
+        """A seed for the random stream ``stream`` that is equal on ranks whose coordinates agree
+        on every axis in ``vary_along`` and differs where they do not.
+
+        E.g. dropout inside a tensor-parallel region uses ``vary_along=("dp", "pp")``: identical
+        across tp ranks (they hold pieces of the same activations), different across replicas.
+        """
+        coords = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank,
+                  "ep": self.ep_rank, "edp": self.edp_rank}
+        parts = [f"{self.seed}", stream] + [f"{a}={coords[a]}" for a in sorted(vary_along)]
+        digest = hashlib.sha256("/".join(parts).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    def generator(self, stream: str, vary_along: Iterable[str] = ()) -> torch.Generator:
+        """A ``torch.Generator`` on this mesh's device seeded by :meth:`rng_seed`."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.rng_seed(stream, vary_along))
+        return gen
+
+    def seed_global_rng(self) -> None:
+        """Seed torch's default RNG so that implicit randomness is the same on every rank."""
+        torch.manual_seed(self.rng_seed("global"))
+
+    # ---------------------------------------------------------------- lifecycle
+    def barrier(self) -> None:
+        """Synchronise every rank (no-op for a single process)."""
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the process group described by the environment (torchrun's RANK/WORLD_SIZE/...).
+
+    gloo on CPU, NCCL on CUDA. A world of one needs no process group and gets none.
+    """
+    import datetime
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly (safe to call when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,227 @@
+"""Mixture-of-Experts feed-forward (single-device semantics).
+
+An :class:`MoE` layer routes each token to ``top_k`` of ``moe_experts`` experts and adds an
+optional always-on shared expert. Routing (:meth:`MoE.route`) and expert compute
+(:meth:`MoE.compute_experts`) are separate methods so expert parallelism can replace the second
+(dispatch with an all-to-all, run the local experts, combine) while keeping the first.
+
+Load balancing (``config.moe_balance``):
+
+* ``"aux-loss"``: the Switch-Transformer auxiliary loss ``coef * E * sum_i f_i * P_i`` is stored
+  in ``last_stats["aux_loss"]`` for the trainer to add to the loss.
+* ``"bias"``: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert ``expert_bias`` is added to
+  the scores for *selection only*, and nudged by :meth:`MoE.update_bias` after each step.
+* ``"none"``: neither.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.config import ModelConfig
+from meshtrain.model.transformer import FeedForward, MLPActivation
+
+
+class GroupedExperts(nn.Module):
+    """``E`` independent MLPs stored as 3-D parameters.
+
+    ``w1`` [E, dim, hidden] (gate for swiglu, up for gelu), ``w3`` [E, dim, hidden] (swiglu
+    only) and ``w2`` [E, hidden, dim]. The number of experts is read from ``w1``, so an
+    expert-parallel rank may hold just its local slice.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, mlp: str = "swiglu"):
+        super().__init__()
+        self.act = MLPActivation(mlp)
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        if mlp == "swiglu":
+            self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held by this module."""
+        return self.w1.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run tokens ``x`` [N, dim], grouped by expert, through their experts.
+
+        ``counts[e]`` is the number of consecutive rows of ``x`` that belong to expert ``e``
+        (``sum(counts) == N``). One matmul per expert; empty experts still run a zero-row matmul
+        so every parameter always receives a (zero) gradient.
+        """
+        outputs = []
+        for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
+            h = chunk @ self.w1[expert]
+            if self.act.mlp == "swiglu":
+                h = self.act(h, chunk @ self.w3[expert])
+            else:
+                h = self.act(h)
+            outputs.append(h @ self.w2[expert])
+        return torch.cat(outputs, dim=0)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared experts) replacing a block's dense feed-forward.
+
+    Submodules: ``router`` (``nn.Linear(dim, E)``), ``experts`` (:class:`GroupedExperts`), and,
+    with ``moe_shared_experts > 0``, ``shared_experts`` (:class:`FeedForward` of hidden size
+    ``expert_ffn_dim * moe_shared_experts``). Buffer ``expert_bias`` [E] (fp32, persistent).
+
+    After every forward, ``last_stats`` holds ``tokens_per_expert`` (LongTensor [E], assignments
+    before capacity dropping), ``dropped`` (LongTensor scalar) and ``aux_loss`` (scalar, in the
+    autograd graph, already multiplied by ``moe_aux_coef``; zero unless balance is aux-loss).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_experts = config.moe_experts
+        self.top_k = config.moe_top_k
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"moe_top_k must be between 1 and moe_experts={self.num_experts} (got {self.top_k})"
+            )
+        self.score_func = config.moe_score
+        self.balance = config.moe_balance
+        self.aux_coef = config.moe_aux_coef
+        self.bias_rate = config.moe_bias_rate
+        self.capacity_factor = config.moe_capacity_factor
+        hidden = config.expert_ffn_dim
+        self.router = nn.Linear(config.dim, self.num_experts, bias=False)
+        self.experts = GroupedExperts(self.num_experts, config.dim, hidden, config.mlp)
+        if config.moe_shared_experts > 0:
+            self.shared_experts = FeedForward(
+                config.dim, hidden * config.moe_shared_experts, config.mlp
+            )
+        else:
+            self.shared_experts = None
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts), persistent=True)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def reset_buffers(self) -> None:
+        """Zero the selection bias (fp32) and forget the last statistics."""
+        with torch.no_grad():
+            self.expert_bias = torch.zeros(
+                self.num_experts, device=self.expert_bias.device, dtype=torch.float32
+            )
+        self.last_stats = {}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Choose experts for tokens ``x`` [T, dim].
+
+        Router logits and scores are computed in fp32; scores are ``softmax`` over experts or an
+        independent ``sigmoid`` each (``config.moe_score``). Experts are selected by top-k of
+        ``scores + expert_bias`` (the bias steers selection only). Gate weights are the unbiased
+        scores of the chosen experts, renormalised to sum to 1 for sigmoid, and for softmax when
+        ``top_k > 1``; with softmax and ``top_k == 1`` the gate is the raw probability (Switch
+        Transformer), which is what gives the router its gradient.
+
+        Returns ``indices`` [T, k] (long), ``weights`` [T, k] (fp32) and a stats dict with
+        ``tokens_per_expert`` [E] and ``aux_loss`` (scalar).
+        """
+        logits = F.linear(x.float(), self.router.weight.float())
+        if self.score_func == "sigmoid":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        biased = scores.detach() + self.expert_bias.float()
+        indices = torch.topk(biased, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.score_func == "sigmoid" or self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        tokens_per_expert = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        stats = {
+            "tokens_per_expert": tokens_per_expert,
+            "aux_loss": self.aux_loss(scores, tokens_per_expert),
+        }
+        return indices, weights, stats
+
+    def aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Switch-Transformer balance loss ``coef * E * sum_i f_i * P_i`` (0 unless aux-loss).
+
+        ``f_i``: fraction of the ``T * k`` assignments that chose expert ``i`` (before capacity
+        dropping; no gradient). ``P_i``: mean over tokens of expert ``i``'s router probability
+        (sigmoid scores are first normalised to sum to 1 per token). Minimal (= coef) when both
+        are uniform.
+        """
+        if self.balance != "aux-loss" or scores.shape[0] == 0:
+            return scores.sum() * 0.0
+        fraction = tokens_per_expert.float() / tokens_per_expert.sum().clamp_min(1)
+        probs = scores
+        if self.score_func == "sigmoid":
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        return self.aux_coef * self.num_experts * (fraction * probs.mean(dim=0)).sum()
+
+    def capacity(self, num_tokens: int) -> int:
+        """Assignments one expert accepts: ``ceil(factor * T * k / E)``; 0 means unlimited."""
+        if self.capacity_factor <= 0:
+            return 0
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def compute_experts(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every token of ``x`` [T, dim] through its chosen experts and combine them.
+
+        Assignments are sorted by expert (stably, so within an expert they keep the flattened
+        token order), capped at :meth:`capacity` per expert (later assignments are dropped and
+        contribute nothing), pushed through :class:`GroupedExperts` one matmul per expert, scaled
+        by their gate weights and summed back per token with ``index_add``.
+
+        Returns ``(output [T, dim] in x's dtype, dropped)`` with ``dropped`` a LongTensor scalar.
+        """
+        num_tokens, k = indices.shape
+        flat_expert = indices.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        capacity = self.capacity(num_tokens)
+        if capacity > 0:
+            sorted_expert = flat_expert[order]
+            group_start = torch.cumsum(counts, dim=0) - counts
+            rank_in_expert = (
+                torch.arange(order.numel(), device=x.device) - group_start[sorted_expert]
+            )
+            keep = rank_in_expert < capacity
+            dropped = (~keep).sum()
+            order = order[keep]
+            counts = counts.clamp(max=capacity)
+        token_index = order // k
+        expert_out = self.experts(x[token_index], counts.tolist())
+        gate = weights.reshape(-1)[order].unsqueeze(-1)
+        combined = torch.zeros(num_tokens, x.shape[-1], device=x.device, dtype=torch.float32)
+        combined.index_add_(0, token_index, expert_out.float() * gate)
+        return combined.to(x.dtype), dropped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MoE feed-forward to ``x`` [..., dim] and record ``last_stats``."""
+        flat = x.reshape(-1, x.shape[-1])
+        indices, weights, stats = self.route(flat)
+        out, dropped = self.compute_experts(flat, indices, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self.last_stats = {
+            "tokens_per_expert": stats["tokens_per_expert"],
+            "dropped": dropped,
+            "aux_loss": stats["aux_loss"],
+        }
+        return out.view_as(x)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing step: ``bias += rate * sign(mean(load) - load)``.
+
+        ``load`` [E] is the tokens each expert received (summed over whatever window the caller
+        chooses, e.g. one optimizer step across all ranks). Under-loaded experts move up.
+        """
+        load = load.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every :class:`MoE` module in ``model``, in module order."""
+    return [module for module in model.modules() if isinstance(module, MoE)]

@@ -1,0 +1,251 @@
+"""Llama-style decoder-only transformer, plain single-device PyTorch.
+
+The module tree (and therefore every parameter name) follows Llama / torchtitan::
+
+    tok_embeddings.weight
+    layers.<i>.attention_norm.weight
+    layers.<i>.attention.{wq,wk,wv,wo}.weight      (+ parameter-free ``attention.core``)
+    layers.<i>.ffn_norm.weight
+    layers.<i>.feed_forward.{w1,w2,w3}.weight      (dense block; + parameter-free ``act``)
+    layers.<i>.moe.{router.weight, experts.w1, ...} (MoE block, see :mod:`meshtrain.model.moe`)
+    norm.weight
+    output.weight                                  (absent with ``tie_embeddings``)
+
+Parallelism is applied from outside by wrapping or replacing these submodules, so every
+piece that a strategy touches is its own small, named module, and the forwards infer head counts
+and sequence lengths from the tensors they get rather than from the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.config import MLP_KINDS, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm; computes in fp32 and returns the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x`` and scale it by ``weight``."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary-embedding tables ``cos, sin`` of shape [seq_len, head_dim] for positions 0..S-1.
+
+    Uses the half-split ("rotate_half") layout of Hugging Face Llama: dimension ``j`` and
+    ``j + head_dim/2`` form one rotating pair, with frequency ``theta ** (-2j / head_dim)``.
+    Computed in fp32 and then cast to ``dtype``.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = theta**-exponents
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, S, H, D] by the tables ``cos``/``sin`` [S, D] (half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    return x * cos + rotated * sin
+
+
+class AttentionCore(nn.Module):
+    """Causal scaled-dot-product attention on q [B, Hq, S, D], k/v [B, Hkv, S, D].
+
+    Parameter-free and RoPE-free, so a strategy can wrap or replace it (e.g. for context
+    parallelism or selective checkpointing). Grouped-query attention is handled by repeating each
+    key/value head ``Hq / Hkv`` times (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the
+    head counts come from the tensors, so tensor-parallel shards work unchanged.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Return the attention output [B, Hq, S, D]."""
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        q_width = config.n_heads * config.head_dim
+        kv_width = config.kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, q_width, bias=False)
+        self.wk = nn.Linear(config.dim, kv_width, bias=False)
+        self.wv = nn.Linear(config.dim, kv_width, bias=False)
+        self.wo = nn.Linear(q_width, config.dim, bias=False)
+        self.core = AttentionCore()
+        # (seq_len, device, dtype) -> (cos, sin); a plain dict, never a parameter or buffer.
+        self.rope_cache: dict[tuple[int, torch.device, torch.dtype], tuple] = {}
+
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple:
+        """The cached ``(cos, sin)`` tables for ``seq_len`` positions."""
+        key = (seq_len, device, dtype)
+        if key not in self.rope_cache:
+            self.rope_cache[key] = rope_cos_sin(
+                seq_len, self.head_dim, self.rope_theta, device, dtype
+            )
+        return self.rope_cache[key]
+
+    def reset_buffers(self) -> None:
+        """Forget the RoPE tables (e.g. after the module moved device)."""
+        self.rope_cache.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over ``x`` [B, S, dim] causally; returns [B, S, dim]."""
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Shapes come from the projections, not from x, so a sequence-parallel wrapper that
+        # gathers the sequence inside wq/wk/wv still works.
+        batch, seq_len = q.shape[0], q.shape[1]
+        q = q.view(batch, seq_len, -1, self.head_dim)
+        k = k.view(batch, seq_len, -1, self.head_dim)
+        v = v.view(batch, seq_len, -1, self.head_dim)
+        cos, sin = self.rope(seq_len, q.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class MLPActivation(nn.Module):
+    """The parameter-free middle of an MLP: ``silu(gate) * up`` (swiglu) or ``gelu(h)``.
+
+    Its own module so selective activation checkpointing can wrap just this cheap part.
+    """
+
+    def __init__(self, mlp: str):
+        super().__init__()
+        if mlp not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {mlp!r}; valid: {', '.join(MLP_KINDS)}")
+        self.mlp = mlp
+
+    def forward(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(h) * up`` for swiglu, ``gelu(h)`` for gelu."""
+        if self.mlp == "swiglu":
+            return F.silu(h) * up
+        return F.gelu(h)
+
+
+class FeedForward(nn.Module):
+    """Dense MLP: swiglu has ``w1`` (gate), ``w3`` (up), ``w2`` (down); gelu has ``w1``, ``w2``."""
+
+    def __init__(self, dim: int, hidden: int, mlp: str = "swiglu"):
+        super().__init__()
+        self.act = MLPActivation(mlp)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        if mlp == "swiglu":
+            self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to ``x`` [..., dim]."""
+        if self.act.mlp == "swiglu":
+            return self.w2(self.act(self.w1(x), self.w3(x)))
+        return self.w2(self.act(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + mlp(norm(h))``.
+
+    The MLP is ``feed_forward`` (:class:`FeedForward`) or, when ``config.is_moe_layer(layer_id)``,
+    ``moe`` (:class:`meshtrain.model.moe.MoE`); only one of the two attributes exists.
+    """
+
+    def __init__(self, layer_id: int, config: ModelConfig):
+        super().__init__()
+        from meshtrain.model.moe import MoE
+
+        self.layer_id = layer_id
+        self.is_moe = config.is_moe_layer(layer_id)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        if self.is_moe:
+            self.moe = MoE(config)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the block on ``x`` [B, S, dim]."""
+        h = x + self.attention(self.attention_norm(x))
+        mlp = self.moe if self.is_moe else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The whole decoder: embedding, ``config.n_layers`` blocks, final norm and LM head.
+
+    ``layers`` is an ``nn.ModuleDict`` keyed ``"0"``..``"n-1"`` so a pipeline stage can delete
+    the blocks it does not own and keep every parameter name. Likewise a stage may set
+    ``tok_embeddings``, ``norm`` or ``output`` to ``None``: the forward then takes hidden states
+    instead of tokens, or returns hidden states instead of logits (the tied head of
+    ``tie_embeddings`` always runs; it needs ``tok_embeddings``).
+
+    Constructed on a real device, the weights get the name-seeded init (seed 0) of
+    :func:`meshtrain.model.init.init_weights`; under ``torch.device("meta")`` nothing is
+    initialised (use :func:`meshtrain.model.build_model`).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size <= 0:
+            raise ValueError(
+                f"ModelConfig.vocab_size must be > 0 to build a model (got {config.vocab_size}); "
+                "resolve 0 to the tokenizer's vocabulary size first."
+            )
+        if config.mlp not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {config.mlp!r}; valid: {', '.join(MLP_KINDS)}")
+        self.config = config
+        self.tie_embeddings = config.tie_embeddings
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, config) for i in range(config.n_layers)}
+        )
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        if not config.tie_embeddings:
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        else:
+            self.output = None
+        if not any(p.is_meta for p in self.parameters()):
+            from meshtrain.model.init import init_weights
+
+            init_weights(self, seed=0)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Project hidden states [B, S, dim] to logits [B, S, vocab] (tied or separate weight)."""
+        if self.tie_embeddings:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, vocab_size] (in the parameters' dtype) for ``tokens`` [B, S]."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None and not self.tie_embeddings:
+            return h
+        return self.head(h)

@@ -1,0 +1,61 @@
+"""``ParallelPlan``: the one contract between the planner (or a user) and the runtime.
+
+A plan is data. Hand-written, read from a config, or produced by the planner, it goes through the
+same :func:`meshtrain.parallel.parallelize`. It holds the degrees of every axis, how the step is
+scheduled, and the tensor-parallel sharding rules as (module-name pattern -> style) pairs, so the
+plain model never needs to know it is being split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import Config
+
+# How each Linear of the plain model is split under tensor parallelism (Megatron-LM's layout):
+# the first matmul of a pair by columns (output features), the second by rows (input features),
+# so the pair needs one reduction in forward and one in backward.
+DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
+    ("tok_embeddings", "vocab"),
+    ("layers.*.attention.wq", "column"),
+    ("layers.*.attention.wk", "column"),
+    ("layers.*.attention.wv", "column"),
+    ("layers.*.attention.wo", "row"),
+    ("layers.*.feed_forward.w1", "column"),
+    ("layers.*.feed_forward.w3", "column"),
+    ("layers.*.feed_forward.w2", "row"),
+    ("output", "vocab-column"),
+)
+
+
+@dataclasses.dataclass
+class ParallelPlan:
+    """Degrees, schedule and sharding rules for one run."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    activation_checkpointing: str = "none"
+    dp_bucket_mb: float = 25.0
+    tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
+
+    @classmethod
+    def from_config(cls, config: Config) -> ParallelPlan:
+        """The plan a config's ``[parallel]`` section describes (dp must already be resolved)."""
+        par = config.parallel
+        return cls(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero,
+                   sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+                   virtual_stages=par.virtual_stages, microbatches=par.microbatches,
+                   activation_checkpointing=par.activation_checkpointing,
+                   dp_bucket_mb=par.dp_bucket_mb)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the plan needs: dp × tp × pp."""
+        return self.dp * self.tp * self.pp

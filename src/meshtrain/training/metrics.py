@@ -1,0 +1,90 @@
+"""Step metrics: ``RUN_DIR/metrics.jsonl`` (rank 0), a progress display, optional TensorBoard.
+
+Every line of ``metrics.jsonl`` is one optimizer step with at least ``step, loss, grad_norm, lr,
+tokens, step_time_s, tokens_per_s, mfu, comm_bytes, mem``. ``mfu`` is null where the device's peak
+FLOP/s is unknown: it is never guessed. ``mem.peak_bytes`` is ``torch.cuda.max_memory_allocated``
+on CUDA and the process's peak resident set size on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), by substring of the CUDA device name.
+BF16_PEAK_FLOPS = (
+    ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+    ("A10G", 70e12), ("L4", 121e12),
+)
+
+
+def device_peak_flops(device: torch.device, precision: str, override_tflops: float) -> float | None:
+    """Peak dense FLOP/s of one device for MFU, or None when unknown (then MFU is null)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAK_FLOPS if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak, or max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsWriter:
+    """Writes one JSON line per step and shows progress; used on the logging rank only."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a" if start_step > 0 else "w")
+        self.total_steps = total_steps
+        self.start_time = time.time()
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.progress = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"),
+                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               status="")
+            self.progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` and update the display."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        status = (f"loss {record['loss']:.4f}  gnorm {record['grad_norm']:.3f}  "
+                  f"lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], status=status)
+        else:
+            print(f"step {record['step']:>5}/{self.total_steps}  {status}", flush=True)
+        if self.tb is not None:
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+
+    def close(self) -> None:
+        """Flush and close everything."""
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()

@@ -1,0 +1,216 @@
+"""The training loop: build the parallel model, then step, log and save.
+
+One :class:`Trainer` serves every layout. It never branches on a parallel axis's name or on a
+pipeline schedule: what differs between layouts lives behind ``parallelize`` and the mesh's
+counted collectives.
+
+Loss normalisation: each micro-batch's summed token cross-entropy is divided by the number of
+target tokens in the **global** batch (all data-parallel ranks, all micro-batches), counted before
+any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
+gradient of the global mean loss, whatever the layout or micro-batching.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.config import Config
+from meshtrain.mesh import ParallelMesh
+from meshtrain.model import build_model, flops_per_token, moe_layers
+from meshtrain.parallel import ParallelPlan, parallelize
+from meshtrain.training.data import TrainData
+from meshtrain.training.lr_schedule import learning_rate
+from meshtrain.training.metrics import (
+    MetricsWriter,
+    device_peak_flops,
+    peak_memory_bytes,
+)
+from meshtrain.training.optimizer import MixedPrecisionAdamW, clip_grad_norm
+from meshtrain.training.tokenizer import load_tokenizer
+
+IGNORE_INDEX = -100
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class Trainer:
+    """Owns the model, optimizer, data position and metrics of one process."""
+
+    def __init__(self, config: Config, mesh: ParallelMesh):
+        self.config = config
+        self.mesh = mesh
+        self.device = mesh.device
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        if config.model.vocab_size == 0:
+            config.model.vocab_size = self.tokenizer.vocab_size
+        train, par = config.train, config.parallel
+        self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
+                              dp_size=mesh.dp, microbatches=par.microbatches)
+        self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+        model = build_model(config.model, device=self.device, seed=train.seed, dtype=self.dtype)
+        self.plan = ParallelPlan.from_config(config)
+        self.model = parallelize(model, mesh, self.plan)
+        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), train)
+        self.step = 0
+        self.flops_per_token = flops_per_token(config.model, train.seq_len)
+        self.peak_flops = device_peak_flops(self.device, train.precision, train.peak_tflops)
+        self.run_dir = Path(train.run_dir)
+
+    # ------------------------------------------------------------------ one step
+    def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        local = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in microbatches)
+        count = torch.tensor([float(local)], device=self.device)
+        self.mesh.comm("dp").all_reduce(count)
+        return float(count.item())
+
+    def _moe_aux_loss(self) -> torch.Tensor | None:
+        terms = [layer.last_stats["aux_loss"] for layer in moe_layers(self.model)
+                 if layer.last_stats is not None]
+        return torch.stack(terms).sum() if terms else None
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          global_tokens: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward one micro-batch, backward its share of the global loss; return (lm, aux)."""
+        logits = self.model(inputs.to(self.device))
+        lm_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
+                                 reduction="sum", ignore_index=IGNORE_INDEX)
+        lm_loss = lm_sum / global_tokens
+        objective = lm_loss
+        aux = self._moe_aux_loss()
+        if aux is not None:
+            # Each micro-batch's aux loss is a mean over its own tokens; averaging over every
+            # micro-batch of every data-parallel rank makes the summed gradient their mean.
+            aux = aux / (self.plan.microbatches * self.mesh.dp)
+            objective = objective + aux
+        objective.backward()
+        return lm_loss.detach(), None if aux is None else aux.detach()
+
+    def _sync_gradients(self) -> None:
+        """Sum gradients over data-parallel ranks (each already carries 1/global_tokens)."""
+        comm = self.mesh.comm("dp")
+        if not comm.active:
+            return
+        for param in self.model.parameters():
+            if param.grad is not None:
+                comm.all_reduce(param.grad)
+
+    def _accumulate_expert_load(self, totals: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        loads = [layer.last_stats["tokens_per_expert"].detach().float()
+                 for layer in moe_layers(self.model)]
+        if totals is None:
+            return loads
+        return [t + load for t, load in zip(totals, loads, strict=True)]
+
+    @torch.no_grad()
+    def _update_expert_bias(self, loads: list[torch.Tensor] | None) -> None:
+        """Aux-loss-free balancing: nudge biases from the load of the whole global batch."""
+        layers = moe_layers(self.model)
+        if not layers or loads is None or self.config.model.moe_balance != "bias":
+            return
+        flat = torch.stack(loads)
+        self.mesh.comm("dp").all_reduce(flat)
+        for layer, load in zip(layers, flat, strict=True):
+            layer.update_bias(load)
+
+    def train_step(self) -> dict:
+        """Run one optimizer step; return its metrics record."""
+        self.mesh.comm_log.reset()
+        start = time.perf_counter()
+        microbatches = self.data.next_step()
+        global_tokens = self._global_token_count(microbatches)
+        lm_total = torch.zeros((), device=self.device)
+        aux_total = torch.zeros((), device=self.device)
+        loads = None
+        for inputs, targets in microbatches:
+            lm_loss, aux = self._forward_backward(inputs, targets, global_tokens)
+            lm_total += lm_loss
+            if aux is not None:
+                aux_total += aux
+                loads = self._accumulate_expert_load(loads)
+        self._sync_gradients()
+        grads = self.optimizer.grads()
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        grad_norm = clip_grad_norm(grads, self.config.train.grad_clip)
+        lr = learning_rate(self.step, self.config.train)
+        self.optimizer.step(lr)
+        self._update_expert_bias(loads)
+        self.optimizer.zero_grad()
+        losses = torch.stack([lm_total, aux_total])
+        self.mesh.comm("dp").all_reduce(losses)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        tokens = int(global_tokens)
+        record = {
+            "step": self.step,
+            "loss": float(losses[0]),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": tokens,
+            "step_time_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "mfu": None,
+            "comm_bytes": self.mesh.comm_log.snapshot(),
+            "mem": self._memory(grad_bytes),
+        }
+        if self.peak_flops:
+            record["mfu"] = (tokens * self.flops_per_token / elapsed
+                             / (self.peak_flops * self.mesh.world_size))
+        if moe_layers(self.model):
+            record["moe"] = {"aux_loss": float(losses[1])}
+        return record
+
+    def _memory(self, grad_bytes: int) -> dict:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"param_bytes": params, "grad_bytes": grad_bytes,
+                "optim_bytes": self.optimizer.state_bytes(),
+                "peak_bytes": peak_memory_bytes(self.device)}
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> list[dict]:
+        """Train to ``train.steps``; rank 0 logs every step and saves the final weights."""
+        train = self.config.train
+        writer = None
+        if self.mesh.is_logging_rank:
+            writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
+        history = []
+        try:
+            while self.step < train.steps:
+                record = self.train_step()
+                history.append(record)
+                if writer is not None and (record["step"] % train.log_every == 0
+                                           or record["step"] == train.steps):
+                    writer.log(record)
+        finally:
+            if writer is not None:
+                writer.close()
+        self.save_final()
+        return history
+
+    def save_final(self) -> Path | None:
+        """Rank 0 writes ``RUN_DIR/final/model.safetensors`` and ``config.json``."""
+        self.mesh.barrier()
+        if not self.mesh.is_logging_rank:
+            return None
+        from safetensors.torch import save_file
+
+        out = self.run_dir / "final"
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().float().cpu().contiguous()
+                 for k, v in self.model.state_dict().items()}
+        tmp = out / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"step": str(self.step)})
+        tmp.replace(out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        return out

@@ -1,0 +1,229 @@
+"""Checks that refuse an impossible configuration before any worker process starts.
+
+Every check raises :class:`~meshtrain.config.ConfigError` with a message that names the key, the
+value given and what would be valid, so the CLI can print it and exit with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtrain.config import (
+    ACTIVATION_CHECKPOINTING_KINDS,
+    DEVICES,
+    LR_SCHEDULES,
+    MLP_KINDS,
+    MOE_BALANCE_KINDS,
+    MOE_SCORE_KINDS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    Config,
+    ConfigError,
+)
+
+# Parallel features are switched on here as they land; until then a degree above 1 is refused
+# clearly instead of silently running something else.
+IMPLEMENTED_AXES = {"dp"}
+MAX_ZERO_STAGE_IMPLEMENTED = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choice(value: str, options: tuple[str, ...], key: str) -> None:
+    if value not in options:
+        raise ConfigError(f'{key} = "{value}" is not valid; choose one of: {", ".join(options)}.')
+
+
+def _at_least(value: float, minimum: float, key: str) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} = {value} is too small; it must be at least {minimum}.")
+
+
+def resolve_world(config: Config, nproc: int | None) -> int:
+    """Fill in ``parallel.dp`` when it is 0 (auto) and return the world size.
+
+    With ``nproc`` given, dp = nproc / (tp × pp); without it, the world is dp × tp × pp.
+    """
+    par = config.parallel
+    for key in ("tp", "pp", "ep"):
+        _at_least(getattr(par, key), 1, f"parallel.{key}")
+    _at_least(par.dp, 0, "parallel.dp")
+    model_parallel = par.tp * par.pp
+    if nproc is None:
+        par.dp = par.dp or 1
+        return par.dp * model_parallel
+    _at_least(nproc, 1, "--nproc")
+    if par.dp == 0:
+        if nproc % model_parallel:
+            raise ConfigError(
+                f"--nproc {nproc} is not a multiple of tp × pp = {par.tp} × {par.pp} = "
+                f"{model_parallel}; valid process counts are multiples of {model_parallel}."
+            )
+        par.dp = nproc // model_parallel
+    if par.dp * model_parallel != nproc:
+        raise ConfigError(
+            f"dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = {par.dp * model_parallel} does not "
+            f"equal --nproc {nproc}; set --nproc {par.dp * model_parallel}, or leave parallel.dp "
+            f"at 0 to fill the remaining processes with data parallelism."
+        )
+    return nproc
+
+
+def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
+    """Shapes that the model can be built with."""
+    m = config.model
+    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
+        _at_least(getattr(m, key), 1, f"model.{key}")
+    if m.dim % m.n_heads:
+        valid = [d for d in _divisors(m.dim) if (m.dim // d) % 2 == 0]
+        raise ConfigError(
+            f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; "
+            f"valid n_heads for dim {m.dim}: {', '.join(map(str, valid))}."
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even "
+            f"head width. Choose n_heads so that dim / n_heads is even."
+        )
+    _at_least(m.n_kv_heads, 0, "model.n_kv_heads")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(
+            f"model.n_kv_heads = {m.n_kv_heads} does not divide model.n_heads = {m.n_heads}; "
+            f"valid values: {', '.join(map(str, _divisors(m.n_heads)))} (or 0 = n_heads)."
+        )
+    _choice(m.mlp, MLP_KINDS, "model.mlp")
+    if m.rope_theta <= 0 or m.norm_eps <= 0:
+        raise ConfigError("model.rope_theta and model.norm_eps must be positive.")
+    _at_least(m.vocab_size, 0, "model.vocab_size")
+    if tokenizer_vocab is not None and 0 < m.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}); use 0 (= {tokenizer_vocab}) or any larger value (padding)."
+        )
+    _at_least(m.moe_experts, 0, "model.moe_experts")
+    if m.moe_experts:
+        if not 1 <= m.moe_top_k <= m.moe_experts:
+            raise ConfigError(
+                f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = "
+                f"{m.moe_experts}."
+            )
+        _at_least(m.moe_shared_experts, 0, "model.moe_shared_experts")
+        _at_least(m.moe_capacity_factor, 0.0, "model.moe_capacity_factor")
+        _at_least(m.moe_aux_coef, 0.0, "model.moe_aux_coef")
+        _at_least(m.moe_bias_rate, 0.0, "model.moe_bias_rate")
+        _at_least(m.moe_every, 1, "model.moe_every")
+        _at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
+        _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
+        _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
+
+
+def validate_parallel(config: Config) -> None:
+    """Degrees that this version can run and that divide the batch."""
+    par, train = config.parallel, config.train
+    _choice(par.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
+    _choice(par.activation_checkpointing, ACTIVATION_CHECKPOINTING_KINDS,
+            "parallel.activation_checkpointing")
+    if not 0 <= par.zero <= 3:
+        raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; valid: 0, 1, 2, 3.")
+    _at_least(par.virtual_stages, 1, "parallel.virtual_stages")
+    _at_least(par.microbatches, 1, "parallel.microbatches")
+    if par.dp_bucket_mb <= 0:
+        raise ConfigError(f"parallel.dp_bucket_mb = {par.dp_bucket_mb} must be positive.")
+    for axis in ("tp", "pp", "ep"):
+        if getattr(par, axis) > 1 and axis not in IMPLEMENTED_AXES:
+            raise ConfigError(
+                f"parallel.{axis} = {getattr(par, axis)}: this version of meshtrain does not yet "
+                f"implement the {axis} axis; valid: parallel.{axis} = 1."
+            )
+    if par.zero > MAX_ZERO_STAGE_IMPLEMENTED:
+        raise ConfigError(
+            f"parallel.zero = {par.zero}: this version implements ZeRO stages up to "
+            f"{MAX_ZERO_STAGE_IMPLEMENTED}; valid: "
+            f"{', '.join(map(str, range(MAX_ZERO_STAGE_IMPLEMENTED + 1)))}."
+        )
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
+    dp = max(par.dp, 1)
+    if par.ep > 1 and dp % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} must divide parallel.dp = {dp}.")
+    per_step = dp * par.microbatches
+    if train.global_batch % per_step:
+        valid = [m for m in _divisors(train.global_batch // dp) if train.global_batch % dp == 0]
+        hint = (f"valid parallel.microbatches for dp={dp}: {', '.join(map(str, valid))}"
+                if valid else f"choose a global_batch that is a multiple of {per_step}")
+        raise ConfigError(
+            f"train.global_batch = {train.global_batch} is not divisible by dp × microbatches = "
+            f"{dp} × {par.microbatches} = {per_step}; {hint}."
+        )
+
+
+def validate_train(config: Config) -> None:
+    """Optimiser, schedule, precision and device settings."""
+    t = config.train
+    _at_least(t.steps, 1, "train.steps")
+    _at_least(t.global_batch, 1, "train.global_batch")
+    _at_least(t.seq_len, 1, "train.seq_len")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr = {t.lr} must be positive.")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr} must lie between 0 and train.lr = {t.lr}.")
+    _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+    _at_least(t.warmup_steps, 0, "train.warmup_steps")
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError(f"train.decay_fraction = {t.decay_fraction} must be in (0, 1].")
+    _at_least(t.weight_decay, 0.0, "train.weight_decay")
+    _at_least(t.grad_clip, 0.0, "train.grad_clip")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} = {getattr(t, key)} must be in [0, 1).")
+    if t.adam_eps <= 0:
+        raise ConfigError(f"train.adam_eps = {t.adam_eps} must be positive.")
+    _choice(t.precision, PRECISIONS, "train.precision")
+    _choice(t.device, DEVICES, "train.device")
+    _at_least(t.log_every, 1, "train.log_every")
+    _at_least(t.peak_tflops, 0.0, "train.peak_tflops")
+    _at_least(t.threads_per_worker, 0, "train.threads_per_worker")
+    if t.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError('train.device = "cuda" but no CUDA device is visible; use "auto" '
+                              'or "cpu".')
+    if t.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("train.tensorboard = true needs the tensorboard package "
+                              "(pip install tensorboard).") from None
+
+
+def validate_data_and_checkpoint(config: Config) -> None:
+    """Paths that must exist, and checkpoint cadence."""
+    d, c = config.data, config.checkpoint
+    if d.source != "builtin":
+        from meshtrain.training.data import find_source_files
+
+        find_source_files(d.source)  # raises ConfigError when nothing matches
+    if d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
+        raise ConfigError(f'data.tokenizer = "{d.tokenizer}": no such file; use "bytes" or the '
+                          f"path of a Hugging Face tokenizer.json.")
+    _at_least(d.max_bytes, 1, "data.max_bytes")
+    _at_least(c.every, 0, "checkpoint.every")
+    _at_least(c.keep, 1, "checkpoint.keep")
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(f'checkpoint.resume = "{c.resume}": no such checkpoint; use "auto", '
+                          f'"none" or an existing checkpoint path.')
+
+
+def validate_config(config: Config, world_size: int | None = None) -> int:
+    """Run every check; fills ``parallel.dp`` when auto and returns the world size."""
+    world = resolve_world(config, world_size)
+    validate_train(config)
+    validate_data_and_checkpoint(config)
+    from meshtrain.training.tokenizer import tokenizer_vocab_size
+
+    validate_model(config, tokenizer_vocab_size(config.data.tokenizer))
+    validate_parallel(config)
+    return world
