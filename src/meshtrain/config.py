@@ -99,7 +99,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     microbatches: int = 1
-    """Micro-batches per data-parallel rank per step (gradient accumulation = pipeline micro-batches)."""
+    """Micro-batches per data-parallel rank per step (gradient accumulation and pipeline
+    micro-batches are one notion)."""
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
