@@ -104,6 +104,8 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
+    check_replicas_every: int = 0
+    """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
 
     def model_parallel_size(self) -> int:
         """tp × pp: the ranks that together hold one replica of the model."""

@@ -24,7 +24,7 @@ from meshtrain.config import (
 # Parallel features are switched on here as they land; until then a degree above 1 is refused
 # clearly instead of silently running something else.
 IMPLEMENTED_AXES = {"dp"}
-MAX_ZERO_STAGE_IMPLEMENTED = 0
+MAX_ZERO_STAGE_IMPLEMENTED = 3
 
 
 def _divisors(n: int) -> list[int]:

@@ -18,7 +18,7 @@ from meshtrain.parallel.plan import ParallelPlan
 if TYPE_CHECKING:
     from meshtrain.mesh import ParallelMesh
 
-__all__ = ["ParallelPlan", "parallelize"]
+__all__ = ["ParallelPlan", "data_parallel_engine", "parallelize"]
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) -> torch.nn.Module:
@@ -30,4 +30,17 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     if plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
         raise NotImplementedError("tensor, pipeline and expert parallelism are not built yet")
     apply_activation_checkpointing(model, plan.activation_checkpointing)
+    from meshtrain.parallel.data import apply_data_parallel
+
+    model._meshtrain_dp_engine = apply_data_parallel(
+        model, mesh.comm("dp"), mesh.dp_rank, plan.zero, plan.dp_bucket_mb)
     return model
+
+
+def data_parallel_engine(model: torch.nn.Module):
+    """The :class:`~meshtrain.parallel.data.DataParallelEngine` that :func:`parallelize`
+    installed on ``model`` (it owns the flat parameter/gradient buffers)."""
+    engine = getattr(model, "_meshtrain_dp_engine", None)
+    if engine is None:
+        raise ValueError("model has not been through meshtrain.parallel.parallelize")
+    return engine

@@ -28,6 +28,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+# torch >= 2.10 renamed the flat-tensor collectives; use whichever this torch has.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclasses.dataclass
 class CollectiveRecord:
@@ -134,7 +138,7 @@ class CountedComm:
             return None
         self.log.record(self.axis, "all_gather", output.shape, output.dtype, self._nbytes(output),
                         self.size)
-        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_into(self, shard: torch.Tensor, full: torch.Tensor,
                             op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
@@ -144,8 +148,7 @@ class CountedComm:
             return None
         self.log.record(self.axis, "reduce_scatter", full.shape, full.dtype, self._nbytes(full),
                         self.size)
-        return dist.reduce_scatter_tensor(shard, full, op=op, group=self.group,
-                                          async_op=async_op)
+        return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
 
     def all_to_all_single(self, output: torch.Tensor, inputs: torch.Tensor,
                           output_splits: list[int] | None = None,

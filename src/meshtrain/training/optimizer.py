@@ -1,118 +1,76 @@
-"""AdamW over fp32 master weights, and gradient clipping by the global norm.
+"""AdamW over flat fp32 master shards, with gradient clipping by the global norm.
 
-With ``precision = "fp32"`` the model's parameters *are* the master weights. With ``bf16`` the
-model holds bf16 parameters and gradients (what forward and backward compute with) while the
-optimizer keeps an fp32 master copy plus fp32 Adam moments: 2 + 2 + 12 bytes per parameter, the
-mixed-precision accounting of the ZeRO paper. After each step the master is rounded back into the
-bf16 parameters.
+The optimizer never sees individual parameters: it updates the 1-D shards that the data-parallel
+engine hands it (:class:`~meshtrain.parallel.data.engine.OptimizerShard`), one per bucket. Under
+ZeRO stage 0 a shard is the whole bucket; from stage 1 on it is this rank's 1/N of it. With fp32
+parameters the master *is* the parameter storage; with bf16 it is a separate fp32 copy, so model
+states cost 2 + 2 + 12 bytes per parameter before sharding (the ZeRO paper's accounting).
 
-Weight decay applies to matrices (ndim >= 2) only; norms and biases are not decayed.
+The update is the decoupled-weight-decay AdamW of Loshchilov & Hutter, written out in the same
+order as ``torch.optim.AdamW``. Weight decay applies to matrices only; each shard's decayed
+elements are the contiguous range ``[0, decay_end)`` (see :mod:`meshtrain.parallel.data.buckets`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshtrain.config import TrainConfig
+from meshtrain.parallel.data.engine import DataParallelEngine
 
 
-class MixedPrecisionAdamW:
-    """AdamW whose state and update are fp32 whatever the parameters' dtype."""
+class FlatAdamW:
+    """AdamW on the engine's flat shards; :meth:`step` also writes the parameters back."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], cfg: TrainConfig):
-        self.names = [name for name, _ in named_params]
-        self.params = [p for _, p in named_params]
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
-                        for p in self.params]
-        decay = [m for m in self.masters if m.ndim >= 2]
-        no_decay = [m for m in self.masters if m.ndim < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                       betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                       foreach=True)
+    def __init__(self, engine: DataParallelEngine, cfg: TrainConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.shards = engine.optimizer_shards()
+        self.exp_avg = [torch.zeros_like(s.master) for s in self.shards]
+        self.exp_avg_sq = [torch.zeros_like(s.master) for s in self.shards]
+        self.step_count = 0
 
-    @property
-    def separate_master(self) -> bool:
-        """True when the fp32 master is a copy (bf16 training)."""
-        return any(m is not p for m, p in zip(self.masters, self.params, strict=True))
-
-    def grads(self) -> list[torch.Tensor]:
-        """The gradients the step will use (the model parameters' ``.grad``)."""
-        return [p.grad for p in self.params if p.grad is not None]
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradients (each parameter counted once across ranks); scales
+        them to ``max_norm`` when larger. ``max_norm = 0`` only measures."""
+        norm = self.engine.grad_sq_norm(self.shards).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for shard in self.shards:
+                grad = shard.grad()
+                grad.mul_(coef.to(grad.dtype))
+        return norm
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
-        """One AdamW update at learning rate ``lr``."""
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-        for param, master in zip(self.params, self.masters, strict=True):
-            if master is not param:
-                master.grad = None if param.grad is None else param.grad.float()
-        self.inner.step()
-        for param, master in zip(self.params, self.masters, strict=True):
-            if master is not param:
-                param.copy_(master)
-                master.grad = None
+        """One AdamW update at learning rate ``lr``, then parameters are refreshed."""
+        cfg = self.cfg
+        self.step_count += 1
+        beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
+        bias1 = 1 - beta1 ** self.step_count
+        bias2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
+        for shard, m, v in zip(self.shards, self.exp_avg, self.exp_avg_sq, strict=True):
+            grad = shard.grad()
+            grad = grad if grad.dtype == torch.float32 else grad.float()
+            master = shard.master
+            if cfg.weight_decay and shard.decay_end:
+                master[:shard.decay_end].mul_(1 - lr * cfg.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(cfg.adam_eps)
+            master.addcdiv_(m, denom, value=-lr / bias1)
+        self.engine.after_step(self.shards)
 
     def zero_grad(self) -> None:
-        """Drop every gradient (set to None, freeing the memory)."""
-        for param in self.params:
-            param.grad = None
+        """Reset the gradients for the next step."""
+        self.engine.zero_grad()
 
     def state_bytes(self) -> int:
-        """Bytes held by the optimizer: Adam moments plus a separate fp32 master, if any."""
-        total = 0
-        for master, param in zip(self.masters, self.params, strict=True):
-            state = self.inner.state.get(master, {})
-            total += sum(t.numel() * t.element_size() for t in state.values()
-                         if isinstance(t, torch.Tensor) and t.ndim > 0)
-            if master is not param:
-                total += master.numel() * master.element_size()
+        """Bytes held by the optimizer: the moments plus separate fp32 masters (if any)."""
+        total = sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)
+        for shard in self.shards:
+            if shard.master is not shard.bucket.master_source:
+                total += shard.master.numel() * shard.master.element_size()
         return total
-
-    def state_dict(self) -> dict:
-        """Optimizer state keyed by parameter *name*, so it does not depend on the layout."""
-        per_param = {}
-        for name, master in zip(self.names, self.masters, strict=True):
-            state = self.inner.state.get(master)
-            if state:
-                per_param[name] = {k: v for k, v in state.items()}
-        masters = {name: m for name, m, p in zip(self.names, self.masters, self.params,
-                                                 strict=True) if m is not p}
-        return {"state": per_param, "masters": masters}
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore from :meth:`state_dict` (names must match)."""
-        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
-            if name in sd.get("masters", {}):
-                master.copy_(sd["masters"][name])
-            elif master is not param:
-                master.copy_(param)
-            if name in sd["state"]:
-                self.inner.state[master] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                            for k, v in sd["state"][name].items()}
-
-
-@torch.no_grad()
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float,
-                   sq_norm_reducer=None) -> torch.Tensor:
-    """Scale ``grads`` so their global L2 norm is at most ``max_norm``; return the norm before.
-
-    ``sq_norm_reducer``, when given, sums the local squared norm over the ranks that hold
-    *different* pieces of the gradients (each piece counted once), so the norm equals the
-    one-process norm under any layout. ``max_norm = 0`` only measures.
-    """
-    if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        sq = torch.stack(norms).square().sum()
-    else:
-        sq = torch.zeros(())
-    if sq_norm_reducer is not None:
-        sq = sq_norm_reducer(sq)
-    norm = sq.sqrt()
-    if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return norm

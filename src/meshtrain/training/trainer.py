@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from meshtrain.config import Config
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import build_model, flops_per_token, moe_layers
-from meshtrain.parallel import ParallelPlan, parallelize
+from meshtrain.parallel import ParallelPlan, data_parallel_engine, parallelize
 from meshtrain.training.data import TrainData
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
@@ -30,7 +30,7 @@ from meshtrain.training.metrics import (
     device_peak_flops,
     peak_memory_bytes,
 )
-from meshtrain.training.optimizer import MixedPrecisionAdamW, clip_grad_norm
+from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
@@ -60,7 +60,8 @@ class Trainer:
         model = build_model(config.model, device=self.device, seed=train.seed, dtype=self.dtype)
         self.plan = ParallelPlan.from_config(config)
         self.model = parallelize(model, mesh, self.plan)
-        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), train)
+        self.engine = data_parallel_engine(self.model)
+        self.optimizer = FlatAdamW(self.engine, train)
         self.step = 0
         self.flops_per_token = flops_per_token(config.model, train.seq_len)
         self.peak_flops = device_peak_flops(self.device, train.precision, train.peak_tflops)
@@ -95,15 +96,6 @@ class Trainer:
         objective.backward()
         return lm_loss.detach(), None if aux is None else aux.detach()
 
-    def _sync_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks (each already carries 1/global_tokens)."""
-        comm = self.mesh.comm("dp")
-        if not comm.active:
-            return
-        for param in self.model.parameters():
-            if param.grad is not None:
-                comm.all_reduce(param.grad)
-
     def _accumulate_expert_load(self, totals: list[torch.Tensor] | None) -> list[torch.Tensor]:
         loads = [layer.last_stats["tokens_per_expert"].detach().float()
                  for layer in moe_layers(self.model)]
@@ -122,30 +114,41 @@ class Trainer:
         for layer, load in zip(layers, flat, strict=True):
             layer.update_bias(load)
 
-    def train_step(self) -> dict:
-        """Run one optimizer step; return its metrics record."""
-        self.mesh.comm_log.reset()
-        start = time.perf_counter()
-        microbatches = self.data.next_step()
+    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """Forward and backward every micro-batch and reduce the gradients over data-parallel
+        ranks. Leaves the gradients of the global mean loss in the engine's gradient buffers
+        (or shards); returns the local loss sums and token counts (not reduced over ranks)."""
         global_tokens = self._global_token_count(microbatches)
         lm_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         loads = None
-        for inputs, targets in microbatches:
+        for index, (inputs, targets) in enumerate(microbatches):
+            self.engine.start_microbatch(is_last=index == len(microbatches) - 1)
             lm_loss, aux = self._forward_backward(inputs, targets, global_tokens)
+            self.engine.end_microbatch()
             lm_total += lm_loss
             if aux is not None:
                 aux_total += aux
                 loads = self._accumulate_expert_load(loads)
-        self._sync_gradients()
-        grads = self.optimizer.grads()
-        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-        grad_norm = clip_grad_norm(grads, self.config.train.grad_clip)
+        return {"lm": lm_total, "aux": aux_total, "global_tokens": global_tokens,
+                "expert_load": loads}
+
+    def train_step(self) -> dict:
+        """Run one optimizer step; return its metrics record."""
+        self.mesh.comm_log.reset()
+        start = time.perf_counter()
+        result = self.compute_gradients(self.data.next_step())
+        global_tokens = result["global_tokens"]
+        grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
+        memory = self._memory()
         lr = learning_rate(self.step, self.config.train)
         self.optimizer.step(lr)
-        self._update_expert_bias(loads)
+        self._update_expert_bias(result["expert_load"])
         self.optimizer.zero_grad()
-        losses = torch.stack([lm_total, aux_total])
+        every = self.config.parallel.check_replicas_every
+        if every and (self.step + 1) % every == 0:
+            self.engine.check_replicas_in_sync()
+        losses = torch.stack([result["lm"], result["aux"]])
         self.mesh.comm("dp").all_reduce(losses)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -162,7 +165,7 @@ class Trainer:
             "tokens_per_s": tokens / elapsed,
             "mfu": None,
             "comm_bytes": self.mesh.comm_log.snapshot(),
-            "mem": self._memory(grad_bytes),
+            "mem": memory,
         }
         if self.peak_flops:
             record["mfu"] = (tokens * self.flops_per_token / elapsed
@@ -171,10 +174,9 @@ class Trainer:
             record["moe"] = {"aux_loss": float(losses[1])}
         return record
 
-    def _memory(self, grad_bytes: int) -> dict:
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"param_bytes": params, "grad_bytes": grad_bytes,
-                "optim_bytes": self.optimizer.state_bytes(),
+    def _memory(self) -> dict:
+        """Model states this rank holds (parameters, gradients, optimizer) and its peak."""
+        return {**self.engine.memory(), "optim_bytes": self.optimizer.state_bytes(),
                 "peak_bytes": peak_memory_bytes(self.device)}
 
     # ------------------------------------------------------------------ the run
@@ -200,6 +202,7 @@ class Trainer:
 
     def save_final(self) -> Path | None:
         """Rank 0 writes ``RUN_DIR/final/model.safetensors`` and ``config.json``."""
+        params = self.engine.full_state_dict()  # a collective under ZeRO-3
         self.mesh.barrier()
         if not self.mesh.is_logging_rank:
             return None
@@ -207,8 +210,10 @@ class Trainer:
 
         out = self.run_dir / "final"
         out.mkdir(parents=True, exist_ok=True)
+        buffers = {name: b for name, b in self.model.named_buffers()
+                   if name not in params and name in self.model.state_dict()}
         state = {k: v.detach().float().cpu().contiguous()
-                 for k, v in self.model.state_dict().items()}
+                 for k, v in {**params, **buffers}.items()}
         tmp = out / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"step": str(self.step)})
         tmp.replace(out / "model.safetensors")

@@ -1,0 +1,250 @@
+"""Data parallelism with ZeRO stages 0-3 over flat buckets.
+
+=======  ====================  ======================  ==========================  =============
+stage    parameters            gradients               optimizer (fp32 master+m+v)  communication
+=======  ====================  ======================  ==========================  =============
+0 (DP)   full                  full                    full                        all-reduce
+1        full                  full                    1/N                         RS + AG
+2        full                  1/N                     1/N                         RS + AG
+3        1/N (gathered per     1/N                     1/N                         AG fwd + AG bwd
+         block when used)                                                          + RS
+=======  ====================  ======================  ==========================  =============
+
+Gradients are reduced bucket by bucket from ``post_accumulate_grad`` hooks, as soon as the last
+parameter of a bucket has its gradient, so communication overlaps the rest of backward. Buckets
+are launched strictly in index order (every rank issues collectives in the same order even if
+backward finishes buckets in another one). Reductions run in fp32 whatever the parameter dtype.
+
+Stages 0 and 1 reduce only on the last micro-batch of a step (gradients accumulate locally in the
+flat gradient buffer). Stages 2 and 3 hold no full gradient buffer, so they reduce-scatter every
+micro-batch and accumulate into the gradient shard: with k micro-batches they move k times the
+gradient bytes, the price of never holding full gradients (as in DeepSpeed's stage 2 and FSDP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size
+
+
+@dataclasses.dataclass
+class OptimizerShard:
+    """What the optimizer updates for one bucket on this rank: a 1-D fp32 master, its gradient,
+    and the end of the weight-decayed region (elements ``[0, decay_end)`` decay)."""
+
+    master: torch.Tensor
+    grad: Callable[[], torch.Tensor]
+    decay_end: int
+    bucket: FlatBucket
+
+
+class DataParallelEngine:
+    """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
+
+    def __init__(self, model: torch.nn.Module, comm: CountedComm, dp_rank: int, stage: int,
+                 bucket_bytes: int, units: list[list[tuple[str, torch.nn.Parameter]]] | None = None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+        self.model, self.comm, self.stage = model, comm, stage
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if stage == 3:
+            if units is None:
+                raise ValueError("ZeRO-3 needs the model's units (one bucket per block)")
+            groups = units
+        else:
+            # Gradients become ready roughly in reverse registration order.
+            groups = bucket_by_size(list(reversed(named)), bucket_bytes)
+        dp_size = max(comm.size, 1)
+        self.buckets = [FlatBucket(i, g, dp_size, dp_rank) for i, g in enumerate(groups)]
+        covered = sum(len(b.slots) for b in self.buckets)
+        if covered != len(named):
+            raise ValueError(f"buckets cover {covered} parameters but the model has {len(named)}")
+        for bucket in self.buckets:
+            self._init_bucket(bucket)
+        self.on_bucket_reduced: Callable[[FlatBucket], None] | None = None
+        self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
+        self._slot_of = {id(s.param): s for b in self.buckets for s in b.slots}
+        self._ready_count = [0] * len(self.buckets)
+        self._next_launch = 0
+        self._pending: list[tuple[object, Callable[[], None]]] = []
+        self._syncing = True
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # ------------------------------------------------------------------ buffers
+    def _init_bucket(self, b: FlatBucket) -> None:
+        full = b.new_buffer()
+        b.flatten_params_into(full)
+        b.param_buffer = full
+        b.bind_params(full)
+        if self.stage == 3:
+            b.param_shard = b.shard(full).clone()
+        if self.stage < 2:
+            b.grad_buffer = b.new_buffer()
+            b.bind_grads(b.grad_buffer)
+        else:
+            b.grad_shard = b.new_buffer(full=False)
+
+    def optimizer_shards(self) -> list[OptimizerShard]:
+        """One :class:`OptimizerShard` per bucket; masters alias the parameters when fp32."""
+        shards = []
+        for b in self.buckets:
+            if self.stage == 0:
+                source, grad = b.param_buffer, (lambda b=b: b.grad_buffer)
+                decay_end = b.decay_numel
+            else:
+                source = b.param_shard if self.stage == 3 else b.shard(b.param_buffer)
+                grad = ((lambda b=b: b.shard(b.grad_buffer)) if self.stage == 1
+                        else (lambda b=b: b.grad_shard))
+                decay_end = b.decay_range_in_shard()[1]
+            master = source if source.dtype == torch.float32 else source.detach().float().clone()
+            b.master_source = source
+            shards.append(OptimizerShard(master, grad, decay_end, b))
+        return shards
+
+    # ------------------------------------------------------------------ gradient sync
+    def start_microbatch(self, is_last: bool) -> None:
+        """Call before each micro-batch's forward; ``is_last`` on the step's final one."""
+        self._syncing = is_last or self.stage >= 2
+        self._ready_count = [0] * len(self.buckets)
+        self._next_launch = 0
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        if self.stage < 2:
+            self._keep_grad_in_buffer(bucket, self._slot_of[id(param)])
+        if not self._syncing:
+            return
+        self._ready_count[bucket.index] += 1
+        while (self._next_launch < len(self.buckets) and self._ready_count[self._next_launch]
+               == len(self.buckets[self._next_launch].slots)):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    @staticmethod
+    def _keep_grad_in_buffer(bucket: FlatBucket, slot) -> None:
+        """Autograd normally accumulates in place into the bound view; if it swapped in a new
+        tensor (e.g. after a user set ``.grad``), fold it back into the flat buffer."""
+        view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
+        grad = slot.param.grad
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad.reshape(-1))
+            slot.param.grad = view.view(slot.shape)
+
+    def _launch(self, b: FlatBucket) -> None:
+        comm = self.comm
+        if self.stage == 0:
+            buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
+            handle = comm.all_reduce(buf, async_op=True)
+            post = (lambda: None) if buf is b.grad_buffer else (lambda: b.grad_buffer.copy_(buf))
+        elif self.stage == 1:
+            buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
+            out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
+            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+
+            def post():
+                b.shard(b.grad_buffer).copy_(out)
+        else:
+            buf = b.new_buffer(torch.float32)
+            b.gather_grads_into(buf)
+            for slot in b.slots:
+                slot.param.grad = None
+            out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
+            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+
+            def post():
+                b.grad_shard.add_(out.to(b.dtype))
+            if self.on_bucket_reduced is not None:
+                self.on_bucket_reduced(b)
+        self._pending.append((handle, post))
+
+    def end_microbatch(self) -> None:
+        """Call after each micro-batch's backward: launch what is left (parameters that got no
+        gradient count as zero), wait for every reduction and finish it."""
+        if self._syncing:
+            while self._next_launch < len(self.buckets):
+                self._launch(self.buckets[self._next_launch])
+                self._next_launch += 1
+        for handle, post in self._pending:
+            if handle is not None:
+                handle.wait()
+            post()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ optimizer glue
+    def grad_sq_norm(self, shards: list[OptimizerShard]) -> torch.Tensor:
+        """Sum of squared gradient entries, each parameter counted once across the dp ranks."""
+        grads = [s.grad() for s in shards]
+        norms = torch._foreach_norm([g.float() for g in grads])
+        sq = torch.stack(norms).square().sum()
+        if self.stage >= 1:
+            self.comm.all_reduce(sq)
+        return sq
+
+    @torch.no_grad()
+    def after_step(self, shards: list[OptimizerShard]) -> None:
+        """Write updated masters back into the parameters and re-assemble them where sharded."""
+        for shard in shards:
+            b = shard.bucket
+            if shard.master is not b.master_source:
+                b.master_source.copy_(shard.master)
+            if self.stage in (1, 2):
+                mine = b.shard(b.param_buffer).clone()
+                self.comm.all_gather_into(b.param_buffer, mine)
+
+    def zero_grad(self) -> None:
+        """Reset gradient buffers for the next step."""
+        for b in self.buckets:
+            if self.stage < 2:
+                b.grad_buffer.zero_()
+                b.bind_grads(b.grad_buffer)
+            else:
+                b.grad_shard.zero_()
+                for slot in b.slots:
+                    slot.param.grad = None
+
+    # ------------------------------------------------------------------ reporting
+    def memory(self) -> dict[str, int]:
+        """Bytes of parameters and gradients this rank holds at rest (model states)."""
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        params = sum(nbytes(b.param_shard if self.stage == 3 else b.param_buffer)
+                     for b in self.buckets)
+        grads = sum(nbytes(b.grad_buffer if self.stage < 2 else b.grad_shard)
+                    for b in self.buckets)
+        return {"param_bytes": params, "grad_bytes": grads}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full value (a collective under ZeRO-3: call on every rank)."""
+        out = {}
+        for b in self.buckets:
+            if self.stage == 3:
+                full = b.new_buffer()
+                self.comm.all_gather_into(full, b.param_shard)
+            else:
+                full = b.param_buffer
+            for s in b.slots:
+                out[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    @torch.no_grad()
+    def check_replicas_in_sync(self) -> None:
+        """Raise if any replicated parameter differs from dp rank 0's copy (a sanity check)."""
+        if self.stage == 3 or not self.comm.active:
+            return
+        for b in self.buckets:
+            reference = b.param_buffer.clone()
+            self.comm.broadcast(reference, 0)
+            diff = float((reference - b.param_buffer).abs().max())
+            if diff > 0:
+                names = ", ".join(s.name for s in b.slots[:4])
+                raise RuntimeError(f"data-parallel replicas diverged by {diff:.3e} in bucket "
+                                   f"{b.index} ({names}, ...)")

@@ -1,0 +1,124 @@
+"""ZeRO-3 parameter gathering: each block's parameters exist in full only while it computes.
+
+Every transformer block is one bucket. At rest a rank holds only its shard of each bucket; the
+full flat buffer keeps its tensor but its storage is resized to zero bytes, so the parameters
+(views into it) cost nothing.
+
+- Forward: a block's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
+  and starts prefetching the next block; its post-forward hook frees it again.
+- Backward: a hook on the block's output fires when the gradient reaches it; it re-gathers the
+  block (prefetching the previous one) before the block's backward runs. Once the block's
+  gradients are reduce-scattered (:class:`DataParallelEngine`), its storage is freed.
+- The root unit (embedding, final norm, head) is gathered when the model's forward starts, freed
+  when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
+  are reduced at the end of backward. So every parameter is gathered once for forward and once
+  for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (§7).
+
+Re-gathering writes into the *same* storage that autograd saved for backward, through an alias
+tensor with its own version counter, so the saved views see the gathered values again without
+autograd mistaking the refill for an in-place modification.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtrain.parallel.data.buckets import FlatBucket
+from meshtrain.parallel.data.engine import DataParallelEngine
+
+
+class ParameterGatherer:
+    """Gathers and frees ZeRO-3 buckets around each block's forward and backward."""
+
+    def __init__(self, engine: DataParallelEngine, model: torch.nn.Module,
+                 blocks: list[torch.nn.Module], block_buckets: list[FlatBucket],
+                 root_bucket: FlatBucket | None):
+        self.engine = engine
+        self.comm = engine.comm
+        self.blocks = blocks
+        self.block_buckets = block_buckets
+        self.root_bucket = root_bucket
+        self._handles: dict[int, object] = {}
+        self._gathered: set[int] = set()
+        self._in_backward: set[int] = set()
+        for bucket in engine.buckets:
+            self._free(bucket)
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            block.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+        engine.on_bucket_reduced = self._on_reduced
+
+    # ------------------------------------------------------------------ storage
+    @staticmethod
+    def _storage(bucket: FlatBucket) -> torch.UntypedStorage:
+        return bucket.param_buffer.untyped_storage()
+
+    def _free(self, bucket: FlatBucket) -> None:
+        self._storage(bucket).resize_(0)
+        self._gathered.discard(bucket.index)
+
+    def _gather(self, bucket: FlatBucket, wait: bool) -> None:
+        if bucket.index not in self._gathered and bucket.index not in self._handles:
+            storage = self._storage(bucket)
+            storage.resize_(bucket.padded_numel * bucket.param_buffer.element_size())
+            alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
+                storage, 0, (bucket.padded_numel,))
+            self._handles[bucket.index] = self.comm.all_gather_into(alias, bucket.param_shard,
+                                                                    async_op=True)
+        if wait:
+            self._wait(bucket)
+
+    def _wait(self, bucket: FlatBucket) -> None:
+        handle = self._handles.pop(bucket.index, None)
+        if handle is not None:
+            handle.wait()
+        self._gathered.add(bucket.index)
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module, args) -> None:
+        self._in_backward.clear()
+        if self.root_bucket is not None:
+            self._gather(self.root_bucket, wait=True)
+        if self.block_buckets:
+            self._gather(self.block_buckets[0], wait=False)
+
+    def _root_post_forward(self, module, args, output) -> None:
+        if self.root_bucket is None:
+            return
+        self._free(self.root_bucket)
+        tensor = output[0] if isinstance(output, tuple) else output
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self._gather(self.root_bucket, wait=True))
+
+    def _pre_forward(self, i: int) -> None:
+        self._gather(self.block_buckets[i], wait=True)
+        if i not in self._in_backward and i + 1 < len(self.block_buckets):
+            self._gather(self.block_buckets[i + 1], wait=False)
+
+    def _post_forward(self, i: int, output) -> None:
+        if i in self._in_backward:  # a recomputation inside backward: keep the parameters
+            return
+        self._free(self.block_buckets[i])
+        tensor = output[0] if isinstance(output, tuple) else output
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i: int) -> None:
+        self._in_backward.add(i)
+        self._gather(self.block_buckets[i], wait=True)
+        if i > 0:
+            self._gather(self.block_buckets[i - 1], wait=False)
+
+    def _on_reduced(self, bucket: FlatBucket) -> None:
+        self._wait(bucket)  # never free storage that a gather is still writing
+        self._free(bucket)
+
+    def reshard(self) -> None:
+        """Free every gathered bucket (after a forward without backward, e.g. evaluation)."""
+        for bucket in self.engine.buckets:
+            if bucket.index in self._handles:
+                self._wait(bucket)
+            if bucket.index in self._gathered:
+                self._free(bucket)
