@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (no --config: the built-in demo)")
     _add_run_options(train)
+    ver = sub.add_parser("verify", help="check a layout against a one-process reference")
+    _add_run_options(ver)
+    ver.add_argument("--tolerance", type=float,
+                     help="max |loss difference| (default 2e-4 for fp32, 5e-2 for bf16)")
+    ver.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     gen = sub.add_parser("generate", help="generate text from a finished run's final weights")
     gen.add_argument("--checkpoint", required=True, help="run directory (or its final/ folder)")
     gen.add_argument("--prompt", required=True)
@@ -39,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="meshtrain vs PyTorch-native peers, side by side")
+    bench.add_argument("--suite", dest="suites", action="append", default=[], metavar="NAME",
+                       help="suite to run (repeatable or comma-separated; default: all)")
+    bench.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    bench.add_argument("--warmup", type=int, default=2, help="discarded steps per run")
+    bench.add_argument("--repeats", type=int, default=3, help="alternating runs per side")
+    bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    bench.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")
     return parser
 
 
@@ -67,6 +81,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return launch(config, world, "train")
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``meshtrain verify``: exit 0 when the layout matches one process, 1 when it does not."""
+    from meshtrain.verify import format_report, to_json, verify
+
+    steps_given = args.steps
+    config, world = resolve_run_config(args)
+    steps = steps_given if steps_given is not None else 5
+    report = verify(config, world, steps, loss_tol=args.tolerance)
+    print(to_json(report) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """``meshtrain generate``."""
     from meshtrain.generate import generate, load_for_generation
@@ -78,7 +104,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``meshtrain bench``."""
+    import json
+
+    from meshtrain.bench import BenchOptions, format_table, run_bench
+    from meshtrain.distributed_run import DistributedTestError
+    from meshtrain.launch import LaunchError
+
+    options = BenchOptions(suites=args.suites, steps=args.steps, warmup=args.warmup,
+                           repeats=args.repeats, overrides=args.overrides)
+    try:
+        results = run_bench(options)
+    except DistributedTestError as error:
+        raise LaunchError(str(error)) from None
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

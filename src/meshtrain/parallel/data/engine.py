@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.distributed
 
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size
@@ -47,7 +48,8 @@ class DataParallelEngine:
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, comm: CountedComm, dp_rank: int, stage: int,
-                 bucket_bytes: int, units: list[list[tuple[str, torch.nn.Parameter]]] | None = None):
+                 bucket_bytes: int,
+                 units: list[list[tuple[str, torch.nn.Parameter]]] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         self.model, self.comm, self.stage = model, comm, stage
@@ -243,7 +245,9 @@ class DataParallelEngine:
         for b in self.buckets:
             reference = b.param_buffer.clone()
             self.comm.broadcast(reference, 0)
-            diff = float((reference - b.param_buffer).abs().max())
+            diff_t = (reference - b.param_buffer).abs().max().reshape(1).float()
+            self.comm.all_reduce(diff_t, op=torch.distributed.ReduceOp.MAX)  # every rank agrees
+            diff = float(diff_t)
             if diff > 0:
                 names = ", ".join(s.name for s in b.slots[:4])
                 raise RuntimeError(f"data-parallel replicas diverged by {diff:.3e} in bucket "

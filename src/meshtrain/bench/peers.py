@@ -1,0 +1,155 @@
+"""The PyTorch-native peers meshtrain is measured against, each a plain training loop.
+
+Every peer trains the bench shape on the same data as meshtrain (the same
+:class:`~meshtrain.training.data.TrainData` sequences at every step, the same micro-batching),
+from the same initial weights, with ``torch.optim.AdamW(foreach=True)`` using meshtrain's
+hyper-parameters, weight-decay grouping (matrices only), learning-rate schedule and global-norm
+clipping, and the same loss (summed token cross-entropy over the step's token count). So the
+first-step losses of both sides agree, which the bench reports as a sanity check.
+
+- :func:`hf_llama_worker`: one process, ``transformers``' ``LlamaForCausalLM`` (SDPA attention).
+- :func:`ddp_worker`: N processes, ``DistributedDataParallel`` around the meshtrain model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from meshtrain.bench.workers import load_bench_config, preload_tokens, timed_run
+from meshtrain.config import Config, TrainConfig
+from meshtrain.training.lr_schedule import learning_rate
+from meshtrain.training.metrics import peak_memory_bytes
+
+HF_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+"""meshtrain block submodule -> Hugging Face Llama decoder-layer submodule."""
+
+
+def hf_llama_name(name: str) -> str:
+    """The ``LlamaForCausalLM`` parameter name of meshtrain parameter ``name``."""
+    if name == "tok_embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, rest = name.split(".", 2)
+    module, leaf = rest.rsplit(".", 1)
+    return f"model.layers.{layer}.{HF_LAYER_NAMES[module]}.{leaf}"
+
+
+def build_hf_llama(config: Config) -> torch.nn.Module:
+    """``LlamaForCausalLM`` of the bench shape, holding meshtrain's name-seeded initial weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshtrain.model import build_model
+
+    m = config.model
+    hf_config = LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.ffn_dim,
+        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads,
+        num_key_value_heads=m.kv_heads, hidden_act="silu",
+        max_position_embeddings=config.train.seq_len, rms_norm_eps=m.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False,
+        use_cache=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf_config).float()
+    source = build_model(m, seed=config.train.seed)
+    state = {hf_llama_name(k): v for k, v in source.state_dict().items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied lm_head is the embedding itself; anything else left over is a naming bug.
+    if unexpected or [k for k in missing if k != "lm_head.weight" or not m.tie_embeddings]:
+        raise RuntimeError(f"weight mapping to LlamaForCausalLM failed: missing {missing}, "
+                           f"unexpected {unexpected}")
+    return model.train()
+
+
+def adamw(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(foreach=True)`` with meshtrain's hyper-parameters and decay groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr,
+                             betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                             foreach=True)
+
+
+def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_scale: int = 1):
+    """A plain training step over ``data``'s micro-batches: forward, loss, backward, clip, AdamW.
+
+    ``logits_of(model, inputs)`` returns the logits; each micro-batch's summed loss is divided by
+    the step's local token count (and DDP averages over ranks: the global mean).
+    """
+    optimizer = adamw(model, train)
+
+    def step(index: int) -> float:
+        microbatches = data.next_step()
+        tokens = sum(targets.numel() for _, targets in microbatches)
+        total = torch.zeros(())
+        for inputs, targets in microbatches:
+            logits = logits_of(model, inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   reduction="sum") / tokens
+            loss.backward()
+            total += loss.detach()
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip, foreach=True)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(index, train)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if loss_scale > 1:  # report the global mean loss, as meshtrain does
+            torch.distributed.all_reduce(total)
+            total /= loss_scale
+        return float(total)
+
+    return step
+
+
+def _train_data(config: Config, rank: int = 0, world: int = 1):
+    from meshtrain.training.data import TrainData
+    from meshtrain.training.tokenizer import load_tokenizer
+
+    return TrainData(config.data, config.train, load_tokenizer(config.data.tokenizer),
+                     dp_rank=rank, dp_size=world, microbatches=config.parallel.microbatches)
+
+
+def hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
+    """The ``single`` suite's peer: plain PyTorch training of ``transformers.LlamaForCausalLM``."""
+    import transformers  # noqa: F401 - imported before the memory baseline, like torch
+
+    config = load_bench_config(config_dict)
+    preload_tokens(config)
+    data = _train_data(config)
+    base = peak_memory_bytes(torch.device("cpu"))
+    model = build_hf_llama(config)
+    step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
+                     data, config.train)
+    tokens = config.train.global_batch * config.train.seq_len
+    return timed_run(step, warmup, steps, tokens, base)
+
+
+def ddp_worker(config_dict: dict, warmup: int, steps: int) -> dict:
+    """The ``dp`` suite's peer: ``DistributedDataParallel`` around the meshtrain model."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshtrain.model import build_model
+
+    config = load_bench_config(config_dict)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    preload_tokens(config)
+    data = _train_data(config, rank, world)
+    base = peak_memory_bytes(torch.device("cpu"))
+    model = DistributedDataParallel(build_model(config.model, seed=config.train.seed),
+                                    bucket_cap_mb=config.parallel.dp_bucket_mb)
+    step = make_step(model, lambda mod, inputs: mod(inputs), data, config.train,
+                     loss_scale=world)
+    tokens = config.train.global_batch * config.train.seq_len
+    return timed_run(step, warmup, steps, tokens, base)

@@ -1,0 +1,109 @@
+"""The ``meshtrain`` command end to end, as a user runs it (subprocesses, real exit codes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--set", "model.dim=64", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
+        "--set", "model.ffn_dim=128", "--set", "data.max_bytes=400000"]
+
+
+def meshtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_loss_falls_and_generate(tmp_path):
+    run = meshtrain("train", "--steps", "40", "--run-dir", str(tmp_path), *TINY,
+                    "--set", "train.warmup_steps=5")
+    assert run.returncode == 0, run.stderr
+    records = _metrics(tmp_path)
+    assert len(records) == 40
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s",
+                "mfu", "comm_bytes", "mem"):
+        assert key in records[-1]
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+
+    gen = meshtrain("generate", "--checkpoint", str(tmp_path), "--prompt", "def ",
+                    "--max-new-tokens", "20")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("def ")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--set", "parallel.bogus=1"], "parallel.bogus"),
+    (["--set", "model.dim=64", "--set", "model.n_heads=3"], "n_heads"),
+    (["--set", "parallel.zero=7"], "ZeRO stage"),
+    (["--config", "/nonexistent.toml"], "does not exist"),
+    (["--nproc", "3", "--set", "parallel.dp=2"], "--nproc"),
+])
+def test_bad_input_exits_2_without_traceback(tmp_path, args, fragment):
+    run = meshtrain("train", "--run-dir", str(tmp_path), *args)
+    assert run.returncode == 2
+    assert fragment in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_generate_without_weights_exits_2(tmp_path):
+    run = meshtrain("generate", "--checkpoint", str(tmp_path), "--prompt", "x")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+
+
+def test_two_local_workers_through_launcher(tmp_path):
+    run = meshtrain("train", "--nproc", "2", "--steps", "3", "--run-dir", str(tmp_path), *TINY,
+                    "--set", "train.global_batch=4", "--set", "train.seq_len=32")
+    assert run.returncode == 0, run.stderr
+    records = _metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["tokens"] == 4 * 32
+    assert records[0]["comm_bytes"]["dp"] > 0
+
+
+def test_verify_json_zero3_two_processes():
+    run = meshtrain("verify", "--nproc", "2", "--steps", "3", "--json", *TINY,
+                    "--set", "parallel.zero=3", "--set", "train.global_batch=4",
+                    "--set", "train.seq_len=32")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    for key in ("max_abs_loss_diff", "max_abs_grad_norm_diff", "tolerance", "ok",
+                "layout_losses", "reference_losses"):
+        assert key in report
+    assert report["ok"] is True and len(report["layout_losses"]) == 3
+    assert report["max_abs_loss_diff"] <= report["tolerance"]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--nproc", "4", "--set", "train.global_batch=6"], "not divisible"),
+    (["--nproc", "2", "--set", "parallel.microbatches=3", "--set", "train.global_batch=8"],
+     "not divisible"),
+    (["--set", "parallel.zero=-1"], "ZeRO stage"),
+])
+def test_verify_bad_layout_exits_2(args, fragment):
+    run = meshtrain("verify", *args)
+    assert run.returncode == 2 and fragment in run.stderr and "Traceback" not in run.stderr
+
+
+def test_verify_mismatch_exits_1(monkeypatch, capsys):
+    import meshtrain.verify as verify_module
+    from meshtrain.cli import main
+
+    layout = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.5, "grad_norm": 1.0}]
+    reference = [{"loss": 2.0, "grad_norm": 1.0}, {"loss": 1.4, "grad_norm": 1.0}]
+    report = verify_module.compare(layout, reference, 2e-4, 1e-3)
+    assert report["ok"] is False and report["max_abs_loss_diff"] == pytest.approx(0.1)
+    report["layout"] = {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "zero": 0,
+                        "microbatches": 1, "precision": "fp32"}
+    monkeypatch.setattr(verify_module, "verify", lambda *a, **k: report)
+    assert main(["verify", "--nproc", "2"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
