@@ -23,7 +23,7 @@ from meshtrain.config import (
 
 # Parallel features are switched on here as they land; until then a degree above 1 is refused
 # clearly instead of silently running something else.
-IMPLEMENTED_AXES = {"dp"}
+IMPLEMENTED_AXES = {"dp", "tp"}
 MAX_ZERO_STAGE_IMPLEMENTED = 3
 
 
@@ -145,6 +145,8 @@ def validate_parallel(config: Config) -> None:
         )
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
+    if par.tp > 1:
+        validate_tensor_parallel(config)
     dp = max(par.dp, 1)
     if par.ep > 1 and dp % par.ep:
         raise ConfigError(f"parallel.ep = {par.ep} must divide parallel.dp = {dp}.")
@@ -157,6 +159,40 @@ def validate_parallel(config: Config) -> None:
             f"train.global_batch = {train.global_batch} is not divisible by dp × microbatches = "
             f"{dp} × {par.microbatches} = {per_step}; {hint}."
         )
+
+
+def tp_problems(config: Config, tp: int) -> list[str]:
+    """Why ``tp`` cannot split this model (empty when it can)."""
+    from meshtrain.training.tokenizer import tokenizer_vocab_size
+
+    m = config.model
+    vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
+    problems = []
+    if m.n_heads % tp:
+        problems.append(f"n_heads = {m.n_heads}")
+    if m.ffn_dim % tp:
+        problems.append(f"ffn_dim = {m.ffn_dim}")
+    if vocab % tp:
+        problems.append(f"the (padded) vocabulary {vocab} (set model.vocab_size to a multiple "
+                        f"of {tp} to pad it)")
+    if m.kv_heads % tp and tp % m.kv_heads:
+        problems.append(f"n_kv_heads = {m.kv_heads} (must divide tp, or tp must divide it)")
+    if config.parallel.sequence_parallel and config.train.seq_len % tp:
+        problems.append(f"seq_len = {config.train.seq_len} (sequence parallel)")
+    return problems
+
+
+def validate_tensor_parallel(config: Config) -> None:
+    """tp must split heads, MLP width and vocabulary evenly; kv heads split or replicated."""
+    tp = config.parallel.tp
+    if config.model.moe_experts:
+        raise ConfigError("parallel.tp > 1 with a Mixture-of-Experts model is not implemented "
+                          "yet; use parallel.tp = 1 for MoE models.")
+    problems = tp_problems(config, tp)
+    if problems:
+        valid = [t for t in range(1, config.model.n_heads + 1) if not tp_problems(config, t)]
+        raise ConfigError(f"parallel.tp = {tp} does not evenly split {'; '.join(problems)}. "
+                          f"Valid tp for this model: {', '.join(map(str, valid))}.")
 
 
 def validate_train(config: Config) -> None:

@@ -79,13 +79,18 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig)
 def init_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter of ``model`` from :func:`init_tensor` and reset its buffers.
 
-    ``model`` must carry its ``ModelConfig`` as ``model.config`` and hold full (unsharded)
-    parameters; sharded code calls :func:`init_tensor` itself and slices. Buffers are reset by
+    ``model`` must carry its ``ModelConfig`` as ``model.config``. A sharded parameter carries
+    ``_meshtrain_full_shape`` and ``_meshtrain_shard`` (full tensor -> this rank's piece). Buffers are reset by
     each module's ``reset_buffers()`` (MoE ``expert_bias`` to zeros, RoPE caches cleared).
     """
     config = model.config
     for name, param in model.named_parameters():
-        value = init_tensor(name, param.shape, seed, config)
+        # A parallel layout may have replaced a parameter by this rank's piece; it then records
+        # the full shape and how to cut the piece, so the values match the unsplit model's.
+        full_shape = getattr(param, "_meshtrain_full_shape", None)
+        value = init_tensor(name, full_shape or param.shape, seed, config)
+        if full_shape is not None:
+            value = param._meshtrain_shard(value)
         param.copy_(value.to(device=param.device, dtype=param.dtype))
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)

@@ -22,19 +22,48 @@ __all__ = ["ParallelPlan", "data_parallel_engine", "parallelize"]
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) -> torch.nn.Module:
-    """Apply ``plan`` to ``model`` on ``mesh`` and return the (possibly wrapped) model."""
+    """Apply ``plan`` to ``model`` on ``mesh`` and return it.
+
+    ``model`` may be built on the meta device (preferred: no rank ever holds the full model);
+    it is then materialised on ``mesh.device`` after the splits, each parameter initialised from
+    its name and ``plan.init_seed`` and cut to this rank's piece.
+    """
     for axis in ("dp", "tp", "pp", "ep"):
         if getattr(plan, axis) != getattr(mesh, axis):
             raise ValueError(f"plan.{axis} = {getattr(plan, axis)} but the mesh has "
                              f"{axis} = {getattr(mesh, axis)}")
-    if plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
-        raise NotImplementedError("tensor, pipeline and expert parallelism are not built yet")
+    if plan.pp > 1 or plan.ep > 1:
+        raise NotImplementedError("pipeline and expert parallelism are not built yet")
+    if plan.tp > 1:
+        from meshtrain.parallel.tensor.apply import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.comm("tp"), mesh.tp_rank, plan.tp_rules,
+                              plan.sequence_parallel)
+    if any(p.is_meta for p in model.parameters()):
+        _materialize(model, mesh.device, plan)
     apply_activation_checkpointing(model, plan.activation_checkpointing)
     from meshtrain.parallel.data import apply_data_parallel
 
-    model._meshtrain_dp_engine = apply_data_parallel(
-        model, mesh.comm("dp"), mesh.dp_rank, plan.zero, plan.dp_bucket_mb)
+    model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb)
     return model
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan) -> None:
+    """Allocate a meta-built model on ``device`` and fill it with the name-seeded init."""
+    from meshtrain.model import init_weights, moe_layers
+
+    # Moving off the meta device replaces the Parameter objects; keep the layout annotations
+    # (``_meshtrain_*`` attributes) that the splits attached to them.
+    notes = {name: {k: v for k, v in vars(p).items() if k.startswith("_meshtrain_")}
+             for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    model.to(torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32)
+    for name, param in model.named_parameters():
+        for key, value in notes[name].items():
+            setattr(param, key, value)
+    init_weights(model, plan.init_seed)
+    for moe in moe_layers(model):
+        moe.expert_bias = moe.expert_bias.float()
 
 
 def data_parallel_engine(model: torch.nn.Module):

@@ -12,19 +12,23 @@ import dataclasses
 
 from meshtrain.config import Config
 
-# How each Linear of the plain model is split under tensor parallelism (Megatron-LM's layout):
-# the first matmul of a pair by columns (output features), the second by rows (input features),
-# so the pair needs one reduction in forward and one in backward.
+# How each module of the plain model is split under tensor parallelism (Megatron-LM's layout):
+# a TP region is entered once per sub-layer (attention, MLP, head), the first matmul of each pair
+# is split by columns (output features), the second by rows (input features) and reduced, so each
+# sub-layer costs one reduction forward and one backward. Styles: meshtrain.parallel.tensor.apply.
 DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
     ("tok_embeddings", "vocab"),
+    ("layers.*.attention", "region"),
     ("layers.*.attention.wq", "column"),
-    ("layers.*.attention.wk", "column"),
-    ("layers.*.attention.wv", "column"),
+    ("layers.*.attention.wk", "kv"),
+    ("layers.*.attention.wv", "kv"),
     ("layers.*.attention.wo", "row"),
+    ("layers.*.feed_forward", "region"),
     ("layers.*.feed_forward.w1", "column"),
     ("layers.*.feed_forward.w3", "column"),
     ("layers.*.feed_forward.w2", "row"),
-    ("output", "vocab-column"),
+    ("norm", "region-output"),
+    ("output", "column"),
 )
 
 
@@ -44,6 +48,10 @@ class ParallelPlan:
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
+    init_seed: int = 0
+    """Seed of the name-seeded initialisation, for a model built on the meta device."""
+    param_dtype: str = "fp32"
+    """dtype the parameters are materialised in (``fp32`` or ``bf16``)."""
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelPlan:
@@ -53,7 +61,8 @@ class ParallelPlan:
                    sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                    virtual_stages=par.virtual_stages, microbatches=par.microbatches,
                    activation_checkpointing=par.activation_checkpointing,
-                   dp_bucket_mb=par.dp_bucket_mb)
+                   dp_bucket_mb=par.dp_bucket_mb, init_seed=config.train.seed,
+                   param_dtype=config.train.precision)
 
     @property
     def world_size(self) -> int:

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 
 from meshtrain.config import Config
 from meshtrain.mesh import ParallelMesh
-from meshtrain.model import build_model, flops_per_token, moe_layers
+from meshtrain.model import Transformer, flops_per_token, moe_layers
 from meshtrain.parallel import ParallelPlan, data_parallel_engine, parallelize
+from meshtrain.parallel.tensor.apply import tp_vocab_start
+from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training.data import TrainData
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
@@ -57,9 +59,11 @@ class Trainer:
         self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
                               dp_size=mesh.dp, microbatches=par.microbatches)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
-        model = build_model(config.model, device=self.device, seed=train.seed, dtype=self.dtype)
+        with torch.device("meta"):  # no rank ever materialises more than its own piece
+            model = Transformer(config.model)
         self.plan = ParallelPlan.from_config(config)
         self.model = parallelize(model, mesh, self.plan)
+        self.vocab_start = tp_vocab_start(self.model)
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
         self.step = 0
@@ -79,13 +83,20 @@ class Trainer:
                  if layer.last_stats is not None]
         return torch.stack(terms).sum() if terms else None
 
+    def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy; vocab-parallel (never gathering logits) under tp."""
+        tp = self.mesh.comm("tp")
+        if tp.active:
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                self.vocab_start, tp, IGNORE_INDEX).sum()
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                           global_tokens: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward one micro-batch, backward its share of the global loss; return (lm, aux)."""
         logits = self.model(inputs.to(self.device))
-        lm_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device).flatten(),
-                                 reduction="sum", ignore_index=IGNORE_INDEX)
-        lm_loss = lm_sum / global_tokens
+        lm_loss = self._loss_sum(logits, targets.to(self.device)) / global_tokens
         objective = lm_loss
         aux = self._moe_aux_loss()
         if aux is not None:
@@ -130,6 +141,7 @@ class Trainer:
             if aux is not None:
                 aux_total += aux
                 loads = self._accumulate_expert_load(loads)
+        self.engine.reduce_partial_grads(self.optimizer.shards)
         return {"lm": lm_total, "aux": aux_total, "global_tokens": global_tokens,
                 "expert_load": loads}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.data.engine import DataParallelEngine, OptimizerShard
 from meshtrain.parallel.data.zero3 import ParameterGatherer
 
@@ -21,16 +20,16 @@ def _block_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list, l
     return blocks, block_params, root
 
 
-def apply_data_parallel(model: torch.nn.Module, comm: CountedComm, dp_rank: int, zero: int,
+def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         bucket_mb: float) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
     ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks."""
     bucket_bytes = int(bucket_mb * 2**20)
     if zero < 3:
-        return DataParallelEngine(model, comm, dp_rank, zero, bucket_bytes)
+        return DataParallelEngine(model, mesh, zero, bucket_bytes)
     blocks, block_params, root = _block_units(model)
     units = list(reversed(block_params)) + ([root] if root else [])
-    engine = DataParallelEngine(model, comm, dp_rank, 3, bucket_bytes, units=units)
+    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units)
     n = len(blocks)
     block_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
     root_bucket = engine.buckets[n] if root else None

@@ -103,6 +103,19 @@ class FlatBucket:
         end = min(max(self.decay_numel - self.shard_start, 0), self.shard_numel)
         return 0, end
 
+    def segments(self, sharded: bool) -> list[tuple[ParamSlot, int, int]]:
+        """``(slot, start, length)`` of each parameter's elements in the full buffer, or (when
+        ``sharded``) in this rank's shard, skipping parameters outside the shard."""
+        if not sharded:
+            return [(s, s.offset, s.numel) for s in self.slots]
+        out = []
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        for s in self.slots:
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                out.append((s, a - lo, b - a))
+        return out
+
     def shard_state_slices(self) -> list[tuple[str, int, int, int]]:
         """For each parameter overlapping this rank's shard: ``(name, param_start, shard_start,
         length)`` — which flat elements of the parameter this shard holds, and where."""

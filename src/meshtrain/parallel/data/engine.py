@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed
 
-from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size
 
 
@@ -47,12 +46,14 @@ class OptimizerShard:
 class DataParallelEngine:
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
-    def __init__(self, model: torch.nn.Module, comm: CountedComm, dp_rank: int, stage: int,
-                 bucket_bytes: int,
+    def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
                  units: list[list[tuple[str, torch.nn.Parameter]]] | None = None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+        comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
+        self.tp_comm = mesh.comm("tp")
+        self.tp_rank = mesh.tp_rank
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
             if units is None:
@@ -78,6 +79,31 @@ class DataParallelEngine:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._norm_runs = [self._runs(b, self._counts_in_norm) for b in self.buckets]
+        self._partial_runs = [self._runs(b, self._has_partial_grad) for b in self.buckets]
+
+    # ------------------------------------------------------------------ other axes
+    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
+        """Each parameter counts once in the gradient norm: a copy replicated over tp counts on
+        tp rank 0 only (a tp-split parameter counts on every rank: each holds another piece)."""
+        return self.tp_rank == 0 or not getattr(param, "_meshtrain_tp_replicated", False)
+
+    @staticmethod
+    def _has_partial_grad(param: torch.nn.Parameter) -> bool:
+        return getattr(param, "_meshtrain_tp_partial_grad", False)
+
+    def _runs(self, b: FlatBucket, keep) -> list[tuple[int, int]]:
+        """Contiguous ``(start, length)`` runs of this rank's optimizer gradient of bucket ``b``
+        (full buffer at stage 0, shard otherwise) covering the parameters ``keep`` accepts."""
+        runs: list[tuple[int, int]] = []
+        for slot, start, length in b.segments(sharded=self.stage >= 1):
+            if not keep(slot.param):
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((start, length))
+        return runs
 
     # ------------------------------------------------------------------ buffers
     def _init_bucket(self, b: FlatBucket) -> None:
@@ -180,13 +206,36 @@ class DataParallelEngine:
         self._pending.clear()
 
     # ------------------------------------------------------------------ optimizer glue
+    @torch.no_grad()
+    def reduce_partial_grads(self, shards: list[OptimizerShard]) -> None:
+        """Sum over tp the gradients that each tp rank holds only a share of (sequence-parallel
+        norms, replicated kv heads); one all-reduce for all of them."""
+        if not self.tp_comm.active:
+            return
+        views = [shard.grad()[start:start + length]
+                 for shard, runs in zip(shards, self._partial_runs, strict=True)
+                 for start, length in runs]
+        if not views:
+            return
+        flat = torch.cat([v.float() for v in views])
+        self.tp_comm.all_reduce(flat)
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset:offset + view.numel()])
+            offset += view.numel()
+
     def grad_sq_norm(self, shards: list[OptimizerShard]) -> torch.Tensor:
-        """Sum of squared gradient entries, each parameter counted once across the dp ranks."""
-        grads = [s.grad() for s in shards]
-        norms = torch._foreach_norm([g.float() for g in grads])
-        sq = torch.stack(norms).square().sum()
+        """Sum of squared gradient entries, each parameter counted exactly once across every
+        rank (dp shards under ZeRO, tp pieces, tp-replicated copies once)."""
+        views = [shard.grad()[start:start + length]
+                 for shard, runs in zip(shards, self._norm_runs, strict=True)
+                 for start, length in runs]
+        device = shards[0].master.device if shards else None
+        sq = (torch.stack(torch._foreach_norm([v.float() for v in views])).square().sum()
+              if views else torch.zeros((), device=device))
         if self.stage >= 1:
             self.comm.all_reduce(sq)
+        self.tp_comm.all_reduce(sq)
         return sq
 
     @torch.no_grad()

@@ -1,0 +1,124 @@
+"""Autograd-aware tensor-parallel collectives, all through the counted comm layer.
+
+Megatron-LM's pair (Shoeybi et al. 2019):
+
+- ``f`` = :func:`copy_to_tp_region`: identity forward, all-reduce backward (enter a TP region);
+- ``g`` = :func:`reduce_from_tp_region`: all-reduce forward, identity backward (leave it).
+
+and the sequence-parallel pair (Korthikanti et al. 2022), along the sequence dimension (dim 1 of
+``[batch, seq, ...]``):
+
+- :func:`gather_from_sequence_region`: all-gather forward, reduce-scatter backward;
+- :func:`reduce_scatter_to_sequence_region`: reduce-scatter forward, all-gather backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtrain.parallel.comm import CountedComm
+
+
+def _all_gather_seq(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """[B, S/t, ...] -> [B, S, ...]: gather sequence shards in tp-rank order."""
+    local = x.transpose(0, 1).contiguous()
+    out = torch.empty((local.shape[0] * comm.size, *local.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.all_gather_into(out, local)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """[B, S, ...] partial sums -> [B, S/t, ...] reduced shard of this tp rank."""
+    full = x.transpose(0, 1).contiguous()
+    if full.shape[0] % comm.size:
+        raise ValueError(f"sequence length {full.shape[0]} is not divisible by tp={comm.size}")
+    out = torch.empty((full.shape[0] // comm.size, *full.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.reduce_scatter_into(out, full)
+    return out.transpose(0, 1)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.comm), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.comm), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        chunk = x.shape[1] // comm.size
+        rank = torch.distributed.get_group_rank(comm.group, torch.distributed.get_rank())
+        return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.comm), None
+
+
+def copy_to_tp_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """Megatron ``f``: identity forward, all-reduce of the gradient backward."""
+    return _CopyToRegion.apply(x, comm) if comm.active else x
+
+
+def reduce_from_tp_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """Megatron ``g``: all-reduce forward, identity backward."""
+    return _ReduceFromRegion.apply(x, comm) if comm.active else x
+
+
+def gather_from_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """Sequence parallel: all-gather the sequence forward, reduce-scatter backward."""
+    return _GatherSequence.apply(x, comm) if comm.active else x
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """Sequence parallel: reduce-scatter over the sequence forward, all-gather backward."""
+    return _ReduceScatterSequence.apply(x, comm) if comm.active else x
+
+
+def scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """Keep this rank's sequence chunk of a replicated tensor; all-gather backward."""
+    return _ScatterSequence.apply(x, comm) if comm.active else x

@@ -1,0 +1,151 @@
+"""Tensor-parallel layers that replace the plain model's ``nn.Linear`` / ``nn.Embedding``.
+
+Each keeps the replaced module's attribute name and a ``weight`` parameter, so parameter names
+(and thus the name-seeded initialisation and checkpoints) are those of the plain model. Every
+sharded parameter records its full shape and how to cut this rank's piece from the full tensor
+(``_meshtrain_full_shape``, ``_meshtrain_shard``), which is all :func:`init_weights` and the
+checkpoint code need to know about the layout.
+
+Communication placement follows Megatron-LM: a column-parallel layer does no communication (the
+input arrives through the region entry hook, see :mod:`meshtrain.parallel.tensor.apply`); a
+row-parallel layer reduces its partial output (all-reduce, or reduce-scatter over the sequence
+with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.tensor.collectives import (
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
+
+
+def mark_sharded(param: nn.Parameter, full_shape: tuple[int, ...],
+                 shard: Callable[[torch.Tensor], torch.Tensor], tp_dim: int | None) -> None:
+    """Record on ``param`` its full shape, how to slice it, and the dim tp splits (or None)."""
+    param._meshtrain_full_shape = tuple(full_shape)
+    param._meshtrain_shard = shard
+    param._meshtrain_tp_dim = tp_dim
+
+
+def mark_replicated(param: nn.Parameter, partial_grad: bool) -> None:
+    """``param`` is identical on every tp rank; ``partial_grad`` when each rank's gradient is
+    only its share (sequence-parallel norms, replicated kv heads) and must be summed over tp."""
+    param._meshtrain_tp_replicated = True
+    param._meshtrain_tp_partial_grad = partial_grad
+
+
+def _new_param(like: torch.Tensor, shape: tuple[int, ...]) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W_r^T``: this rank's block of output features (rows of W); no communication."""
+
+    def __init__(self, linear: nn.Linear, tp_rank: int, tp_size: int):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        if out_features % tp_size:
+            raise ValueError(f"{out_features} output features not divisible by tp={tp_size}")
+        rows = out_features // tp_size
+        lo = tp_rank * rows
+        self.weight = _new_param(linear.weight, (rows, in_features))
+        mark_sharded(self.weight, (out_features, in_features), lambda w: w[lo:lo + rows], 0)
+        if not linear.weight.is_meta:
+            with torch.no_grad():
+                self.weight.copy_(linear.weight[lo:lo + rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Local matmul on the already-entered input."""
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = reduce(x_r W_r^T)``: this rank's block of input features (columns of W)."""
+
+    def __init__(self, linear: nn.Linear, tp_rank: int, tp_size: int, comm: CountedComm,
+                 sequence_parallel: bool):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        if in_features % tp_size:
+            raise ValueError(f"{in_features} input features not divisible by tp={tp_size}")
+        cols = in_features // tp_size
+        lo = tp_rank * cols
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.weight = _new_param(linear.weight, (out_features, cols))
+        mark_sharded(self.weight, (out_features, in_features), lambda w: w[:, lo:lo + cols], 1)
+        if not linear.weight.is_meta:
+            with torch.no_grad():
+                self.weight.copy_(linear.weight[:, lo:lo + cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial product, then all-reduce (or sequence reduce-scatter)."""
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(partial, self.comm)
+        return reduce_from_tp_region(partial, self.comm)
+
+
+class HeadSelectLinear(nn.Module):
+    """A key/value projection replicated on every tp rank (n_kv_heads not divisible by tp):
+    each rank computes only the kv heads its query heads read. Gradients are partial per rank
+    and are summed over tp after backward."""
+
+    def __init__(self, linear: nn.Linear, head_dim: int, heads: list[int]):
+        super().__init__()
+        self.weight = _new_param(linear.weight, tuple(linear.weight.shape))
+        mark_replicated(self.weight, partial_grad=True)
+        rows = [h * head_dim + i for h in heads for i in range(head_dim)]
+        self.register_buffer("rows", torch.tensor(rows, dtype=torch.long,
+                                                  device=linear.weight.device), persistent=False)
+        self._rows_list = rows
+        if not linear.weight.is_meta:
+            with torch.no_grad():
+                self.weight.copy_(linear.weight)
+
+    def reset_buffers(self) -> None:
+        """Rebuild the row index after materialisation from the meta device."""
+        self.rows = torch.tensor(self._rows_list, dtype=torch.long, device=self.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Project to this rank's kv heads only."""
+        return F.linear(x, self.weight.index_select(0, self.rows))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split over tp; lookups of other ranks' rows
+    give zeros, and the partial results are summed (or reduce-scattered over the sequence)."""
+
+    def __init__(self, embedding: nn.Embedding, tp_rank: int, tp_size: int, comm: CountedComm,
+                 sequence_parallel: bool):
+        super().__init__()
+        vocab, dim = embedding.weight.shape
+        if vocab % tp_size:
+            raise ValueError(f"vocabulary {vocab} not divisible by tp={tp_size}")
+        rows = vocab // tp_size
+        self.vocab_start, self.vocab_end = tp_rank * rows, (tp_rank + 1) * rows
+        self.comm = comm
+        self.sequence_parallel = sequence_parallel
+        self.weight = _new_param(embedding.weight, (rows, dim))
+        lo = self.vocab_start
+        mark_sharded(self.weight, (vocab, dim), lambda w: w[lo:lo + rows], 0)
+        if not embedding.weight.is_meta:
+            with torch.no_grad():
+                self.weight.copy_(embedding.weight[lo:lo + rows])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embed ``tokens`` [B, S]; returns [B, S, dim] (or [B, S/tp, dim] with SP)."""
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.comm)
+        return reduce_from_tp_region(out, self.comm)
