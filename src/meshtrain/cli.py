@@ -53,7 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     bench.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")
+    _add_planner_parsers(sub)
     return parser
+
+
+def _add_planner_parsers(sub) -> None:
+    """``estimate``, ``plan`` and ``calibrate`` (options in :mod:`meshtrain.planner.commands`)."""
+    from meshtrain.planner.commands import (
+        add_calibrate_options,
+        add_hardware_options,
+        add_plan_options,
+    )
+
+    est = sub.add_parser("estimate", help="predict memory, step time and MFU of a run config")
+    _add_run_options(est)
+    add_hardware_options(est, gpus_required=False)
+    add_plan_options(sub.add_parser("plan", help="rank parallel layouts for a model and cluster"))
+    add_calibrate_options(sub.add_parser("calibrate",
+                                         help="measure this machine into a profile JSON"))
 
 
 def resolve_run_config(args: argparse.Namespace) -> tuple[Config, int]:
@@ -122,7 +139,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench}
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """``meshtrain estimate``."""
+    from meshtrain.planner.commands import run_estimate
+
+    return run_estimate(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``meshtrain plan``."""
+    from meshtrain.planner.commands import run_plan
+
+    return run_plan(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``meshtrain calibrate``."""
+    from meshtrain.planner.commands import run_calibrate
+
+    return run_calibrate(args)
+
+
+COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench,
+            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

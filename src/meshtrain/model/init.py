@@ -80,8 +80,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter of ``model`` from :func:`init_tensor` and reset its buffers.
 
     ``model`` must carry its ``ModelConfig`` as ``model.config``. A sharded parameter carries
-    ``_meshtrain_full_shape`` and ``_meshtrain_shard`` (full tensor -> this rank's piece). Buffers are reset by
-    each module's ``reset_buffers()`` (MoE ``expert_bias`` to zeros, RoPE caches cleared).
+    ``_meshtrain_full_shape`` and ``_meshtrain_shard`` (full tensor -> this rank's piece).
+    Buffers are reset by each module's ``reset_buffers()`` (MoE ``expert_bias`` to zeros, RoPE
+    caches cleared).
     """
     config = model.config
     for name, param in model.named_parameters():
