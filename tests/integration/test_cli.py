@@ -46,6 +46,8 @@ def test_train_loss_falls_and_generate(tmp_path):
     (["--set", "parallel.zero=7"], "ZeRO stage"),
     (["--config", "/nonexistent.toml"], "does not exist"),
     (["--nproc", "3", "--set", "parallel.dp=2"], "--nproc"),
+    (["--set", "parallel.tp=3"], "Valid tp for this model: 1, 2, 4, 8"),
+    (["--set", "parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
 ])
 def test_bad_input_exits_2_without_traceback(tmp_path, args, fragment):
     run = meshtrain("train", "--run-dir", str(tmp_path), *args)

@@ -1,0 +1,74 @@
+"""``meshtrain estimate``, ``plan`` and ``calibrate`` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def meshtrain(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+SMALL = ["--set", "model.dim=2048", "--set", "model.n_layers=8", "--set", "model.n_heads=16",
+         "--set", "model.ffn_dim=5632", "--set", "train.seq_len=2048",
+         "--set", "train.global_batch=64", "--set", "train.precision=bf16"]
+
+
+def test_estimate_json_has_the_contract_keys():
+    run = meshtrain("estimate", "--hardware", "a100-80g", "--gpus", "8", "--json", *SMALL,
+                    "--set", "parallel.tp=2", "--set", "parallel.pp=2",
+                    "--set", "parallel.microbatches=4")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    for key in ("params", "per_rank", "step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+                "hardware_tflops_per_gpu", "mfu", "bubble_fraction", "breakdown"):
+        assert key in out
+    assert len(out["per_rank"]) == 2
+    for rank in out["per_rank"]:
+        assert set(rank) >= {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes",
+                             "total_bytes"}
+    assert {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_exposed_s", "bubble_s"} <= set(
+        out["breakdown"])
+    assert out["layout"]["dp"] == 2 and 0 < out["mfu"] < 1
+
+
+def test_plan_json_and_table():
+    run = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
+                    "--json", "--top", "3")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert 1 <= len(out["candidates"]) <= 3
+    for key in ("dp", "tp", "pp", "ep", "zero", "schedule", "microbatches", "memory_gb_per_gpu",
+                "step_time_s", "tokens_per_s", "mfu", "kwh_per_1b_tokens", "why"):
+        assert key in out["candidates"][0]
+    table = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
+                      "--top", "2")
+    assert table.returncode == 0 and "bound" in table.stdout
+
+
+def test_bad_hardware_and_model_exit_2():
+    for args in (["--model", "llama3-8b", "--hardware", "z80"],
+                 ["--model", "nope-1b", "--hardware", "h100-80g"]):
+        run = meshtrain("plan", "--gpus", "8", *args)
+        assert run.returncode == 2 and "Traceback" not in run.stderr
+
+
+def test_calibrate_writes_a_usable_profile(tmp_path):
+    out = tmp_path / "profile.json"
+    run = meshtrain("calibrate", "--out", str(out), "--nproc", "2", "--sizes", "4096,65536",
+                    "--matmul-sizes", "64,128", "--repeats", "2")
+    assert run.returncode == 0, run.stderr
+    profile = json.loads(out.read_text())
+    for key in ("peak_tflops", "memory_gb", "intra_node_gbps", "intra_node_latency_us",
+                "measured"):
+        assert key in profile
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
+        assert len(profile["measured"][op]) == 2
+    assert profile["peak_tflops"] > 0 and profile["intra_node_gbps"] > 0
+    est = meshtrain("estimate", "--hardware", str(out), "--gpus", "2", "--json",
+                    "--set", "model.vocab_size=512")
+    assert est.returncode == 0, est.stderr
+    assert json.loads(est.stdout)["hardware"] == "measured"
