@@ -58,8 +58,8 @@ def test_tp2_with_and_without_sequence_parallel():
 def test_tp4_replicated_kv_heads():
     # n_kv_heads = 2 < tp = 4: key/value projections replicated, each rank uses its kv head
     _parity(4, [tiny_config("parallel.tp=4", "model.n_kv_heads=2", nproc=4),
-                tiny_config("parallel.tp=4", "model.n_kv_heads=4", "parallel.sequence_parallel=true",
-                            nproc=4)])
+                tiny_config("parallel.tp=4", "model.n_kv_heads=4",
+                            "parallel.sequence_parallel=true", nproc=4)])
 
 
 def test_dp2_tp2_with_zero1_and_zero3():

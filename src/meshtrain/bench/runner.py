@@ -166,7 +166,9 @@ def summarise_run(ranks: list[dict]) -> dict:
     """
     step_times = [max(times) for times in zip(*(r["step_times"] for r in ranks), strict=True)]
     step_time = statistics.median(step_times)
+    cpu_time = max(statistics.median(r["step_cpu_times"]) for r in ranks)
     return {"tokens_per_s": ranks[0]["tokens_per_step"] / step_time,
+            "cpu_tokens_per_s": ranks[0]["tokens_per_step"] / cpu_time,
             "step_time_s": step_time,
             "mean_tokens_per_s": ranks[0]["tokens_per_step"] * len(step_times) / sum(step_times),
             "peak_bytes": [r["peak_bytes"] for r in ranks],
@@ -191,7 +193,8 @@ def run_suite(suite: Suite, options: BenchOptions,
             run = summarise_run(ranks)
             runs[side].append(run)
             log(f"bench {suite.name}: repeat {repeat + 1}/{options.repeats} {side:<9} "
-                f"{run['tokens_per_s']:>10,.0f} tokens/s  (median step {run['step_time_s']:.3f} s)")
+                f"{run['tokens_per_s']:>10,.0f} tokens/s  (median step {run['step_time_s']:.3f} s; "
+                f"{run['cpu_tokens_per_s']:,.0f} tokens per CPU-second)")
     return suite_result(suite, config, world, options, runs)
 
 
@@ -211,9 +214,11 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
         result[f"{side}_train_bytes"] = max(max(r["train_bytes"]) for r in rs)
         result[f"{side}_runs_tokens_per_s"] = [r["tokens_per_s"] for r in rs]
         result[f"{side}_runs_mean_tokens_per_s"] = [r["mean_tokens_per_s"] for r in rs]
+        result[f"{side}_cpu_tokens_per_s"] = statistics.median(r["cpu_tokens_per_s"] for r in rs)
         result[f"{side}_first_loss"] = rs[0]["losses"][0]
         result[f"{side}_last_loss"] = rs[0]["losses"][-1]
     result["ratio"] = medians["meshtrain"] / medians["peer"]
+    result["cpu_ratio"] = result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"]
     m, t = config.model, config.train
     result.update(
         steps=options.steps, warmup=options.warmup, repeats=options.repeats,
@@ -244,16 +249,18 @@ def format_table(results: list[dict]) -> str:
     """A plain-text table of suite results, for a terminal."""
     mib = 1024 * 1024
     header = (f"{'suite':<8} {'procs':>5} {'meshtrain tok/s':>16} {'peer tok/s':>11} "
-              f"{'ratio':>6} {'peak MiB mt/peer':>17}  peer")
+              f"{'ratio':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17}  peer")
     lines = [header, "-" * len(header)]
     for r in results:
         peaks = f"{r['meshtrain_peak_bytes'] / mib:.0f}/{r['peer_peak_bytes'] / mib:.0f}"
         lines.append(f"{r['suite']:<8} {r['world_size']:>5} {r['meshtrain_tokens_per_s']:>16,.0f} "
-                     f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} {peaks:>17}  "
+                     f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} "
+                     f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17}  "
                      f"{r['peer']}")
     if results:
         r = results[0]
         lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
                      f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
-                     f"per process; ratio = meshtrain / peer (> 1: meshtrain faster)")
+                     f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); cpu ratio: "
+                     f"the same per CPU-second used")
     return "\n".join(lines)

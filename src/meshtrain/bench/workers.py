@@ -5,6 +5,8 @@ rank by :func:`meshtrain.distributed_run.run_distributed` (the process group alr
 intra-op thread). Each returns the dict of :func:`timed_run`:
 
 ``step_times``       wall seconds of each *measured* step (the ``warmup`` first ones dropped)
+``step_cpu_times``   CPU seconds this process used in each measured step (all its threads): less
+                     sensitive than wall time to other programs sharing the cores
 ``losses``           the loss of every step, warm-up included (same data: both sides should agree)
 ``tokens_per_step``  tokens of the global batch (all ranks) per optimizer step
 ``base_bytes``       peak RSS before the model was built (imports and the token stream loaded)
@@ -46,14 +48,16 @@ def timed_run(step: Callable[[int], float], warmup: int, steps: int, tokens_per_
               base_bytes: int) -> dict:
     """Run ``step(i)`` (returns the loss) ``warmup + steps`` times; time each step."""
     device = torch.device("cpu")
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     barrier()
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(step(i)))
         times.append(time.perf_counter() - start)
-    return {"step_times": times[warmup:], "losses": losses, "tokens_per_step": tokens_per_step,
-            "base_bytes": base_bytes, "peak_bytes": peak_memory_bytes(device)}
+        cpu_times.append(time.process_time() - start_cpu)
+    return {"step_times": times[warmup:], "step_cpu_times": cpu_times[warmup:], "losses": losses,
+            "tokens_per_step": tokens_per_step, "base_bytes": base_bytes,
+            "peak_bytes": peak_memory_bytes(device)}
 
 
 def meshtrain_worker(config_dict: dict, warmup: int, steps: int) -> dict:
