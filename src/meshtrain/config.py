@@ -98,6 +98,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
+    pp_split: str = ""
+    """Layers per pipeline stage as a comma list (e.g. "3,3,2"); empty = balanced by cost."""
     microbatches: int = 1
     """Micro-batches per data-parallel rank per step (gradient accumulation and pipeline
     micro-batches are one notion)."""
@@ -141,6 +143,9 @@ class TrainConfig:
     tensorboard: bool = False
     peak_tflops: float = 0.0
     """Device peak dense TFLOP/s for MFU; 0 = look the device up (unknown devices report null)."""
+    timeline_step: int = 0
+    """Record every rank's pipeline actions at this step (1-based) and write
+    RUN_DIR/timeline.json (Chrome trace) and timeline.png; 0 = off."""
     threads_per_worker: int = 0
     """torch intra-op threads per worker process; 0 = the machine's cores split over the workers."""
 

@@ -23,7 +23,7 @@ from meshtrain.config import (
 
 # Parallel features are switched on here as they land; until then a degree above 1 is refused
 # clearly instead of silently running something else.
-IMPLEMENTED_AXES = {"dp", "tp"}
+IMPLEMENTED_AXES = {"dp", "tp", "pp"}
 MAX_ZERO_STAGE_IMPLEMENTED = 3
 
 
@@ -147,6 +147,7 @@ def validate_parallel(config: Config) -> None:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
     if par.tp > 1:
         validate_tensor_parallel(config)
+    validate_pipeline(config)
     dp = max(par.dp, 1)
     if par.ep > 1 and dp % par.ep:
         raise ConfigError(f"parallel.ep = {par.ep} must divide parallel.dp = {dp}.")
@@ -193,6 +194,28 @@ def validate_tensor_parallel(config: Config) -> None:
         valid = [t for t in range(1, config.model.n_heads + 1) if not tp_problems(config, t)]
         raise ConfigError(f"parallel.tp = {tp} does not evenly split {'; '.join(problems)}. "
                           f"Valid tp for this model: {', '.join(map(str, valid))}.")
+
+
+def validate_pipeline(config: Config) -> None:
+    """The schedule exists for (pp, microbatches, virtual_stages) and the layers split."""
+    from meshtrain.parallel.pipeline import build_schedule
+    from meshtrain.parallel.pipeline.stage import stage_layers
+    from meshtrain.training.tokenizer import tokenizer_vocab_size
+
+    par, m = config.parallel, config.model
+    schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
+    if par.pp == 1 and par.pp_split:
+        raise ConfigError("parallel.pp_split is set but parallel.pp = 1; remove it or set pp.")
+    if par.pp == 1:
+        return
+    vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
+    stage_layers(m, vocab, schedule.num_stages, par.pp_split)
+    unsupported = [(m.tie_embeddings, "model.tie_embeddings = true"),
+                   (par.zero == 3, "parallel.zero = 3"), (m.moe_experts > 0, "an MoE model")]
+    for flag, what in unsupported:
+        if flag:
+            raise ConfigError(f"{what} with parallel.pp > 1 is not implemented yet; use pp = 1 "
+                              f"or change {what.split(' ')[0]}.")
 
 
 def validate_train(config: Config) -> None:

@@ -18,7 +18,7 @@ from meshtrain.parallel.plan import ParallelPlan
 if TYPE_CHECKING:
     from meshtrain.mesh import ParallelMesh
 
-__all__ = ["ParallelPlan", "data_parallel_engine", "parallelize"]
+__all__ = ["ParallelPlan", "data_parallel_engine", "parallelize", "pipeline_stages"]
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) -> torch.nn.Module:
@@ -32,13 +32,25 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         if getattr(plan, axis) != getattr(mesh, axis):
             raise ValueError(f"plan.{axis} = {getattr(plan, axis)} but the mesh has "
                              f"{axis} = {getattr(mesh, axis)}")
-    if plan.pp > 1 or plan.ep > 1:
-        raise NotImplementedError("pipeline and expert parallelism are not built yet")
+    if plan.ep > 1:
+        raise NotImplementedError("expert parallelism is not built yet")
     if plan.tp > 1:
         from meshtrain.parallel.tensor.apply import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.comm("tp"), mesh.tp_rank, plan.tp_rules,
                               plan.sequence_parallel)
+    model._meshtrain_pipeline = None
+    if plan.pp > 1:
+        from meshtrain.parallel.pipeline import build_schedule, check_schedule
+        from meshtrain.parallel.pipeline.stage import split_model, stage_layers
+
+        schedule = build_schedule(plan.pp_schedule, plan.pp, plan.microbatches,
+                                  plan.virtual_stages)
+        check_schedule(schedule)
+        layers = stage_layers(model.config, model.config.vocab_size, schedule.num_stages,
+                              plan.pp_split)
+        chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
+        model._meshtrain_pipeline = (schedule, chunks)
     if any(p.is_meta for p in model.parameters()):
         _materialize(model, mesh.device, plan)
     apply_activation_checkpointing(model, plan.activation_checkpointing)
@@ -64,6 +76,11 @@ def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPla
     init_weights(model, plan.init_seed)
     for moe in moe_layers(model):
         moe.expert_bias = moe.expert_bias.float()
+
+
+def pipeline_stages(model: torch.nn.Module):
+    """``(schedule, chunks by stage)`` when ``model`` was split into pipeline stages, else None."""
+    return getattr(model, "_meshtrain_pipeline", None)
 
 
 def data_parallel_engine(model: torch.nn.Module):

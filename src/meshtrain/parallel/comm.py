@@ -67,6 +67,8 @@ def bus_bytes(op: str, full_bytes: int, group_size: int) -> int:
         return (n - 1) * full_bytes // n
     if op in ("send", "recv", "broadcast"):
         return full_bytes
+    if op == "all_gather_object":  # diagnostics only: pickled size unknown, not counted
+        return 0
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -171,14 +173,23 @@ class CountedComm:
         src = dist.get_global_rank(self.group, src_group_rank)
         return dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
 
-    def send(self, tensor: torch.Tensor, dst_group_rank: int):
+    def all_gather_object(self, obj) -> list:
+        """Gather a picklable object from every rank of the axis (diagnostics, not hot path)."""
+        if not self.active:
+            return [obj]
+        self.log.record(self.axis, "all_gather_object", (), torch.uint8, 0, self.size)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: int = 0):
         """Non-blocking point-to-point send to an axis rank; returns the work handle."""
         self.log.record(self.axis, "send", tensor.shape, tensor.dtype, self._nbytes(tensor), 2)
         return dist.isend(tensor, dst=dist.get_global_rank(self.group, dst_group_rank),
-                          group=self.group)
+                          group=self.group, tag=tag)
 
-    def recv(self, tensor: torch.Tensor, src_group_rank: int):
+    def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: int = 0):
         """Non-blocking point-to-point receive from an axis rank; returns the work handle."""
         self.log.record(self.axis, "recv", tensor.shape, tensor.dtype, self._nbytes(tensor), 2)
         return dist.irecv(tensor, src=dist.get_global_rank(self.group, src_group_rank),
-                          group=self.group)
+                          group=self.group, tag=tag)

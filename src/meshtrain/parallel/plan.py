@@ -45,6 +45,7 @@ class ParallelPlan:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     microbatches: int = 1
+    pp_split: str = ""
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
@@ -60,6 +61,7 @@ class ParallelPlan:
         return cls(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero,
                    sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                    virtual_stages=par.virtual_stages, microbatches=par.microbatches,
+                   pp_split=par.pp_split,
                    activation_checkpointing=par.activation_checkpointing,
                    dp_bucket_mb=par.dp_bucket_mb, init_seed=config.train.seed,
                    param_dtype=config.train.precision)

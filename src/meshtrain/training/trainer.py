@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from meshtrain.config import Config
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import Transformer, flops_per_token, moe_layers
-from meshtrain.parallel import ParallelPlan, data_parallel_engine, parallelize
+from meshtrain.parallel import (
+    ParallelPlan,
+    data_parallel_engine,
+    parallelize,
+    pipeline_stages,
+)
+from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.apply import tp_vocab_start
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training.data import TrainData
@@ -63,13 +69,25 @@ class Trainer:
             model = Transformer(config.model)
         self.plan = ParallelPlan.from_config(config)
         self.model = parallelize(model, mesh, self.plan)
-        self.vocab_start = tp_vocab_start(self.model)
+        self.vocab_start = tp_vocab_start(self.model) if mesh.is_first_stage else 0
+        self.pipeline = self._build_pipeline()
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
         self.step = 0
         self.flops_per_token = flops_per_token(config.model, train.seq_len)
         self.peak_flops = device_peak_flops(self.device, train.precision, train.peak_tflops)
         self.run_dir = Path(train.run_dir)
+
+    def _build_pipeline(self) -> PipelineExecutor | None:
+        stages = pipeline_stages(self.model)
+        if stages is None:
+            return None
+        schedule, chunks = stages
+        train, par = self.config.train, self.config.parallel
+        micro = train.global_batch // (self.mesh.dp * par.microbatches)
+        seq = train.seq_len // (self.mesh.tp if par.sequence_parallel else 1)
+        return PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
+                                (micro, seq, self.config.model.dim), self.dtype, self.device)
 
     # ------------------------------------------------------------------ one step
     def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -130,6 +148,8 @@ class Trainer:
         ranks. Leaves the gradients of the global mean loss in the engine's gradient buffers
         (or shards); returns the local loss sums and token counts (not reduced over ranks)."""
         global_tokens = self._global_token_count(microbatches)
+        if self.pipeline is not None:
+            return self._compute_gradients_pipelined(microbatches, global_tokens)
         lm_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         loads = None
@@ -144,6 +164,21 @@ class Trainer:
         self.engine.reduce_partial_grads(self.optimizer.shards)
         return {"lm": lm_total, "aux": aux_total, "global_tokens": global_tokens,
                 "expert_load": loads}
+
+    def _compute_gradients_pipelined(self, microbatches, global_tokens: float) -> dict:
+        """Run the pipeline schedule; gradients are reduced over dp once it has finished."""
+        self.engine.begin_accumulation()
+        self.pipeline.record_events = self.config.train.timeline_step == self.step + 1
+        lm_total = self.pipeline.run(
+            microbatches, lambda logits, targets: self._loss_sum(logits, targets) / global_tokens)
+        self.engine.sync_all()
+        self.engine.reduce_partial_grads(self.optimizer.shards)
+        if self.pipeline.record_events:
+            from meshtrain.training.timeline_report import write_measured_timeline
+
+            write_measured_timeline(self.pipeline, self.mesh, self.run_dir)
+        return {"lm": lm_total, "aux": torch.zeros((), device=self.device),
+                "global_tokens": global_tokens, "expert_load": None}
 
     def train_step(self) -> dict:
         """Run one optimizer step; return its metrics record."""
@@ -161,6 +196,7 @@ class Trainer:
         if every and (self.step + 1) % every == 0:
             self.engine.check_replicas_in_sync()
         losses = torch.stack([result["lm"], result["aux"]])
+        self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
         self.mesh.comm("dp").all_reduce(losses)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

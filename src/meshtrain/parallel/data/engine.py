@@ -53,6 +53,7 @@ class DataParallelEngine:
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
         self.tp_comm = mesh.comm("tp")
+        self.pp_comm = mesh.comm("pp")
         self.tp_rank = mesh.tp_rank
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
@@ -142,6 +143,17 @@ class DataParallelEngine:
         self._syncing = is_last or self.stage >= 2
         self._ready_count = [0] * len(self.buckets)
         self._next_launch = 0
+
+    def begin_accumulation(self) -> None:
+        """Accumulate gradients locally, whatever the stage, until :meth:`sync_all` (used when a
+        pipeline schedule interleaves the micro-batches' backward passes)."""
+        self._syncing = False
+
+    def sync_all(self) -> None:
+        """Reduce every bucket now (in order) and wait."""
+        self._syncing = True
+        self._next_launch = 0
+        self.end_microbatch()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
@@ -236,6 +248,7 @@ class DataParallelEngine:
         if self.stage >= 1:
             self.comm.all_reduce(sq)
         self.tp_comm.all_reduce(sq)
+        self.pp_comm.all_reduce(sq)  # each pipeline stage holds different parameters
         return sq
 
     @torch.no_grad()

@@ -193,28 +193,31 @@ def execution_order(schedule: Schedule) -> Iterator[tuple[int, Action]]:
     """
     done: set[Key] = set()
     pos = [0] * schedule.pp
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining:
-        progressed = False
-        for rank, acts in enumerate(schedule.actions):
-            while pos[rank] < len(acts):
-                act = acts[pos[rank]]
-                if not all(dep in done for dep in dependencies(schedule, rank, act)):
-                    break
-                done.add(produced_key(act))
-                pos[rank] += 1
-                remaining -= 1
-                progressed = True
-                yield rank, act
-        if not progressed:
-            stuck = []
-            for rank, acts in enumerate(schedule.actions):
-                if pos[rank] < len(acts):
-                    act = acts[pos[rank]]
-                    waits = [d for d in dependencies(schedule, rank, act) if d not in done]
-                    stuck.append(f"rank {rank} blocked at action #{pos[rank]} {act} waiting for "
-                                 + ", ".join(_describe(d) for d in waits))
-            raise ScheduleError("deadlock: " + "; ".join(stuck))
+    waiting: dict[Key, list[int]] = {}  # missing key -> ranks blocked on it
+    runnable = list(range(schedule.pp))
+    while runnable:
+        rank = runnable.pop()
+        acts = schedule.actions[rank]
+        while pos[rank] < len(acts):
+            act = acts[pos[rank]]
+            missing = next((d for d in dependencies(schedule, rank, act) if d not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            key = produced_key(act)
+            done.add(key)
+            runnable.extend(waiting.pop(key, ()))
+            pos[rank] += 1
+            yield rank, act
+    stuck = []
+    for rank, acts in enumerate(schedule.actions):
+        if pos[rank] < len(acts):
+            act = acts[pos[rank]]
+            waits = [d for d in dependencies(schedule, rank, act) if d not in done]
+            stuck.append(f"rank {rank} blocked at action #{pos[rank]} {act} waiting for "
+                         + ", ".join(_describe(d) for d in waits))
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
 
 
 def _describe(key: Key) -> str:

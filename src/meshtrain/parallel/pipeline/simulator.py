@@ -134,3 +134,88 @@ def simulate(schedule: Schedule,
     bubble = (total - sum(busy)) / total if total > 0 else 0.0
     return SimulationResult(makespan=makespan, bubble_fraction=bubble,
                             peak_inflight=peak_inflight(schedule), events=events, busy=busy)
+
+
+def closed_form_bubble(name: str, pp: int, microbatches: int, virtual_stages: int,
+                       times: StageTimes = StageTimes()) -> float | None:
+    """The papers' bubble fraction for uniform stage ``times``, or ``None`` where none applies.
+
+    GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v·m+p-1)`` (Narayanan et al.
+    2021); ZB-H1 (for ``m >= p`` and ``w <= min(f, b)``): idle ``(p-1)(f+b-w)`` per rank over
+    the makespan, i.e. ``(p-1)/(3m+p-1)`` when ``f = b = w`` (Qi et al. 2024). Only without
+    communication latency. ZB-V has no closed form here; for ``f = b = w`` its lower bound is
+    ``(p-1)/(6m+p-1)``.
+    """
+    p, m, v = pp, microbatches, virtual_stages
+    if times.comm != 0:
+        return None
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved-1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zb-h1" and m >= p and times.w <= min(times.f, times.b):
+        idle = (p - 1) * (times.f + times.b - times.w)
+        total = m * (times.f + times.b + times.w) + idle
+        return idle / total if total > 0 else None
+    return None
+
+
+def parse_times(text: str) -> tuple[float, float, float]:
+    """Parse ``"F,B,W"`` (three non-negative numbers) for ``meshtrain simulate --times``."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 0:
+        raise ConfigError(f"--times takes three non-negative numbers F,B,W (forward, "
+                          f"backward-input, backward-weight), e.g. 1,1,1; got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def simulate_named(name: str, pp: int, microbatches: int, virtual_stages: int,
+                   rank_times: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                   comm: float = 0.0) -> tuple[Schedule, SimulationResult, dict]:
+    """Build, check and simulate a named schedule; return it, the result and a JSON report.
+
+    ``rank_times`` are the F, B, W costs of one micro-batch through one rank's share of the
+    layers, so makespans compare across schedules: each of a rank's ``virtual_stages`` chunks
+    costs ``1/virtual_stages`` of them. ``comm`` is the latency of every cross-rank transfer.
+    """
+    from meshtrain.parallel.pipeline.checker import check_schedule
+    from meshtrain.parallel.pipeline.schedules import build_schedule
+
+    if comm < 0:
+        raise ConfigError(f"--comm must be >= 0, got {comm}")
+    schedule = build_schedule(name, pp, microbatches, virtual_stages)
+    check_schedule(schedule)
+    f, b, w = (x / virtual_stages for x in rank_times)
+    stage_times = StageTimes(f=f, b=b, w=w, comm=comm)
+    result = simulate(schedule, stage_times)
+    report = {
+        "schedule": name, "pp": pp, "microbatches": microbatches,
+        "virtual_stages": virtual_stages,
+        "times": {"f": rank_times[0], "b": rank_times[1], "w": rank_times[2], "comm": comm},
+        "stage_times": {"f": f, "b": b, "w": w, "comm": comm},
+        "makespan": result.makespan, "bubble_fraction": result.bubble_fraction,
+        "peak_inflight": result.peak_inflight,
+        "closed_form_bubble": closed_form_bubble(name, pp, microbatches, virtual_stages,
+                                                 stage_times),
+    }
+    return schedule, result, report
+
+
+def format_report(report: dict) -> str:
+    """A small text table of :func:`simulate_named`'s report."""
+    t = report["times"]
+    closed = report["closed_form_bubble"]
+    rows = [
+        ("schedule", f"{report['schedule']} (pp={report['pp']}, microbatches="
+                     f"{report['microbatches']}, virtual_stages={report['virtual_stages']})"),
+        ("times per rank", f"f={t['f']:g} b={t['b']:g} w={t['w']:g} comm={t['comm']:g}"),
+        ("makespan", f"{report['makespan']:.4g}"),
+        ("bubble_fraction", f"{report['bubble_fraction']:.4f}"),
+        ("closed form", "n/a" if closed is None else f"{closed:.4f}"),
+        ("peak in-flight", " ".join(f"r{r}={n}" for r, n in enumerate(report["peak_inflight"]))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

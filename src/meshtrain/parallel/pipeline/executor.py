@@ -1,0 +1,153 @@
+"""The pipeline runtime: executes any schedule's action list on this rank.
+
+One generic loop dispatches each :class:`Action` of the rank's list; nothing here (or in the
+trainer) looks at the schedule's name. Communication goes through the counted ``pp`` comm:
+activations and gradients have shapes known in advance (``[micro-batch, seq, dim]``, with the
+sequence divided by tp under sequence parallelism), so no shape handshake precedes a transfer.
+Sends are posted non-blocking and waited for at the end of the step (their buffers kept alive);
+receives block, which is exactly the semantics the static checker proves deadlock-free. Each
+message carries a tag unique to (kind, micro-batch, stage), so two streams between the same pair
+of ranks can never be confused.
+
+Zero-bubble split: ``I`` computes only the gradient w.r.t. the stage input
+(``torch.autograd.grad`` with the graph retained) and ``W`` later accumulates the weight
+gradients (``torch.autograd.backward(..., inputs=params)``). This is exact; the W pass re-walks the
+stage's graph, so on CPU it costs more than a true split would (see docs/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
+from meshtrain.parallel.pipeline.stage import StageChunk
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineExecutor:
+    """Runs one training step's forward and backward for this pipeline rank."""
+
+    def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], comm: CountedComm,
+                 pp_rank: int, activation_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.schedule, self.chunks, self.comm = schedule, chunks, comm
+        self.pp_rank = pp_rank
+        self.activation_shape = activation_shape
+        self.dtype, self.device = dtype, device
+        self.record_events = False
+        self.events: list[tuple[int, Action, float, float]] = []
+
+    def _tag(self, kind: str, microbatch: int, stage: int) -> int:
+        return (stage * self.schedule.microbatches + microbatch) * 2 + (kind == "grad")
+
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+            loss_fn: LossFn) -> torch.Tensor:
+        """Execute the rank's actions for ``microbatches``; returns the summed loss of the
+        micro-batches whose last stage is on this rank (0 elsewhere), already normalised by
+        ``loss_fn``. Gradients are left accumulated in the parameters."""
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        pending_sends: list[tuple[object, torch.Tensor]] = []
+        loss_total = torch.zeros((), device=self.device)
+        last = self.schedule.last_stage
+        self.events = []
+        for action in self.schedule.actions[self.pp_rank]:
+            start = time.perf_counter()
+            mb, s = action.microbatch, action.stage
+            kind = action.kind
+            if kind is ActionKind.RECV_ACT:
+                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                self.comm.recv(buf, action.peer, self._tag("act", mb, s - 1)).wait()
+                inputs[(mb, s)] = buf.requires_grad_()
+            elif kind is ActionKind.RECV_GRAD:
+                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                self.comm.recv(buf, action.peer, self._tag("grad", mb, s + 1)).wait()
+                grads_out[(mb, s)] = buf
+            elif kind is ActionKind.SEND_ACT:
+                tensor = outputs[(mb, s)].detach().contiguous()
+                pending_sends.append((self.comm.send(tensor, action.peer,
+                                                     self._tag("act", mb, s)), tensor))
+            elif kind is ActionKind.SEND_GRAD:
+                tensor = grads_in.pop((mb, s)).contiguous()
+                pending_sends.append((self.comm.send(tensor, action.peer,
+                                                     self._tag("grad", mb, s)), tensor))
+            elif kind is ActionKind.F:
+                loss_total += self._forward(mb, s, microbatches, loss_fn, inputs, outputs)
+            elif kind in (ActionKind.B, ActionKind.I):
+                self._backward_input(mb, s, kind is ActionKind.B, inputs, outputs, grads_out,
+                                     grads_in)
+            elif kind is ActionKind.W:
+                self._backward_weight(mb, s, outputs, grads_out, inputs)
+            if self.record_events and kind.is_compute:
+                self.events.append((self.pp_rank, action, start, time.perf_counter()))
+        for work, _ in pending_sends:
+            work.wait()
+        return loss_total
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, mb, s, microbatches, loss_fn, inputs, outputs) -> torch.Tensor:
+        chunk = self.chunks[s]
+        tokens, targets = microbatches[mb]
+        if chunk.is_first:
+            x = tokens.to(self.device)
+        elif (mb, s) in inputs:
+            x = inputs[(mb, s)]
+        else:  # the previous stage is on this rank: hand over in memory
+            x = outputs[(mb, s - 1)].detach().requires_grad_()
+            inputs[(mb, s)] = x
+        out = chunk(x)
+        if chunk.is_last:
+            loss = loss_fn(out, targets.to(self.device))
+            outputs[(mb, s)] = loss
+            return loss.detach()
+        outputs[(mb, s)] = out
+        return torch.zeros((), device=self.device)
+
+    def _grad_of_output(self, mb, s, grads_out, inputs) -> torch.Tensor | None:
+        if s == self.schedule.last_stage:
+            return None  # the output is the loss itself
+        if (mb, s) in grads_out:
+            return grads_out[(mb, s)]
+        return grads_in_memory(inputs, mb, s + 1)
+
+    def _backward_input(self, mb, s, full, inputs, outputs, grads_out, grads_in) -> None:
+        out = outputs[(mb, s)]
+        grad = self._grad_of_output(mb, s, grads_out, inputs)
+        x = inputs.get((mb, s))
+        if full:
+            torch.autograd.backward(out, grad)
+            self._release(mb, s, outputs, grads_out)
+            if x is not None:
+                grads_in[(mb, s)] = x.grad
+        elif x is not None:
+            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            grads_in[(mb, s)] = x.grad
+
+    def _backward_weight(self, mb, s, outputs, grads_out, inputs) -> None:
+        out = outputs[(mb, s)]
+        grad = self._grad_of_output(mb, s, grads_out, inputs)
+        params = [p for p in self.chunks[s].parameters() if p.requires_grad]
+        torch.autograd.backward(out, grad, inputs=params)
+        self._release(mb, s, outputs, grads_out)
+
+    @staticmethod
+    def _release(mb, s, outputs, grads_out) -> None:
+        outputs.pop((mb, s), None)
+        grads_out.pop((mb, s), None)
+
+
+def grads_in_memory(inputs: dict, mb: int, next_stage: int) -> torch.Tensor:
+    """Gradient w.r.t. the input of ``next_stage`` computed on this same rank."""
+    x = inputs[(mb, next_stage)]
+    if x.grad is None:
+        raise RuntimeError(f"gradient of micro-batch {mb} at stage {next_stage} is not ready; "
+                           f"the schedule ran a backward before its successor's")
+    return x.grad
+

@@ -1,0 +1,73 @@
+"""Measured pipeline timelines: every rank's action start/end times of one step, written as a
+Chrome trace and a PNG, with the measured bubble next to the simulator's prediction.
+
+The prediction feeds the simulator the *measured* mean F, B (or I) and W times of each stage and
+the same action lists, so the two numbers differ only by what the model leaves out (communication
+jitter, scheduling noise, the machine's other load).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.pipeline import StageTimes, simulate
+from meshtrain.parallel.pipeline.executor import PipelineExecutor
+from meshtrain.parallel.pipeline.schedule import ActionKind
+
+
+def measured_bubble(events, pp: int) -> float:
+    """Idle time over pp × makespan from measured ``(rank, action, start, end)`` events."""
+    start = min(e[2] for e in events)
+    end = max(e[3] for e in events)
+    busy = sum(e[3] - e[2] for e in events)
+    return 1.0 - busy / (pp * (end - start))
+
+
+def stage_times_from(events, num_stages: int) -> list[StageTimes]:
+    """Mean measured F / B-or-I / W duration of each stage (a full B counts as b + w with
+    w = the stage's mean W time where measured, else 0)."""
+    per: dict[tuple[int, ActionKind], list[float]] = {}
+    for _, action, t0, t1 in events:
+        per.setdefault((action.stage, action.kind), []).append(t1 - t0)
+
+    def mean(stage, kind):
+        values = per.get((stage, kind))
+        return statistics.fmean(values) if values else 0.0
+
+    times = []
+    for s in range(num_stages):
+        w = mean(s, ActionKind.W)
+        b = mean(s, ActionKind.I) if (s, ActionKind.I) in per else mean(s, ActionKind.B) - w
+        times.append(StageTimes(f=mean(s, ActionKind.F), b=max(b, 0.0), w=w))
+    return times
+
+
+def write_measured_timeline(executor: PipelineExecutor, mesh: ParallelMesh,
+                            run_dir: Path) -> dict | None:
+    """Gather this step's events over the pp group; the logging rank writes
+    ``timeline.json`` (Chrome trace), ``timeline.png`` and ``timeline_summary.json``."""
+    gathered = mesh.comm("pp").all_gather_object(executor.events)
+    if not mesh.is_logging_rank:
+        return None
+    from meshtrain.parallel.pipeline.timeline import plot_timeline, write_chrome_trace
+
+    events = [e for rank_events in gathered for e in rank_events]
+    origin = min(e[2] for e in events)
+    events = [(r, a, t0 - origin, t1 - origin) for r, a, t0, t1 in events]
+    schedule = executor.schedule
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_chrome_trace(events, run_dir / "timeline.json")
+    plot_timeline(events, schedule.pp, run_dir / "timeline.png",
+                  title=f"measured {schedule.name} pp={schedule.pp} m={schedule.microbatches}")
+    predicted = simulate(schedule, stage_times_from(events, schedule.num_stages))
+    summary = {"schedule": schedule.name, "pp": schedule.pp,
+               "microbatches": schedule.microbatches,
+               "measured_bubble_fraction": measured_bubble(events, schedule.pp),
+               "simulated_bubble_fraction": predicted.bubble_fraction,
+               "measured_makespan_s": max(e[3] for e in events),
+               "simulated_makespan_s": predicted.makespan}
+    (run_dir / "timeline_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
