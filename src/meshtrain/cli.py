@@ -54,6 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")
     _add_planner_parsers(sub)
+    sim = sub.add_parser("simulate", help="time a pipeline schedule (bubble, memory, timeline)")
+    sim.add_argument("--schedule", required=True,
+                     help="gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v")
+    sim.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    sim.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    sim.add_argument("--virtual-stages", type=int,
+                     help="chunks per rank (default 2 for interleaved-1f1b and zb-v, else 1)")
+    sim.add_argument("--times", default="1,1,1", metavar="F,B,W",
+                     help="forward, backward-input, backward-weight time of one micro-batch "
+                          "through one rank's layers (default 1,1,1)")
+    sim.add_argument("--comm", type=float, default=0.0, help="latency of each p2p transfer")
+    sim.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    sim.add_argument("--plot", metavar="PNG", help="write the timeline as a PNG")
+    sim.add_argument("--trace", metavar="JSON", help="write a Chrome trace-event JSON")
     return parser
 
 
@@ -160,8 +174,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """``meshtrain simulate``: build, check and time a pipeline schedule."""
+    import json
+
+    from meshtrain.parallel.pipeline.schedules import default_virtual_stages
+    from meshtrain.parallel.pipeline.simulator import format_report, parse_times, simulate_named
+    from meshtrain.parallel.pipeline.timeline import plot_timeline, write_chrome_trace
+
+    v = args.virtual_stages if args.virtual_stages is not None else \
+        default_virtual_stages(args.schedule)
+    _, result, report = simulate_named(args.schedule, args.pp, args.microbatches, v,
+                                       parse_times(args.times), args.comm)
+    if args.plot:
+        plot_timeline(result.events, args.pp, args.plot,
+                      f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: bubble "
+                      f"{result.bubble_fraction:.3f}")
+    if args.trace:
+        write_chrome_trace(result.events, args.trace)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench,
-            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate}
+            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
+            "simulate": cmd_simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

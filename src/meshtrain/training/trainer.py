@@ -29,7 +29,6 @@ from meshtrain.parallel import (
     pipeline_stages,
 )
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
-from meshtrain.parallel.tensor.apply import tp_vocab_start
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training.data import TrainData
 from meshtrain.training.lr_schedule import learning_rate
@@ -69,7 +68,8 @@ class Trainer:
             model = Transformer(config.model)
         self.plan = ParallelPlan.from_config(config)
         self.model = parallelize(model, mesh, self.plan)
-        self.vocab_start = tp_vocab_start(self.model) if mesh.is_first_stage else 0
+        # First vocabulary id of this rank's logits slice (the head is split like the embedding).
+        self.vocab_start = mesh.tp_rank * (config.model.vocab_size // mesh.tp)
         self.pipeline = self._build_pipeline()
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)

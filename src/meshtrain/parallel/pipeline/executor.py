@@ -56,7 +56,6 @@ class PipelineExecutor:
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         pending_sends: list[tuple[object, torch.Tensor]] = []
         loss_total = torch.zeros((), device=self.device)
-        last = self.schedule.last_stage
         self.events = []
         for action in self.schedule.actions[self.pp_rank]:
             start = time.perf_counter()

@@ -1,0 +1,164 @@
+"""The ``estimate``, ``plan`` and ``calibrate`` subcommands: their options and bodies.
+
+:mod:`meshtrain.cli` registers them; here is what they parse and print. Input errors are
+:class:`~meshtrain.config.ConfigError` (exit 2). ``estimate`` and ``plan`` validate shapes with
+:func:`meshtrain.validation.validate_model` and degrees with
+:func:`meshtrain.planner.workload.check_layout`, never the runtime's "is this axis implemented"
+checks: they price layouts the runtime may not run yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshtrain.config import Config, ConfigError, default_config_path, load_config
+
+
+def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -> None:
+    """--hardware, --gpus, --gpus-per-node, --json and the energy prices."""
+    parser.add_argument("--hardware", required=True, metavar="NAME|profile.json",
+                        help="a GPU profile (a100-80g, h100-80g, h200, b200, ...) or a "
+                             "calibrate --out file")
+    parser.add_argument("--gpus", type=int, required=gpus_required,
+                        help="GPUs in the cluster" + ("" if gpus_required else
+                                                      " (default: dp × tp × pp)"))
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    parser.add_argument("--pue", type=float, default=1.2, help="datacenter PUE (default 1.2)")
+    parser.add_argument("--price-per-kwh", type=float, default=0.10, help="currency per kWh")
+    parser.add_argument("--carbon-g-per-kwh", type=float, default=400.0,
+                        help="grid carbon intensity, g CO2 per kWh")
+
+
+def _energy(args: argparse.Namespace) -> dict:
+    return {"pue": args.pue, "price_per_kwh": args.price_per_kwh,
+            "carbon_g_per_kwh": args.carbon_g_per_kwh}
+
+
+def _check_shapes(config: Config) -> None:
+    """Model and batch shapes (the runtime-independent checks), vocab filled in."""
+    from meshtrain.validation import validate_model
+
+    if config.model.vocab_size == 0:
+        from meshtrain.training.tokenizer import tokenizer_vocab_size
+
+        config.model.vocab_size = tokenizer_vocab_size(config.data.tokenizer)
+    validate_model(config, None)
+    for key in ("seq_len", "global_batch"):
+        if getattr(config.train, key) < 1:
+            raise ConfigError(f"train.{key} must be at least 1.")
+    if config.train.precision not in ("bf16", "fp32"):
+        raise ConfigError(f'train.precision = "{config.train.precision}"; use bf16 or fp32.')
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    """``meshtrain estimate``: price the layout a run config describes."""
+    from meshtrain.planner.estimate import estimate
+    from meshtrain.planner.hardware import Cluster, load_profile
+    from meshtrain.planner.report import format_estimate
+    from meshtrain.planner.workload import Layout, Workload
+
+    path = args.config if args.config else default_config_path()
+    config = load_config(path, args.overrides)
+    _check_shapes(config)
+    par = config.parallel
+    world = args.gpus or args.nproc
+    if par.dp == 0:
+        if world and world % (par.tp * par.pp):
+            raise ConfigError(f"--gpus {world} is not a multiple of tp × pp = "
+                              f"{par.tp * par.pp}.")
+        par.dp = world // (par.tp * par.pp) if world else 1
+    layout = Layout.from_config(config)
+    gpus = args.gpus or layout.world_size
+    if gpus != layout.world_size:
+        raise ConfigError(f"dp × tp × pp = {layout.world_size} does not equal --gpus {gpus}; "
+                          f"leave parallel.dp at 0 to fill the GPUs with data parallelism.")
+    profile = load_profile(args.hardware)
+    cluster = Cluster(profile, gpus, args.gpus_per_node)
+    result = estimate(Workload.from_config(config), layout, cluster, _energy(args))
+    result["hardware"] = profile.name
+    print(json.dumps(result, indent=2) if args.json else format_estimate(result, profile.name))
+    return 0
+
+
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``meshtrain plan``."""
+    parser.add_argument("--model", required=True, metavar="NAME|config.toml",
+                        help="a preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, "
+                             "mixtral-8x7b, ...) or a TOML run config")
+    parser.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override a model/train value")
+    add_hardware_options(parser, gpus_required=True)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``meshtrain plan``: rank layouts; exit 0 even when nothing fits (the answer says why)."""
+    from meshtrain.config import parse_override, set_key
+    from meshtrain.planner.hardware import Cluster, load_profile
+    from meshtrain.planner.presets import PRESETS, preset_config
+    from meshtrain.planner.report import format_plan
+    from meshtrain.planner.search import plan
+    from meshtrain.planner.workload import Workload
+
+    if args.model.lower() in PRESETS:
+        config = preset_config(args.model)
+        for text in args.overrides:
+            set_key(config, *parse_override(text))
+    elif Path(args.model).is_file():
+        config = load_config(args.model, args.overrides)
+    else:
+        preset_config(args.model)  # raises the "known presets" message
+    _check_shapes(config)
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top} must be at least 1.")
+    profile = load_profile(args.hardware)
+    cluster = Cluster(profile, args.gpus, args.gpus_per_node)
+    result = plan(Workload.from_config(config), cluster, args.top, _energy(args)).to_dict()
+    result.update(model=args.model, hardware=profile.name, gpus=args.gpus,
+                  gpus_per_node=args.gpus_per_node, seq_len=config.train.seq_len,
+                  global_batch=config.train.global_batch)
+    title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
+             f"seq {config.train.seq_len}, global batch {config.train.global_batch}")
+    print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+    return 0
+
+
+def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
+    """Options of ``meshtrain calibrate``."""
+    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
+    parser.add_argument("--sizes", default="4096,65536,1048576,16777216",
+                        help="message sizes in bytes, comma-separated")
+    parser.add_argument("--matmul-sizes", default="256,512,1024",
+                        help="square GEMM sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--name", default="measured", help="profile name")
+    parser.add_argument("--power-w", type=float, default=0.0, help="power per process, watts")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: expected comma-separated integers.") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} {text!r}: expected positive integers.")
+    return values
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """``meshtrain calibrate``: measure and write a profile JSON."""
+    from meshtrain.planner.calibrate import calibrate
+
+    if args.nproc < 2:
+        raise ConfigError(f"--nproc {args.nproc}: calibrate needs at least 2 processes.")
+    profile = calibrate(args.nproc, _int_list(args.sizes, "--sizes"),
+                        _int_list(args.matmul_sizes, "--matmul-sizes"), args.repeats,
+                        args.name, args.power_w)
+    Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    print(f"wrote {args.out}: {profile.peak_tflops:.3g} TFLOP/s matmul, all-reduce "
+          f"{profile.intra_node_gbps:.3g} GB/s bus, latency {profile.intra_node_latency_us:.0f} us")
+    return 0

@@ -1,0 +1,205 @@
+"""One layout priced end to end: memory per rank, step time and its breakdown, FLOP/s, energy.
+
+Step time = the pipelined forward/backward of the slowest stage (``m`` micro-batches plus the
+schedule's bubble) + the exposed part of data-parallel communication + the optimizer update.
+
+Data-parallel communication per step (bus bytes from :mod:`meshtrain.parallel.comm`), gradients
+on the wire at ``RuntimeTraits.grad_reduce_bytes`` per element, parameters in the training dtype:
+ZeRO-0 one all-reduce; ZeRO-1 a reduce-scatter and a parameter all-gather; ZeRO-2 a reduce-scatter
+per micro-batch (meshtrain keeps no full gradient buffer) and an all-gather; ZeRO-3 per micro-batch
+an all-gather in forward, one in backward and a reduce-scatter. Where the runtime overlaps them,
+only what exceeds the compute they hide behind is exposed (reductions behind the backward of the
+micro-batch that produces them, ZeRO-3 gathers behind the previous block's compute); the ZeRO-1/2
+parameter all-gather after the update is exposed. Expert parameters reduce over ``dp / ep`` ranks.
+
+Model FLOPs are :func:`meshtrain.model.init.flops_per_token` × tokens (the MFU basis); hardware
+FLOPs add what activation checkpointing recomputes.
+"""
+
+from __future__ import annotations
+
+from meshtrain.model.init import count_parameters, flops_per_token
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.memory import GB, rank_memory, stage_params
+from meshtrain.planner.pipeline_model import pipeline_estimate
+from meshtrain.planner.timing import BlockCost, block_cost, head_cost
+from meshtrain.planner.workload import Layout, Workload, check_layout, stage_layers
+
+ADAM_BYTES_PER_PARAM = 30.0
+"""HBM traffic of one AdamW update per parameter: read master, m, v, grad (fp32), write master,
+m, v and the bf16 copy."""
+
+
+def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: list[int],
+                last: bool, cache: dict[int, BlockCost]) -> BlockCost:
+    total = BlockCost()
+    model = workload.model
+    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    for key, count in ((0, len(layers) - moe), (1, moe)):
+        if count:
+            if key not in cache:
+                layer = next(i for i in layers if model.is_moe_layer(i) == bool(key))
+                cache[key] = block_cost(workload, layout, cluster, layer)
+            total.add(cache[key], count)
+    if last:
+        total.add(head_cost(workload, layout, cluster))
+    return total
+
+
+_MODEL_TOTALS: dict[str, tuple[int, int, float]] = {}
+
+
+def _model_totals(workload: Workload) -> tuple[int, int, float]:
+    """(total params, active params, model FLOPs per token), cached per shape."""
+    key = repr((workload.model, workload.seq_len))
+    if key not in _MODEL_TOTALS:
+        counts = count_parameters(workload.model)
+        _MODEL_TOTALS[key] = (counts["total"], counts["active"],
+                              flops_per_token(workload.model, workload.seq_len))
+    return _MODEL_TOTALS[key]
+
+
+def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float, expert: float,
+             backward: float, forward: float) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel communication per step on one rank."""
+    lay, traits = layout, workload.traits
+    groups = [(dense, lay.dp, lay.tp)]
+    if expert:
+        groups.append((expert, lay.dp // lay.ep, lay.tp * lay.ep))
+    total = exposed = 0.0
+    m = lay.microbatches
+    for params, size, stride in groups:
+        if size <= 1 or params <= 0:
+            continue
+        grads = params * traits.grad_reduce_bytes
+        weights = params * workload.act_bytes
+
+        def t(op, nbytes, size=size, stride=stride):
+            return cluster.collective_time(op, nbytes, size, stride)
+
+        if lay.zero == 0:
+            hidden, tail = t("all_reduce", grads), 0.0
+            window = backward
+        elif lay.zero == 1:
+            hidden, tail, window = t("reduce_scatter", grads), t("all_gather", weights), backward
+        elif lay.zero == 2:
+            hidden, tail = m * t("reduce_scatter", grads), t("all_gather", weights)
+            window = m * backward
+        else:
+            hidden = m * (2 * t("all_gather", weights) + t("reduce_scatter", grads))
+            tail, window = 0.0, m * (backward + forward)
+        total += hidden + tail
+        exposed += tail + (max(hidden - window, 0.0) if traits.overlap_dp else hidden)
+    return total, exposed
+
+
+def estimate(workload: Workload, layout: Layout, cluster: Cluster,
+             energy: dict | None = None, use_simulator: bool = True) -> dict:
+    """Price ``layout`` for ``workload`` on ``cluster``; a JSON-ready dict (see docs/planner.md).
+
+    ``energy``: ``pue``, ``price_per_kwh``, ``carbon_g_per_kwh`` (defaults 1.2, 0.10, 400).
+    ``use_simulator``: time the pipeline with the runtime's schedule simulator (else closed forms).
+    """
+    check_layout(workload, layout)
+    model, lay = workload.model, layout
+    placement = stage_layers(model.n_layers, lay.pp, lay.chunks_per_rank)
+    cache: dict[int, BlockCost] = {}
+    costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache)
+             for r, layers in enumerate(placement)]
+    slowest = max(range(lay.pp), key=lambda r: costs[r].compute + costs[r].tp_comm
+                  + costs[r].ep_comm)
+    c = costs[slowest]
+
+    b = lay.micro_batch_size(workload)
+    boundary = b * workload.seq_len * model.dim * workload.act_bytes
+    if lay.sequence_parallel or (workload.traits.pp_scatter_gather and lay.tp > 1):
+        boundary /= lay.tp
+    sends = 2 * lay.chunks_per_rank if lay.pp > 1 else 0
+    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.dp)
+
+    comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2
+    comm_b = (c.tp_comm + c.ep_comm) * 2 / 3 + pp_comm / 2
+    f = c.forward + comm_f
+    bi = c.backward_input + c.recompute + comm_b
+    w = c.backward_weight
+    pipe = pipeline_estimate(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages, f, bi, w,
+                             use_simulator)
+    unit = f + bi + w
+    pipelined = pipe.makespan_units * unit if lay.pp > 1 else lay.microbatches * unit
+    bubble = pipelined - lay.microbatches * unit
+
+    params_by_stage = [stage_params(model, layers, lay, r == 0, r == lay.pp - 1)
+                       for r, layers in enumerate(placement)]
+    sp = params_by_stage[slowest]
+    dp_total, dp_exposed = _dp_time(workload, lay, cluster, sp.dense, sp.expert,
+                                    c.backward_input + c.backward_weight + c.recompute, c.forward)
+    zero_share = lay.dp if lay.zero >= 1 else 1
+    shard = sp.dense / zero_share + sp.expert / max(lay.dp // lay.ep if lay.zero else 1, 1)
+    optimizer = shard * ADAM_BYTES_PER_PARAM / (cluster.profile.hbm_gbps * 1e9)
+    step = pipelined + dp_exposed + optimizer
+
+    memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
+              for r, layers in enumerate(placement)]
+    tokens = workload.tokens_per_step
+    gpus = lay.world_size
+    total_params, active_params, per_token = _model_totals(workload)
+    model_flops = per_token * tokens
+    recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))
+    hardware_flops = model_flops + recomputed * lay.tp * lay.dp * lay.microbatches
+    peak = cluster.profile.peak_tflops * 1e12
+    m = lay.microbatches
+    breakdown = {
+        "compute_s": m * (c.forward + c.backward_input + c.backward_weight),
+        "recompute_s": m * c.recompute,
+        "tp_comm_s": m * c.tp_comm,
+        "ep_comm_s": m * c.ep_comm,
+        "pp_comm_s": m * pp_comm,
+        "bubble_s": bubble,
+        "dp_comm_exposed_s": dp_exposed,
+        "dp_comm_total_s": dp_total,
+        "optimizer_s": optimizer,
+    }
+    result = {
+        "params": total_params,
+        "active_params": active_params,
+        "gpus": gpus,
+        "layout": lay.to_dict(),
+        "micro_batch_size": b,
+        "tokens_per_step": tokens,
+        "per_rank": [mem.to_dict() for mem in memory],
+        "memory_gb_per_gpu": max(mem.total_bytes for mem in memory) / GB,
+        "memory_limit_gb": cluster.profile.memory_gb - cluster.profile.reserved_gb,
+        "step_time_s": step,
+        "tokens_per_s": tokens / step,
+        "model_tflops_per_gpu": model_flops / step / gpus / 1e12,
+        "hardware_tflops_per_gpu": hardware_flops / step / gpus / 1e12,
+        "mfu": model_flops / step / gpus / peak,
+        "hfu": hardware_flops / step / gpus / peak,
+        "bubble_fraction": bubble / step if step else 0.0,
+        "pipeline_model": pipe.source,
+        "breakdown": breakdown,
+        "bound": _bound(breakdown),
+    }
+    result["fits"] = result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
+    result.update(energy_per_token(result, cluster, energy or {}))
+    return result
+
+
+def _bound(breakdown: dict) -> str:
+    """The largest non-compute cost, or ``compute`` when compute is over 80 % of the step."""
+    total = sum(v for k, v in breakdown.items() if k != "dp_comm_total_s")
+    if breakdown["compute_s"] >= 0.8 * total:
+        return "compute"
+    others = {k: v for k, v in breakdown.items() if k not in ("compute_s", "dp_comm_total_s")}
+    return max(others, key=others.get).removesuffix("_s")
+
+
+def energy_per_token(result: dict, cluster: Cluster, options: dict) -> dict:
+    """kWh, cost and CO2 per 10^9 tokens from the profile's power per GPU."""
+    pue = options.get("pue", 1.2)
+    price = options.get("price_per_kwh", 0.10)
+    carbon = options.get("carbon_g_per_kwh", 400.0)
+    seconds = 1e9 / result["tokens_per_s"]
+    kwh = seconds * result["gpus"] * cluster.profile.power_w * pue / 3.6e6
+    return {"kwh_per_1b_tokens": kwh, "cost_per_1b_tokens": kwh * price,
+            "co2_kg_per_1b_tokens": kwh * carbon / 1000}

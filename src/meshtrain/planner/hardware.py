@@ -1,0 +1,201 @@
+"""Hardware profiles (one accelerator and its links) and the cluster they make.
+
+A :class:`HardwareProfile` holds what the cost model needs about one GPU: dense bf16 peak,
+memory, HBM bandwidth, the fraction of peak large matmuls reach, the per-kernel overhead, the
+*bus* bandwidth (nccl-tests convention, see :mod:`meshtrain.parallel.comm`) a collective reaches
+inside a node (NVLink) and the per-GPU bandwidth across nodes (InfiniBand / RoCE), their latencies,
+and the power a GPU draws with its share of the server (for energy). Named profiles come from
+vendor data sheets; ``meshtrain calibrate --out profile.json`` writes a measured one, and a path
+to such a file is accepted wherever a profile name is.
+
+A :class:`Cluster` is a profile × ``gpus`` × ``gpus_per_node``. :meth:`Cluster.collective_time`
+prices one collective for a group laid out with a given stride over the ranks (tp innermost,
+pp outermost, as :mod:`meshtrain.mesh` places them): a group inside one node runs at the NVLink
+bus bandwidth; a group spanning nodes with ``g`` of its ranks per node runs at ``g`` times the
+per-GPU network bandwidth (each GPU drives its own NIC, NCCL runs one ring per NIC), capped by
+NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from meshtrain.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One accelerator type and the links between accelerators (units in field names)."""
+
+    name: str
+    peak_tflops: float
+    """Dense bf16 peak (no sparsity)."""
+    memory_gb: float
+    """Device memory in GB (10^9 bytes), as the vendor states it."""
+    hbm_gbps: float
+    """Device-memory bandwidth, GB/s."""
+    matmul_efficiency: float
+    """Fraction of ``peak_tflops`` that large bf16 GEMMs reach (cuBLAS on big square shapes)."""
+    kernel_overhead_us: float
+    """Fixed cost per kernel (launch, tail effects), the reason small GEMMs run below peak."""
+    intra_node_gbps: float
+    """All-reduce bus bandwidth achieved inside a node (NVLink / NVSwitch), GB/s."""
+    inter_node_gbps: float
+    """Network bandwidth per GPU across nodes (one NIC per GPU), GB/s."""
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+    power_w: float
+    """Power per GPU including its share of the server (CPUs, NICs, fans), watts."""
+    reserved_gb: float = 3.0
+    """Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation)."""
+    attention_efficiency: float = 0.75
+    """Fused (flash) attention throughput relative to large GEMMs."""
+    source: str = ""
+    measured: dict | None = None
+    """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict (what ``calibrate --out`` writes)."""
+        return dataclasses.asdict(self)
+
+
+# Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
+# below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU).
+PROFILES: dict[str, HardwareProfile] = {
+    profile.name: profile
+    for profile in (
+        HardwareProfile(
+            "a100-40g", peak_tflops=312.0, memory_gb=40.0, hbm_gbps=1555.0,
+            matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
+            inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+        HardwareProfile(
+            "a100-80g", peak_tflops=312.0, memory_gb=80.0, hbm_gbps=2039.0,
+            matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
+            inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+        HardwareProfile(
+            "h100-80g", peak_tflops=989.0, memory_gb=80.0, hbm_gbps=3350.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            power_w=1275.0,
+            source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
+        HardwareProfile(
+            "h200", peak_tflops=989.0, memory_gb=141.0, hbm_gbps=4800.0,
+            matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            power_w=1275.0, source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
+        HardwareProfile(
+            "b200", peak_tflops=2250.0, memory_gb=180.0, hbm_gbps=7700.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
+            inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
+            power_w=1790.0, source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
+        HardwareProfile(
+            "mi300x", peak_tflops=1307.0, memory_gb=192.0, hbm_gbps=5300.0,
+            matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
+            inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
+            power_w=1300.0, source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
+    )
+}
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A named profile, or a profile JSON file written by ``meshtrain calibrate``."""
+    key = name_or_path.lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"--hardware {name_or_path}: no such profile file.")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ConfigError(f"--hardware {name_or_path}: not a JSON profile ({error}).") from None
+        fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+        missing = [f.name for f in dataclasses.fields(HardwareProfile)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"--hardware {name_or_path}: profile lacks {', '.join(missing)}.")
+        return HardwareProfile(**{k: v for k, v in data.items() if k in fields})
+    raise ConfigError(f'--hardware "{name_or_path}" is neither a known profile nor a file; '
+                      f"known profiles: {', '.join(PROFILES)} (or a calibrate --out JSON file).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """``gpus`` accelerators of one profile, ``gpus_per_node`` to a node."""
+
+    profile: HardwareProfile
+    gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ConfigError(f"--gpus {self.gpus} and --gpus-per-node {self.gpus_per_node} "
+                              f"must be at least 1.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ConfigError(f"--gpus {self.gpus} is not a whole number of nodes of "
+                              f"{self.gpus_per_node} GPUs.")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the cluster."""
+        return max(1, math.ceil(self.gpus / self.gpus_per_node))
+
+    def ranks_per_node(self, size: int, stride: int) -> int:
+        """How many members of a group (``size`` ranks, ``stride`` apart) share one node."""
+        if stride >= self.gpus_per_node:
+            return 1
+        return max(1, min(size, self.gpus_per_node // stride))
+
+    def group_bandwidth(self, size: int, stride: int) -> tuple[float, float]:
+        """(bus bandwidth in bytes/s, per-step latency in s) of a group's collectives."""
+        p = self.profile
+        per_node = self.ranks_per_node(size, stride)
+        if per_node >= size:
+            return p.intra_node_gbps * 1e9, p.intra_node_latency_us * 1e-6
+        bandwidth = min(p.intra_node_gbps, per_node * p.inter_node_gbps)
+        return bandwidth * 1e9, p.inter_node_latency_us * 1e-6
+
+    def collective_time(self, op: str, full_bytes: float, size: int, stride: int = 1) -> float:
+        """Seconds for one collective over ``size`` ranks on a tensor of ``full_bytes``.
+
+        Bus bytes follow :func:`meshtrain.parallel.comm.bus_bytes`; the latency term counts
+        ``2 log2(n)`` steps (NCCL's tree / ring hybrid at scale, simplified).
+        """
+        if size <= 1 or full_bytes <= 0:
+            return 0.0
+        bandwidth, latency = self.group_bandwidth(size, stride)
+        if op == "all_to_all":
+            return self._all_to_all_time(full_bytes, size, stride)
+        if op == "send":
+            bus = full_bytes
+            steps = 1
+        else:
+            factor = 2.0 if op == "all_reduce" else 1.0
+            bus = factor * (size - 1) / size * full_bytes
+            steps = 2 * math.ceil(math.log2(size))
+        return bus / bandwidth + steps * latency
+
+    def _all_to_all_time(self, full_bytes: float, size: int, stride: int) -> float:
+        """All-to-all: the off-node share goes through this GPU's NIC, the rest over NVLink."""
+        p = self.profile
+        per_node = self.ranks_per_node(size, stride)
+        on_node = (per_node - 1) / size * full_bytes
+        off_node = (size - per_node) / size * full_bytes
+        time = on_node / (p.intra_node_gbps * 1e9) + off_node / (p.inter_node_gbps * 1e9)
+        latency = p.inter_node_latency_us if off_node else p.intra_node_latency_us
+        return time + (size - 1) * latency * 1e-6 / 4  # peers are addressed concurrently
+
+    def p2p_time(self, nbytes: float, stride: int) -> float:
+        """One point-to-point send between ranks ``stride`` apart."""
+        if nbytes <= 0:
+            return 0.0
+        p = self.profile
+        if stride < self.gpus_per_node:
+            return nbytes / (p.intra_node_gbps * 1e9) + p.intra_node_latency_us * 1e-6
+        return nbytes / (p.inter_node_gbps * 1e9) + p.inter_node_latency_us * 1e-6

@@ -1,0 +1,179 @@
+"""Per-rank memory: model states by ZeRO stage, activations by schedule, buffers.
+
+Model states follow Rajbhandari et al. 2020 ("ZeRO", §3.1 and §5): mixed-precision Adam keeps
+2 bytes of bf16 parameters, 2 of gradients and K = 12 of optimizer state (fp32 master, momentum,
+variance) per parameter; fp32 training keeps 4 + 4 + 8. Over N data-parallel ranks:
+
+=======  =================  ==================  ================
+stage    parameters          gradients           optimizer
+=======  =================  ==================  ================
+0        2P                  2P                  12P
+1        2P                  2P                  12P / N
+2        2P                  2P / N              12P / N
+3        2P / N              2P / N              12P / N
+=======  =================  ==================  ================
+
+Activations follow Korthikanti et al. 2022 (§4, "Reducing Activation Recomputation"), who count
+``sbh(34 + 5as/h)`` bytes per GPT layer; here the same accounting is redone for a Llama block
+(RMSNorm, GQA, SwiGLU or GELU, no dropout): tensors saved for backward, in ``s b h`` units of the
+activation dtype. Without sequence parallelism the norm inputs and the inputs of the first matmul
+of each sub-block are replicated over tp; with it everything is divided by tp. Fused attention
+keeps no ``s × s`` scores; unfused attention adds ``2 a s / h`` (the softmax output). Full
+checkpointing keeps only each block's input (plus one block's working set while it recomputes);
+selective recomputes the attention core and the MLP activation function. A rank holds its
+stage's activations times the schedule's peak in-flight micro-batches
+(:mod:`meshtrain.planner.pipeline_model`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import ModelConfig
+from meshtrain.model.init import _attention_params, _mlp_params
+from meshtrain.planner.workload import Layout, Workload
+
+GB = 1e9
+
+
+def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
+                      ) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per rank for ``params`` parameters replicated over
+    ``dp`` ranks under ZeRO stage ``zero`` (the table in the module docstring)."""
+    param_b, grad_b, optim_b = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
+    n = max(dp, 1)
+    param = params * param_b / (n if zero >= 3 else 1)
+    grad = params * grad_b / (n if zero >= 2 else 1)
+    optim = params * optim_b / (n if zero >= 1 else 1)
+    return param, grad, optim
+
+
+@dataclasses.dataclass
+class StageParams:
+    """Parameters one rank of a pipeline stage holds: dense (replicated over dp) and expert
+    (replicated over dp / ep)."""
+
+    dense: float
+    expert: float
+    largest_layer: float
+    """Largest block's parameters on this rank (what ZeRO-3 gathers at once)."""
+
+
+def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
+    attention = _attention_params(model) / tp + 2 * model.dim
+    if not model.is_moe_layer(layer):
+        return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
+    expert = _mlp_params(model, model.expert_ffn_dim) / tp
+    dense = attention + model.dim * model.moe_experts + model.moe_shared_experts * expert
+    return dense, model.moe_experts * expert / ep
+
+
+def stage_params(model: ModelConfig, layers: list[int], layout: Layout, first: bool,
+                 last: bool) -> StageParams:
+    """Parameters on one rank of the stage holding ``layers``."""
+    dense = expert = largest = 0.0
+    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    for count, layer in ((len(layers) - moe, 0), (moe, model.moe_every - 1)):
+        if count:
+            d, e = _layer_params(model, layer, layout.tp, layout.ep)
+            dense, expert, largest = dense + count * d, expert + count * e, max(largest, d + e)
+    vocab_shard = model.vocab_size * model.dim / layout.tp
+    if first:
+        dense += vocab_shard
+    if last:
+        dense += model.dim + (0 if (first and model.tie_embeddings) else vocab_shard)
+    return StageParams(dense, expert, largest)
+
+
+def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout: Layout,
+                           flash: bool, mode: str | None = None) -> float:
+    """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
+    element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them)."""
+    mode = mode or layout.activation_checkpointing
+    t, h = layout.tp, model.dim
+    sp = layout.sequence_parallel
+    if mode == "full":
+        return 2.0 / (t if sp else 1)
+    kv_ratio = model.kv_heads / model.n_heads
+    replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
+    parallel = 4.0 + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    if not flash and mode != "selective":
+        parallel += 2.0 * model.n_heads * seq_len / h  # softmax probabilities
+    per_hidden = {("swiglu", "none"): 8.0, ("swiglu", "selective"): 6.0}.get(
+        (model.mlp, mode), 4.0)
+    if model.is_moe_layer(layer):
+        k = model.moe_top_k
+        f = model.expert_ffn_dim
+        parallel += k * per_hidden * f / h + model.moe_shared_experts * per_hidden * f / h
+        replicated += 4.0 * k + 4.0 * model.moe_experts / h  # dispatched + combined, fp32 scores
+    else:
+        parallel += per_hidden * model.ffn_dim / h
+    return replicated / (t if sp else 1) + parallel / t
+
+
+def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
+                           mode: str | None = None) -> float:
+    """Bytes one block saves for backward for one micro-batch on one rank."""
+    b = layout.micro_batch_size(workload)
+    units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
+                                   workload.traits.flash_attention, mode)
+    return units * workload.seq_len * b * workload.model.dim * workload.act_bytes / 2
+
+
+@dataclasses.dataclass
+class RankMemory:
+    """Memory of one rank of pipeline stage ``stage`` (every rank of a stage is alike)."""
+
+    stage: int
+    param_bytes: float
+    grad_bytes: float
+    optim_bytes: float
+    activation_bytes: float
+    buffer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        """Everything together."""
+        return (self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+                + self.buffer_bytes)
+
+    def to_dict(self) -> dict:
+        """JSON form, bytes as integers."""
+        return {"stage": self.stage, "param_bytes": int(self.param_bytes),
+                "grad_bytes": int(self.grad_bytes), "optim_bytes": int(self.optim_bytes),
+                "activation_bytes": int(self.activation_bytes),
+                "buffer_bytes": int(self.buffer_bytes), "total_bytes": int(self.total_bytes)}
+
+
+def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int],
+                inflight: float, bucket_mb: float = 25.0) -> RankMemory:
+    """Memory of a rank of pipeline ``stage`` holding ``layers`` with ``inflight``
+    stage-microbatches of activations at its peak."""
+    model, lay = workload.model, layout
+    first, last = stage == 0, stage == lay.pp - 1
+    params = stage_params(model, layers, lay, first, last)
+    dense = model_state_bytes(params.dense, lay.zero, lay.dp, workload.precision)
+    expert = model_state_bytes(params.expert, lay.zero, lay.dp // lay.ep, workload.precision)
+    param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
+
+    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.moe_every - 1))
+             if n]
+    per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
+    activations = per_mb * inflight
+    b, s = lay.micro_batch_size(workload), workload.seq_len
+    if lay.activation_checkpointing == "full" and kinds:
+        activations += max(layer_activation_bytes(workload, lay, layer, "none")
+                           for _, layer in kinds)
+    if last:  # logits (activation dtype) and their fp32 copy for the loss, one micro-batch
+        activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
+    buffers = 2 * bucket_mb * 2**20
+    if lay.zero >= 3:  # the gathered block being used and the one being prefetched
+        buffers = 2 * params.largest_layer * workload.act_bytes
+    return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
+
+
+def zero_paper_model_states(params: float, zero: int, dp: int) -> float:
+    """Model-state bytes per device from the ZeRO paper's closed forms (bf16/fp16 + Adam):
+    16P, 4P + 12P/N, 2P + 14P/N, 16P/N."""
+    return sum(model_state_bytes(params, zero, dp, "bf16"))

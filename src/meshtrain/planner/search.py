@@ -1,0 +1,187 @@
+"""Enumerate layouts for a workload on a cluster, keep those that fit, rank by tokens/s.
+
+The space: tp over the powers of two that fit in a node and divide the heads; pp over divisors
+of what is left (at most the layer count); dp the rest; ep over divisors of dp and the expert
+count (MoE only); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and DeepSpeed pair them);
+sequence parallelism whenever tp > 1 (same communication volume, less memory); schedules 1f1b,
+interleaved-1f1b (2 and 4 chunks), zb-h1 and zb-v with pipelining (gpipe only matches 1f1b's
+bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation checkpointing none, selective,
+full. When nothing fits, :func:`explain_nothing_fits` says what dominates memory and how many GPUs
+the smallest feasible layout would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.estimate import estimate
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.memory import GB, model_state_bytes
+from meshtrain.planner.workload import Layout, Workload
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, n_layers: int, microbatches: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = [("1f1b", 1), ("zb-h1", 1)]
+    if n_layers >= 2 * pp:
+        options.append(("zb-v", 1))
+    if microbatches % pp == 0:
+        options += [("interleaved-1f1b", v) for v in (2, 4) if n_layers >= v * pp]
+    return options
+
+
+def enumerate_layouts(workload: Workload, cluster: Cluster, *,
+                      micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES,
+                      checkpointing: tuple[str, ...] = CHECKPOINTING,
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[Layout]:
+    """Every layout in the search space that the shapes allow on exactly ``cluster.gpus``."""
+    model, gpus = workload.model, cluster.gpus
+    layouts = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and gpus % t == 0
+           and model.n_heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
+           and model.ffn_dim % t == 0]
+    for tp in tps:
+        for pp in _divisors(gpus // tp):
+            if pp > model.n_layers:
+                continue
+            dp = gpus // (tp * pp)
+            eps = ([e for e in _divisors(dp) if model.moe_experts % e == 0]
+                   if model.moe_experts else [1])
+            for b in micro_batch_sizes:
+                if workload.global_batch % (dp * b):
+                    continue
+                m = workload.global_batch // (dp * b)
+                if pp > 1 and m < pp:
+                    continue
+                for ep in eps:
+                    for zero in zero_stages:
+                        if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
+                            continue
+                        for schedule, v in _schedules(pp, model.n_layers, m):
+                            for ckpt in checkpointing:
+                                layouts.append(Layout(
+                                    dp=dp, tp=tp, pp=pp, ep=ep, zero=zero,
+                                    sequence_parallel=tp > 1, schedule=schedule,
+                                    virtual_stages=v, microbatches=m,
+                                    activation_checkpointing=ckpt))
+    return layouts
+
+
+def why(result: dict) -> str:
+    """One line on what bounds a candidate."""
+    step = result["step_time_s"]
+    parts = sorted(((v / step, k.removesuffix("_s")) for k, v in result["breakdown"].items()
+                    if k not in ("compute_s", "dp_comm_total_s") and v > 0.01 * step),
+                   reverse=True)
+    compute = result["breakdown"]["compute_s"] / step
+    text = f"compute {compute:.0%}"
+    if parts:
+        text += "; " + ", ".join(f"{name} {share:.0%}" for share, name in parts[:3])
+    headroom = result["memory_limit_gb"] - result["memory_gb_per_gpu"]
+    return f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
+
+
+def candidate_row(result: dict) -> dict:
+    """The flat candidate record ``plan --json`` prints."""
+    lay = result["layout"]
+    row = {k: lay[k] for k in ("dp", "tp", "pp", "ep", "zero", "sequence_parallel")}
+    row.update(schedule=lay["schedule"], virtual_stages=lay["virtual_stages"],
+               microbatches=lay["microbatches"], micro_batch_size=result["micro_batch_size"],
+               activation_checkpointing=lay["activation_checkpointing"])
+    for key in ("memory_gb_per_gpu", "step_time_s", "tokens_per_s", "mfu",
+                "model_tflops_per_gpu", "hardware_tflops_per_gpu", "bubble_fraction",
+                "kwh_per_1b_tokens", "cost_per_1b_tokens", "co2_kg_per_1b_tokens", "bound"):
+        row[key] = result[key]
+    row["why"] = why(result)
+    return row
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """Ranked feasible candidates, or (when empty) the explanation of why nothing fits."""
+
+    candidates: list[dict]
+    searched: int
+    feasible: int
+    nothing_fits: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+
+def plan(workload: Workload, cluster: Cluster, top: int = 10,
+         energy: dict | None = None) -> PlanResult:
+    """Search, prune what does not fit, rank by predicted tokens/s."""
+    layouts = enumerate_layouts(workload, cluster)
+    if not layouts:
+        raise ConfigError(f"no layout of {cluster.gpus} GPUs divides this model and batch "
+                          f"(global batch {workload.global_batch}); try a global batch that is "
+                          f"a multiple of the GPU count.")
+    results = [estimate(workload, lay, cluster, energy, use_simulator=False) for lay in layouts]
+    feasible = sorted((r for r in results if r["fits"]), key=lambda r: -r["tokens_per_s"])
+    # Re-price the front runners with the schedule simulator (closed forms ranked them).
+    front = [estimate(workload, Layout(**r["layout"]), cluster, energy)
+             for r in feasible[:3 * top]]
+    feasible = sorted((r for r in front if r["fits"]), key=lambda r: -r["tokens_per_s"])
+    rows = [candidate_row(r) for r in feasible[:top]]
+    message = None if feasible else explain_nothing_fits(workload, cluster, results)
+    count = sum(1 for r in results if r["fits"])
+    return PlanResult(rows, len(results), count, message)
+
+
+def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dict]) -> str:
+    """Why no layout fits, and how many GPUs the leanest layout would need."""
+    leanest = min(results, key=lambda r: r["memory_gb_per_gpu"])
+    worst = max(leanest["per_rank"], key=lambda r: r["total_bytes"])
+    states = (worst["param_bytes"] + worst["grad_bytes"] + worst["optim_bytes"]) / GB
+    acts = worst["activation_bytes"] / GB
+    limit = leanest["memory_limit_gb"]
+    lay = leanest["layout"]
+    params = leanest["params"]
+    floor = sum(model_state_bytes(params, 3, cluster.gpus, workload.precision)) / GB
+    text = (f"nothing fits: {len(results)} layouts searched on {cluster.gpus} x "
+            f"{cluster.profile.name} ({limit:.0f} GB usable each). The leanest "
+            f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}, "
+            f"{lay['activation_checkpointing']} checkpointing) needs "
+            f"{leanest['memory_gb_per_gpu']:.0f} GB on pipeline stage {worst['stage']}: "
+            f"{states:.0f} GB of model states and {acts:.0f} GB of activations. Model states "
+            f"alone need 16 bytes x {params / 1e9:.0f}B parameters = "
+            f"{16 * params / GB:.0f} GB, at least {floor:.0f} GB per GPU even fully sharded "
+            f"over {cluster.gpus} GPUs.")
+    needed = smallest_feasible_gpus(workload, cluster)
+    if needed:
+        gpus, best = needed
+        bl = best["layout"]
+        text += (f" It would fit on {gpus} GPUs (e.g. dp={bl['dp']} tp={bl['tp']} pp={bl['pp']}"
+                 f" zero={bl['zero']}, {bl['activation_checkpointing']} checkpointing, "
+                 f"{best['memory_gb_per_gpu']:.0f} GB per GPU).")
+    else:
+        text += " No cluster up to 64 times this size fits it with this global batch."
+    return text
+
+
+def smallest_feasible_gpus(workload: Workload, cluster: Cluster,
+                           max_factor: int = 64) -> tuple[int, dict] | None:
+    """The fewest GPUs (doubling) on which a memory-lean layout fits, and that layout."""
+    gpus = cluster.gpus * 2
+    while gpus <= cluster.gpus * max_factor:
+        bigger = Cluster(cluster.profile, gpus, cluster.gpus_per_node)
+        layouts = enumerate_layouts(workload, bigger, micro_batch_sizes=(1,),
+                                    checkpointing=("full",), zero_stages=(1, 3))
+        layouts = [lay for lay in layouts if lay.schedule == "1f1b"]
+        fits = [r for r in (estimate(workload, lay, bigger, use_simulator=False)
+                            for lay in layouts) if r["fits"]]
+        if fits:
+            return gpus, max(fits, key=lambda r: r["tokens_per_s"])
+        gpus *= 2
+    return None

@@ -1,0 +1,168 @@
+"""Time of one micro-batch through one block on one rank: compute and tensor/expert comm.
+
+Compute is priced GEMM by GEMM with a roofline: ``max(2mnk / (peak · e), bytes / HBM) + t0``,
+where ``e`` is the profile's large-GEMM efficiency and ``t0`` its per-kernel overhead — so small
+per-rank matmuls (high tp, small micro-batches, narrow models) run below peak, as they do. The
+backward of a linear layer is two GEMMs of the same size (input gradient ``b``, weight gradient
+``w``). Attention's ``QK^T`` and ``AV`` run fused (FlashAttention: causal, so half the square,
+at ``attention_efficiency`` of the GEMM rate, backward 2.5× forward) or, for runtimes without it,
+as batched GEMMs plus a softmax that streams the ``s × s`` scores through HBM. Element-wise work
+(norms, rotary, activation function, residual adds) is memory-bound: it moves a few times the
+block's saved activations through HBM (``RuntimeTraits.elementwise_traffic``).
+
+Tensor-parallel communication per block and micro-batch: two all-reduces forward and two backward
+(with sequence parallelism, all-gather + reduce-scatter pairs of the same bus volume), two more
+when full checkpointing recomputes the forward; not overlapped. Expert parallelism: a dispatch and
+a combine all-to-all forward, the same backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import ModelConfig
+from meshtrain.planner.hardware import Cluster
+from meshtrain.planner.memory import layer_activation_bytes
+from meshtrain.planner.workload import Layout, Workload
+
+FLASH_BACKWARD_RATIO = 2.5
+"""FlashAttention backward time over forward (FlashAttention-2 paper, Dao 2023)."""
+
+
+@dataclasses.dataclass
+class BlockCost:
+    """Seconds for one micro-batch through one block (or the head) on one rank."""
+
+    forward: float = 0.0
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    ep_comm: float = 0.0
+    flops: float = 0.0
+    """Hardware FLOPs executed on this rank (forward + backward + recompute)."""
+    recompute_flops: float = 0.0
+
+    def add(self, other: BlockCost, times: float = 1.0) -> None:
+        """Accumulate ``times`` copies of ``other`` into this cost."""
+        for name in _FIELDS:
+            setattr(self, name, getattr(self, name) + times * getattr(other, name))
+
+    @property
+    def compute(self) -> float:
+        """Compute seconds (forward, both backwards, recompute)."""
+        return self.forward + self.backward_input + self.backward_weight + self.recompute
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(BlockCost))
+
+
+class GemmClock:
+    """Roofline pricing of GEMMs on one profile."""
+
+    def __init__(self, cluster: Cluster, dtype_bytes: int):
+        p = cluster.profile
+        self.rate = p.peak_tflops * 1e12 * p.matmul_efficiency * (1.0 if dtype_bytes == 2 else 0.5)
+        self.hbm = p.hbm_gbps * 1e9
+        self.overhead = p.kernel_overhead_us * 1e-6
+        self.attention_rate = self.rate * p.attention_efficiency
+        self.dtype_bytes = dtype_bytes
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds for ``batch`` GEMMs of ``[m, k] x [k, n]`` (one kernel)."""
+        flops = 2.0 * m * n * k * batch
+        traffic = self.dtype_bytes * (m * k + k * n + m * n) * batch
+        return max(flops / self.rate, traffic / self.hbm) + self.overhead
+
+    def stream(self, nbytes: float, kernels: int = 1) -> float:
+        """Seconds for memory-bound kernels moving ``nbytes`` through HBM."""
+        return nbytes / self.hbm + kernels * self.overhead
+
+
+def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout,
+                   ) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, batch) of each forward GEMM in a block on one rank."""
+    t, h, hd = layout.tp, model.dim, model.head_dim
+    q_width, kv_width = model.n_heads * hd / t, model.kv_heads * hd / t
+    shapes = [(tokens, q_width + 2 * kv_width, h, 1), (tokens, h, q_width, 1)]
+    up = 2 if model.mlp == "swiglu" else 1
+    if not model.is_moe_layer(layer):
+        f = model.ffn_dim / t
+        return shapes + [(tokens, up * f, h, 1), (tokens, h, f, 1)]
+    f = model.expert_ffn_dim / t
+    local = model.moe_experts / layout.ep
+    per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts
+    shapes += [(tokens, model.moe_experts, h, 1), (per_expert, up * f, h, local),
+               (per_expert, h, f, local)]
+    if model.moe_shared_experts:
+        shared = model.moe_shared_experts * f
+        shapes += [(tokens, up * shared, h, 1), (tokens, h, shared, 1)]
+    return shapes
+
+
+def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int) -> BlockCost:
+    """Cost of one micro-batch through block ``layer`` on one rank."""
+    model, lay, traits = workload.model, layout, workload.traits
+    clock = GemmClock(cluster, workload.act_bytes)
+    b, s = lay.micro_batch_size(workload), workload.seq_len
+    tokens = b * s
+    heads = model.n_heads / lay.tp
+    cost = BlockCost()
+
+    linear_flops = 0.0
+    for m, n, k, batch in _linear_shapes(model, layer, tokens, lay):
+        one = clock.gemm(m, n, k, batch)
+        cost.forward += one
+        cost.backward_input += one
+        cost.backward_weight += one
+        linear_flops += 2.0 * m * n * k * batch
+
+    attention_flops = 4.0 * b * s * s * heads * model.head_dim  # QK^T and AV, full square
+    if traits.flash_attention:
+        attention_fwd = 0.5 * attention_flops / clock.attention_rate + clock.overhead
+        attention_bwd = FLASH_BACKWARD_RATIO * attention_fwd
+    else:
+        scores = b * heads * s * s * workload.act_bytes
+        attention_fwd = (2 * clock.gemm(s, s, model.head_dim, b * heads)
+                         + clock.stream(3 * scores, kernels=2))
+        attention_bwd = (4 * clock.gemm(s, s, model.head_dim, b * heads)
+                         + clock.stream(4 * scores, kernels=2))
+    saved = layer_activation_bytes(workload, lay, layer, "none")
+    elementwise = clock.stream(traits.elementwise_traffic * saved, kernels=8)
+    cost.forward += attention_fwd + elementwise
+    cost.backward_input += attention_bwd + 2 * elementwise
+
+    mode = lay.activation_checkpointing
+    if mode == "full":
+        cost.recompute = cost.forward
+        cost.recompute_flops = linear_flops + attention_flops
+    elif mode == "selective":
+        cost.recompute = attention_fwd + 0.3 * elementwise
+        cost.recompute_flops = attention_flops
+    cost.flops = 3 * (linear_flops + attention_flops) + cost.recompute_flops
+
+    if lay.tp > 1:
+        message = tokens * model.dim * workload.act_bytes
+        collectives = 4 + (2 if mode == "full" else 0)
+        cost.tp_comm = collectives * cluster.collective_time("all_reduce", message, lay.tp, 1)
+    if lay.ep > 1 and model.is_moe_layer(layer):
+        routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
+        routed /= lay.tp if lay.sequence_parallel else 1
+        collectives = 4 + (2 if mode == "full" else 0)
+        cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep, lay.tp)
+    return cost
+
+
+def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost:
+    """The LM head and loss on the last stage, one micro-batch."""
+    model = workload.model
+    clock = GemmClock(cluster, workload.act_bytes)
+    tokens = layout.micro_batch_size(workload) * workload.seq_len
+    vocab = model.vocab_size / layout.tp
+    one = clock.gemm(tokens, vocab, model.dim)
+    loss = clock.stream(3 * tokens * vocab * 4, kernels=3)  # fp32 softmax / cross-entropy
+    cost = BlockCost(forward=one + loss, backward_input=one + loss, backward_weight=one,
+                     flops=3 * 2.0 * tokens * vocab * model.dim)
+    if layout.tp > 1:  # vocab-parallel loss: max, sum-exp, target-logit all-reduces
+        cost.tp_comm = 3 * cluster.collective_time("all_reduce", tokens * 4, layout.tp, 1)
+    return cost

@@ -1,0 +1,165 @@
+"""What the cost model prices: a workload (model, batch, runtime traits) and a layout.
+
+:class:`Workload` is the model shape with the step's batch and precision; :class:`RuntimeTraits`
+says what the training runtime does (fused attention, overlapped gradient reduction, ...), so the
+same cost model prices meshtrain and, for validation against published numbers, Megatron-LM as it
+ran in 2021. :class:`Layout` is one choice of parallel degrees and schedule; :func:`check_layout`
+refuses a layout the shapes cannot take, with a message naming what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import PP_SCHEDULES, Config, ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeTraits:
+    """Behaviour of the training runtime that changes time or memory."""
+
+    flash_attention: bool = True
+    """Fused attention (SDPA / FlashAttention): no s×s scores in memory, causal half the work."""
+    overlap_dp: bool = True
+    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute."""
+    pp_scatter_gather: bool = False
+    """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element on the wire (meshtrain reduces in fp32)."""
+    elementwise_traffic: float = 8.0
+    """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
+    byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
+
+
+MESHTRAIN = RuntimeTraits()
+MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
+                              grad_reduce_bytes=4, elementwise_traffic=3.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model and one optimizer step's batch."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    precision: str = "bf16"
+    traits: RuntimeTraits = MESHTRAIN
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step."""
+        return self.seq_len * self.global_batch
+
+    @classmethod
+    def from_config(cls, config: Config, traits: RuntimeTraits = MESHTRAIN) -> Workload:
+        """The workload a run config describes."""
+        return cls(config.model, config.train.seq_len, config.train.global_batch,
+                   config.train.precision, traits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Parallel degrees and schedule of one candidate (the planner's ``ParallelPlan`` fields)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    activation_checkpointing: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs: dp × tp × pp."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds (virtual stages; 2 for zb-v)."""
+        if self.schedule == "interleaved-1f1b":
+            return self.virtual_stages
+        return 2 if self.schedule == "zb-v" else 1
+
+    def micro_batch_size(self, workload: Workload) -> int:
+        """Sequences per micro-batch on one data-parallel rank."""
+        return workload.global_batch // (self.dp * self.microbatches)
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Config) -> Layout:
+        """The layout a config's ``[parallel]`` section describes (dp already resolved)."""
+        par = config.parallel
+        return cls(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero,
+                   sequence_parallel=par.sequence_parallel, schedule=par.pp_schedule,
+                   virtual_stages=par.virtual_stages, microbatches=par.microbatches,
+                   activation_checkpointing=par.activation_checkpointing)
+
+
+def stage_layers(n_layers: int, pp: int, chunks: int) -> list[list[int]]:
+    """Layer ids held by each pipeline rank: ``pp * chunks`` contiguous chunks, chunk ``c`` on
+    rank ``c % pp`` (round robin, as interleaved schedules place them), earlier chunks one layer
+    longer when the split is uneven."""
+    n_chunks = pp * chunks
+    base, extra = divmod(n_layers, n_chunks)
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    start = 0
+    for chunk in range(n_chunks):
+        size = base + (1 if chunk < extra else 0)
+        ranks[chunk % pp].extend(range(start, start + size))
+        start += size
+    return ranks
+
+
+def check_layout(workload: Workload, layout: Layout) -> None:
+    """Raise :class:`ConfigError` when ``layout`` cannot run ``workload``."""
+    m, lay = workload.model, layout
+    for key in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+        if getattr(lay, key) < 1:
+            raise ConfigError(f"parallel.{key} = {getattr(lay, key)} must be at least 1.")
+    if lay.schedule not in PP_SCHEDULES:
+        raise ConfigError(f'parallel.pp_schedule = "{lay.schedule}"; choose one of '
+                          f"{', '.join(PP_SCHEDULES)}.")
+    if not 0 <= lay.zero <= 3:
+        raise ConfigError(f"parallel.zero = {lay.zero} is not a ZeRO stage; valid: 0-3.")
+    if m.n_heads % lay.tp or m.kv_heads % lay.tp and lay.tp % m.kv_heads:
+        raise ConfigError(f"parallel.tp = {lay.tp} must divide model.n_heads = {m.n_heads} and "
+                          f"divide or be a multiple of the {m.kv_heads} key/value heads.")
+    hidden = m.expert_ffn_dim if m.moe_experts else m.ffn_dim
+    if m.ffn_dim % lay.tp or hidden % lay.tp:
+        raise ConfigError(f"parallel.tp = {lay.tp} must divide model.ffn_dim = {m.ffn_dim}.")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
+    if lay.pp * lay.chunks_per_rank > m.n_layers:
+        raise ConfigError(f"parallel.pp = {lay.pp} with {lay.chunks_per_rank} chunk(s) per rank "
+                          f"needs at least {lay.pp * lay.chunks_per_rank} layers; the model has "
+                          f"{m.n_layers}.")
+    if lay.schedule == "interleaved-1f1b" and lay.pp > 1 and lay.microbatches % lay.pp:
+        raise ConfigError(f"interleaved-1f1b needs microbatches ({lay.microbatches}) to be a "
+                          f"multiple of pp ({lay.pp}).")
+    if lay.ep > 1:
+        if not m.moe_experts:
+            raise ConfigError("parallel.ep > 1 needs an MoE model (model.moe_experts > 0).")
+        if lay.dp % lay.ep or m.moe_experts % lay.ep:
+            raise ConfigError(f"parallel.ep = {lay.ep} must divide parallel.dp = {lay.dp} and "
+                              f"model.moe_experts = {m.moe_experts}.")
+    per_step = lay.dp * lay.microbatches
+    if workload.global_batch % per_step:
+        raise ConfigError(f"train.global_batch = {workload.global_batch} is not divisible by "
+                          f"dp × microbatches = {lay.dp} × {lay.microbatches} = {per_step}.")
+    if workload.seq_len % lay.tp and lay.sequence_parallel:
+        raise ConfigError(f"train.seq_len = {workload.seq_len} must be divisible by tp = "
+                          f"{lay.tp} under sequence parallelism.")

@@ -1,0 +1,77 @@
+"""Pipeline parallelism on several CPU processes against one process (fp32; tolerances of
+meshtrain.verify: 2e-4 on the loss, 1e-3 relative on the gradient norm)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtrain.distributed_run import run_distributed
+from meshtrain.verify import (
+    GRAD_NORM_RTOL_FP32,
+    LOSS_TOLERANCE_FP32,
+    compare,
+    reference_config,
+    run_layout,
+)
+from tests.helpers import tiny_config
+from tests.parallel.test_data_parallel import train_many
+
+STEPS = 3
+
+
+def _parity(world: int, cases) -> list[list[dict]]:
+    results = run_distributed(world, train_many, [c.to_dict() for c in cases], STEPS,
+                              timeout=900)[0]
+    for config, records in zip(cases, results, strict=True):
+        reference = run_layout(reference_config(config), 1, STEPS)
+        report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
+        assert report["ok"], (config.parallel, report)
+    return results
+
+
+def test_pp2_every_schedule():
+    base = ("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4")
+    cases = [tiny_config(*base, f"parallel.pp_schedule={name}", nproc=2)
+             for name in ("gpipe", "1f1b", "zb-h1")]
+    cases += [tiny_config(*base, f"parallel.pp_schedule={name}", "parallel.virtual_stages=2",
+                          nproc=2) for name in ("interleaved-1f1b", "zb-v")]
+    cases.append(tiny_config(*base, "parallel.pp_split=1,3", nproc=2))  # uneven, explicit
+    results = _parity(2, cases)
+    assert all(r[0]["comm_bytes"]["pp"] > 0 for r in results)
+
+
+def test_pp4_1f1b():
+    _parity(4, [tiny_config("parallel.pp=4", "parallel.microbatches=4", "model.n_layers=4",
+                            nproc=4)])
+
+
+def test_dp2_tp2_pp2_eight_processes():
+    _parity(8, [tiny_config("parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2",
+                            "parallel.zero=1", "parallel.sequence_parallel=true", nproc=8)])
+
+
+def test_measured_timeline_written(tmp_path):
+    config = tiny_config("parallel.pp=2", "parallel.microbatches=4", "train.timeline_step=2",
+                         run_dir=str(tmp_path), nproc=2)
+    run_distributed(2, train_many, [config.to_dict()], 2, timeout=600)
+    summary = json.loads((tmp_path / "timeline_summary.json").read_text())
+    assert 0 <= summary["measured_bubble_fraction"] < 1
+    assert 0 <= summary["simulated_bubble_fraction"] < 1
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == 2 * 2 * 4
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.pp=2", "model.n_layers=1"], "fewer than the 2 pipeline stages"),
+    (["parallel.pp=2", "parallel.pp_split=3,2"], "adding up to model.n_layers"),
+    (["parallel.pp=2", "parallel.zero=3"], "not implemented yet"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], "virtual_stages"),
+])
+def test_bad_pipeline_configs(overrides, fragment):
+    from meshtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=fragment):
+        tiny_config(*overrides, nproc=2)

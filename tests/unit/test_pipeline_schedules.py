@@ -1,0 +1,199 @@
+"""Pipeline schedules as data: the five builders, their placement and the static checker."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtrain.config import ConfigError
+from meshtrain.parallel.pipeline import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    build_schedule,
+    check_schedule,
+    simulate,
+)
+
+K = ActionKind
+
+CASES = (
+    [("gpipe", p, m, 1) for p, m in [(1, 1), (1, 3), (2, 1), (2, 4), (3, 5), (4, 8)]]
+    + [("1f1b", p, m, 1) for p, m in [(1, 1), (1, 4), (2, 1), (3, 2), (4, 4), (4, 9)]]
+    + [("interleaved-1f1b", p, m, v)
+       for p, m, v in [(1, 2, 2), (2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (3, 6, 4)]]
+    + [("zb-h1", p, m, 1) for p, m in [(1, 1), (1, 3), (2, 1), (3, 2), (4, 4), (4, 9)]]
+    + [("zb-v", p, m, 2) for p, m in [(1, 1), (1, 3), (2, 1), (3, 2), (4, 5), (4, 8)]]
+)
+
+
+def _ids(case):
+    return "{}-p{}-m{}-v{}".format(*case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_every_schedule_checks_and_simulates(case):
+    name, pp, m, v = case
+    schedule = build_schedule(name, pp, m, v)
+    assert (schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages) == case
+    assert schedule.num_stages == pp * v and schedule.last_stage == pp * v - 1
+    check_schedule(schedule)
+    result = simulate(schedule)
+    assert result.makespan > 0 and 0 <= result.bubble_fraction < 1
+    split = name.startswith("zb")
+    for rank in range(pp):
+        kinds = {a.kind for a in schedule.compute_actions(rank)}
+        assert kinds == ({K.F, K.I, K.W} if split else {K.F, K.B})
+        for action in schedule.actions[rank]:  # every action works on a chunk of its rank
+            assert schedule.stage_to_rank[action.stage] == rank
+    if pp == 1:
+        assert all(a.kind.is_compute for a in schedule.actions[0])
+
+
+def test_placements():
+    inter = build_schedule("interleaved-1f1b", 4, 4, 3)
+    assert inter.stages_of(1) == [1, 5, 9]
+    assert inter.stage_to_rank == [s % 4 for s in range(12)]
+    zbv = build_schedule("zb-v", 4, 4, 2)
+    assert zbv.stage_to_rank == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert zbv.stages_of(0) == [0, 7] and zbv.stages_of(3) == [3, 4]
+    # the turn of the V (stages 3 -> 4 on rank 3) is handed over in memory, not sent
+    assert not any(a.kind.is_send and a.stage in (3, 4) and a.peer == 3
+                   for a in zbv.actions[3])
+
+
+def test_action_strings_and_communication_placement():
+    assert str(Action(K.F, 3, 1)) == "F3@s1"
+    assert str(Action(K.SEND_ACT, 3, 1, 2)) == "SEND_ACT3@s1->2"
+    assert str(Action(K.RECV_GRAD, 3, 1, 2)) == "RECV_GRAD3@s1<-2"
+    schedule = build_schedule("1f1b", 2, 2)
+    assert [str(a) for a in schedule.actions[1]] == [
+        "RECV_ACT0@s1<-0", "F0@s1", "B0@s1", "SEND_GRAD0@s1->0",
+        "RECV_ACT1@s1<-0", "F1@s1", "B1@s1", "SEND_GRAD1@s1->0"]
+    # sends are posted right after the compute that produced their data
+    acts = schedule.actions[0]
+    assert acts[acts.index(Action(K.F, 0, 0)) + 1] == Action(K.SEND_ACT, 0, 0, 1)
+
+
+def test_1f1b_order_and_peak_memory():
+    schedule = build_schedule("1f1b", 4, 8)
+    order = [str(a) for a in schedule.compute_actions(1)]
+    assert order[:6] == ["F0@s1", "F1@s1", "F2@s1", "B0@s1", "F3@s1", "B1@s1"]
+    for pp, m in [(2, 2), (4, 8), (4, 4), (3, 7)]:
+        assert simulate(build_schedule("1f1b", pp, m)).peak_inflight == [pp - r for r in range(pp)]
+        assert simulate(build_schedule("zb-h1", pp, m)).peak_inflight == \
+            [pp - r for r in range(pp)]
+        assert simulate(build_schedule("gpipe", pp, m)).peak_inflight == [m] * pp
+
+
+def test_zb_v_memory_is_bounded_by_1f1b_peak():
+    for pp, m in [(2, 8), (4, 8), (4, 13)]:
+        schedule = build_schedule("zb-v", pp, m, 2)
+        assert max(simulate(schedule).peak_inflight) <= 2 * pp  # chunk activations, 1F1B's p
+        for rank in range(pp):
+            deferred = peak = 0
+            for a in schedule.compute_actions(rank):
+                deferred += (a.kind is K.I) - (a.kind is K.W)
+                peak = max(peak, deferred)
+            assert peak <= 2 * pp
+
+
+@pytest.mark.parametrize("name, pp, m, v, message", [
+    ("pipedream", 2, 2, 1, "valid: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v"),
+    ("1f1b", 0, 2, 1, "pp must be an integer >= 1"),
+    ("1f1b", 2, 0, 1, "microbatches must be an integer >= 1"),
+    ("1f1b", 2, 4, 2, "needs virtual_stages = 1"),
+    ("gpipe", 2, 4, 3, "needs virtual_stages = 1"),
+    ("zb-h1", 2, 4, 2, "needs virtual_stages = 1"),
+    ("interleaved-1f1b", 2, 4, 1, "needs virtual_stages >= 2"),
+    ("interleaved-1f1b", 4, 6, 2, "divisible by pp"),
+    ("zb-v", 2, 4, 1, "virtual_stages = 2"),
+    ("zb-v", 2, 4, 3, "virtual_stages = 2"),
+])
+def test_invalid_combinations_are_config_errors(name, pp, m, v, message):
+    with pytest.raises(ConfigError, match=message):
+        build_schedule(name, pp, m, v)
+
+
+def _replace(schedule, rank, actions):
+    lists = [list(a) for a in schedule.actions]
+    lists[rank] = actions
+    return dataclasses.replace(schedule, actions=lists)
+
+
+def test_dropped_backward_is_rejected():
+    schedule = build_schedule("1f1b", 2, 3)
+    acts = [a for a in schedule.actions[1] if a != Action(K.B, 2, 1)]
+    with pytest.raises(ScheduleError,
+                       match=r"rank 1: micro-batch 2 on stage 1 is never backwarded"):
+        check_schedule(_replace(schedule, 1, acts))
+
+
+def test_missing_w_and_duplicate_forward_are_rejected():
+    schedule = build_schedule("zb-h1", 2, 2)
+    acts = [a for a in schedule.actions[0] if a != Action(K.W, 1, 0)]
+    with pytest.raises(ScheduleError, match="has I1@s0 but no W1@s0"):
+        check_schedule(_replace(schedule, 0, acts))
+    acts = list(schedule.actions[0]) + [Action(K.F, 0, 0)]
+    with pytest.raises(ScheduleError, match="F0@s0 appears 2 times"):
+        check_schedule(_replace(schedule, 0, acts))
+
+
+def test_backward_before_forward_is_rejected():
+    schedule = build_schedule("gpipe", 1, 2)
+    acts = [Action(K.B, 0, 0), Action(K.F, 0, 0), Action(K.F, 1, 0), Action(K.B, 1, 0)]
+    with pytest.raises(ScheduleError, match=r"rank 0 action #0 B0@s0: backward before"):
+        check_schedule(_replace(schedule, 0, acts))
+
+
+def test_swapped_send_and_recv_deadlock():
+    schedule = build_schedule("1f1b", 2, 2)
+    acts = list(schedule.actions[0])
+    send = acts.index(Action(K.SEND_ACT, 0, 0, 1))
+    recv = acts.index(Action(K.RECV_GRAD, 0, 0, 1))
+    # wait for micro-batch 0's gradient before sending its activation: rank 1 can never reply
+    acts.insert(send, acts.pop(recv))
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        check_schedule(_replace(schedule, 0, acts))
+    text = str(info.value)
+    assert "rank 0 blocked at action #1 RECV_GRAD0@s0<-1 waiting for SEND_GRAD0@s1" in text
+    assert "rank 1 blocked at action #0 RECV_ACT0@s1<-0 waiting for SEND_ACT0@s0" in text
+
+
+def test_inconsistent_compute_orders_deadlock():
+    schedule = build_schedule("gpipe", 2, 2)
+    acts = list(schedule.actions[1])  # rank 1 forwards micro-batch 1 before 0, rank 0 fine...
+    a, b = acts.index(Action(K.RECV_ACT, 0, 1, 0)), acts.index(Action(K.RECV_ACT, 1, 1, 0))
+    acts[a:a + 2], acts[b:b + 2] = acts[b:b + 2], acts[a:a + 2]
+    check_schedule(_replace(schedule, 1, acts))  # ...which is still consistent
+    acts = list(schedule.actions[0])  # rank 0 waits for gradient 1 before sending activation 1
+    acts.insert(acts.index(Action(K.F, 1, 0)), acts.pop(acts.index(Action(K.RECV_GRAD, 1, 0, 1))))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedule(_replace(schedule, 0, acts))
+
+
+def test_send_without_recv_and_wrong_peer_are_rejected():
+    schedule = build_schedule("1f1b", 3, 2)
+    acts = [a for a in schedule.actions[1] if a != Action(K.RECV_ACT, 1, 1, 0)]
+    with pytest.raises(ScheduleError, match=r"rank 1 lacks RECV_ACT1@s1<-0, the other half of "
+                                            r"SEND_ACT1@s0->1 on rank 0"):
+        check_schedule(_replace(schedule, 1, acts))
+    acts = [Action(K.SEND_ACT, a.microbatch, a.stage, 2) if a.kind is K.SEND_ACT else a
+            for a in schedule.actions[0]]
+    with pytest.raises(ScheduleError, match="wrong peer 2: stage 1 is on rank 1"):
+        check_schedule(_replace(schedule, 0, acts))
+    acts = list(schedule.actions[2]) + [Action(K.SEND_ACT, 0, 2, 0)]
+    with pytest.raises(ScheduleError, match="no neighbour stage 3"):
+        check_schedule(_replace(schedule, 2, acts))
+
+
+def test_send_before_its_compute_and_foreign_stage_are_rejected():
+    schedule = build_schedule("1f1b", 2, 1)
+    acts = list(schedule.actions[0])
+    acts.insert(0, acts.pop(acts.index(Action(K.SEND_ACT, 0, 0, 1))))
+    with pytest.raises(ScheduleError, match="sent before F0@s0 produced its data"):
+        check_schedule(_replace(schedule, 0, acts))
+    acts = list(schedule.actions[0]) + [Action(K.F, 0, 1)]
+    with pytest.raises(ScheduleError, match="stage 1 is held by rank 1, not rank 0"):
+        check_schedule(_replace(schedule, 0, acts))
