@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (no --config: the built-in demo)")
     _add_run_options(train)
+    train.add_argument("--max-restarts", type=int, metavar="N",
+                       help="restart the workers up to N times after a failure, resuming from "
+                            "the newest checkpoint (train.max_restarts)")
     ver = sub.add_parser("verify", help="check a layout against a one-process reference")
     _add_run_options(ver)
     ver.add_argument("--tolerance", type=float,
@@ -68,7 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     sim.add_argument("--plot", metavar="PNG", help="write the timeline as a PNG")
     sim.add_argument("--trace", metavar="JSON", help="write a Chrome trace-event JSON")
+    _add_convert_parser(sub)
     return parser
+
+
+def _add_convert_parser(sub) -> None:
+    """``convert``: Hugging Face Llama/Mixtral <-> meshtrain weights directories."""
+    conv = sub.add_parser("convert", help="convert weights to or from Hugging Face format")
+    source = conv.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-hf", metavar="HF_DIR",
+                        help="Hugging Face Llama/Mixtral directory -> meshtrain weights dir")
+    source.add_argument("--to-hf", metavar="DIR",
+                        help="meshtrain weights dir, run dir (with final/) or training "
+                             "checkpoint -> Hugging Face directory")
+    conv.add_argument("--out", required=True, help="directory to write")
+    conv.add_argument("--dtype", help="dtype of the written weights (default: float32 for "
+                                      "--from-hf; for --to-hf the dtype it came from HF in)")
+    conv.add_argument("--max-shard-gb", type=float, default=5.0,
+                      help="--to-hf: largest safetensors shard, in GiB (default 5)")
 
 
 def _add_planner_parsers(sub) -> None:
@@ -87,28 +107,51 @@ def _add_planner_parsers(sub) -> None:
                                          help="measure this machine into a profile JSON"))
 
 
-def resolve_run_config(args: argparse.Namespace) -> tuple[Config, int]:
-    """Load, override and validate the config of a train-like command; return it and the world."""
+def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[Config, int]:
+    """Load, override and validate the config of a train-like command; return it and the world.
+
+    ``in_job``: this process is one worker of a torchrun/SLURM job, whose size is the world
+    (``--nproc``, when given, must agree with it).
+    """
     path = args.config if args.config else default_config_path()
     config = load_config(path, args.overrides)
     if args.steps is not None:
         config.train.steps = args.steps
     if args.run_dir is not None:
         config.train.run_dir = args.run_dir
-    world = config.validate(args.nproc)
+    if getattr(args, "max_restarts", None) is not None:
+        config.train.max_restarts = args.max_restarts
+    nproc = args.nproc
+    if in_job:
+        from meshtrain.launch import job_world_size
+
+        if nproc is not None and nproc != job_world_size():
+            raise ConfigError(f"--nproc {nproc} does not match the {job_world_size()} processes "
+                              f"that torchrun/SLURM started; drop --nproc under torchrun/srun.")
+        nproc = job_world_size()
+    world = config.validate(nproc)
     return config, world
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``meshtrain train``."""
-    from meshtrain.launch import launch, write_run_config
+    from meshtrain.launch import in_existing_job, job_rank, launch, write_run_config
+    from meshtrain.preflight import check_before_launch
 
-    config, world = resolve_run_config(args)
-    print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model for "
-          f"{config.train.steps} steps on {world} process(es) "
-          f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}); "
-          f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
-    write_run_config(config)
+    in_job = in_existing_job()
+    config, world = resolve_run_config(args, in_job)
+    is_first = job_rank() == 0
+    if is_first:
+        print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model "
+              f"for {config.train.steps} steps on {world} process(es) "
+              f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}); "
+              f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
+    from meshtrain.checkpoint.manager import preflight
+
+    preflight(config)  # a checkpoint of another model shape: exit 2 before anything starts
+    check_before_launch(config)  # run dir writable, data readable and in the vocabulary
+    if is_first:
+        write_run_config(config)
     return launch(config, world, "train")
 
 
@@ -196,13 +239,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``meshtrain convert --from-hf HF_DIR | --to-hf DIR --out DIR``."""
+    from meshtrain.checkpoint.hf import convert_from_hf, convert_to_hf, parse_dtype
+
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    if args.from_hf:
+        out = convert_from_hf(args.from_hf, args.out, dtype)
+    else:
+        out = convert_to_hf(args.to_hf, args.out, dtype, int(args.max_shard_gb * 2**30))
+    print(f"meshtrain convert: wrote {out}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench,
             "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
-            "simulate": cmd_simulate}
+            "simulate": cmd_simulate, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
+    from meshtrain.errors import RunFailure
     from meshtrain.launch import LaunchError
 
     args = build_parser().parse_args(argv)
@@ -211,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)
         return 2
-    except LaunchError as error:
+    except (LaunchError, RunFailure) as error:
         print(f"meshtrain {args.command}: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -31,6 +31,7 @@ ACTIVATION_CHECKPOINTING_KINDS = ("none", "full", "selective")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE_POLICIES = ("skip", "stop")
 
 
 @dataclass
@@ -148,6 +149,21 @@ class TrainConfig:
     RUN_DIR/timeline.json (Chrome trace) and timeline.png; 0 = off."""
     threads_per_worker: int = 0
     """torch intra-op threads per worker process; 0 = the machine's cores split over the workers."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective may wait for the other ranks (also bounds process-group start-up).
+    When it expires the run exits 1 with one summary naming the rank(s) that did not arrive and
+    where every rank waits; each rank's recent collectives are in RUN_DIR/diagnostics/."""
+    debug_collectives: bool = False
+    """Before every collective, check that all ranks of the group call the same op with the same
+    shape and report the first mismatch (one small all-gather per collective: debugging only)."""
+    on_nonfinite: str = "skip"
+    """A NaN or infinite loss or gradient norm: ``skip`` the optimizer step (and stop after
+    max_nonfinite_skips in a row) or ``stop`` the run at once (exit 1)."""
+    max_nonfinite_skips: int = 3
+    """With on_nonfinite = "skip": stop when this many steps in a row were non-finite."""
+    max_restarts: int = 0
+    """Restart every worker up to this many times after a failure; a restarted run resumes from
+    the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""
 
 
 @dataclass
@@ -176,6 +192,9 @@ class CheckpointConfig:
     keep: int = 3
     resume: str = "none"
     """``auto`` (newest valid checkpoint in dir), ``none``, or a checkpoint path."""
+    init_from: str = ""
+    """Start from these weights (a meshtrain weights dir such as RUN_DIR/final, or a Hugging Face
+    model dir) at any layout, when there is no checkpoint to resume from."""
 
 
 @dataclass

@@ -3,7 +3,13 @@
 - Inside ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or an ``srun`` step with several tasks
   (``SLURM_PROCID``/``SLURM_NTASKS``), this process *is* a worker: it joins the existing job.
 - Otherwise ``--nproc 1`` runs in this process, and ``--nproc N`` spawns N local workers through
-  ``torch.distributed.run``'s elastic launcher (gloo on CPU, NCCL on CUDA).
+  ``torch.distributed.run``'s elastic launcher (gloo on CPU, NCCL on CUDA), restarting them up
+  to ``train.max_restarts`` times after a failure. ``MASTER_PORT``, when set, is the port they
+  rendezvous on (refused with exit 2 when it is taken); otherwise a free one is picked.
+
+When a worker fails, the launcher prints one message for the whole job
+(:func:`meshtrain.diagnostics.explain_failure`): a killed worker's rank and signal, or for a
+collective timeout which rank(s) did not arrive and where every rank waits.
 
 The resolved config travels to the workers as ``RUN_DIR/config.json``; it was validated before
 any process started. Each worker gets ``threads_per_worker`` intra-op threads (by default the
@@ -13,16 +19,19 @@ machine's cores divided among the local workers), so N workers on few cores do n
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
 import uuid
 from pathlib import Path
 
-from meshtrain.config import Config
+from meshtrain import diagnostics
+from meshtrain.config import Config, ConfigError
+from meshtrain.errors import RunFailure
 
 
-class LaunchError(RuntimeError):
+class LaunchError(RunFailure):
     """A worker failed; the message says which rank and why."""
 
 
@@ -31,6 +40,16 @@ def in_existing_job() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def job_world_size() -> int:
+    """Processes in the torchrun/SLURM job this process belongs to (1 outside one)."""
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+
+
+def job_rank() -> int:
+    """This process's rank in the torchrun/SLURM job (0 outside one)."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
 def adopt_slurm_environment() -> None:
@@ -54,6 +73,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rendezvous_port() -> int:
+    """``MASTER_PORT`` when set (refused with a ConfigError when taken), else a free port."""
+    text = os.environ.get("MASTER_PORT")
+    if not text:
+        return free_port()
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"MASTER_PORT = {text!r} is not a TCP port number (1-65535).")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", int(text)))
+        except OSError as error:
+            raise ConfigError(
+                f"MASTER_PORT = {text} is already in use on this machine ({error.strerror}); "
+                f"another job may be running. Choose another MASTER_PORT, or unset it to let "
+                f"meshtrain pick a free port.") from None
+    return int(text)
 
 
 def threads_per_worker(config: Config, local_workers: int) -> int:
@@ -90,25 +127,39 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    port = rendezvous_port()
     config_path = write_run_config(config)
+    diagnostics.clear(config.train.run_dir)
     threads = threads_per_worker(config, nproc)
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=config.train.max_restarts, monitor_interval=0.1, start_method="spawn",
         local_addr="127.0.0.1",
     )
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MESHTRAIN_THREADS"] = str(threads)
+    os.environ[diagnostics.LAUNCHED_ENV] = "1"
+    # torch elastic logs every worker failure at length; the summary below replaces that.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(launch_config, sys.executable)(
             "-m", "meshtrain.worker", str(config_path), task)
     except ChildFailedError as error:
-        first = min(error.failures)
-        failure = error.failures[first]
-        detail = failure.message if isinstance(failure.message, str) else ""
-        if isinstance(failure.message, dict):
-            detail = failure.message.get("message", "")
-        raise LaunchError(f"worker rank {failure.rank} failed with exit code {failure.exitcode}"
-                          + (f": {detail}" if detail else "")) from None
+        codes = {f.rank: f.exitcode for f in error.failures.values()}
+        messages = {f.rank: _failure_text(f.message) for f in error.failures.values()}
+        status, message = diagnostics.explain_failure(
+            codes, messages, config.train.run_dir, nproc, config.train.collective_timeout_s)
+        if status == 2:
+            raise ConfigError(message) from None
+        raise LaunchError(message) from None
+    finally:
+        os.environ.pop(diagnostics.LAUNCHED_ENV, None)
     return 0
+
+
+def _failure_text(message) -> str:
+    """The one-line message of a torch elastic ``ProcessFailure``."""
+    if isinstance(message, dict):
+        return str(message.get("message", ""))
+    return message if isinstance(message, str) else ""

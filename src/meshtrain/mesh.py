@@ -167,15 +167,19 @@ class ParallelMesh:
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:
-        """Synchronise every rank (no-op for a single process)."""
+        """Synchronise every rank (no-op for a single process); logged on the ``world`` axis."""
         if dist.is_initialized() and self.world_size > 1:
+            entry = self.comm_log.record("world", "barrier", (), torch.uint8, 0, self.world_size)
             dist.barrier()
+            entry.done = True
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the process group described by the environment (torchrun's RANK/WORLD_SIZE/...).
 
     gloo on CPU, NCCL on CUDA. A world of one needs no process group and gets none.
+    ``timeout_s`` (``train.collective_timeout_s``) bounds every collective of every group: a
+    rank left waiting longer raises (gloo) or is aborted by NCCL's watchdog, instead of hanging.
     """
     import datetime
 

@@ -15,6 +15,7 @@ from meshtrain.config import (
     MLP_KINDS,
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
+    NONFINITE_POLICIES,
     PP_SCHEDULES,
     PRECISIONS,
     Config,
@@ -23,7 +24,7 @@ from meshtrain.config import (
 
 # Parallel features are switched on here as they land; until then a degree above 1 is refused
 # clearly instead of silently running something else.
-IMPLEMENTED_AXES = {"dp", "tp", "pp"}
+IMPLEMENTED_AXES = {"dp", "tp", "pp", "ep"}
 MAX_ZERO_STAGE_IMPLEMENTED = 3
 
 
@@ -149,8 +150,8 @@ def validate_parallel(config: Config) -> None:
         validate_tensor_parallel(config)
     validate_pipeline(config)
     dp = max(par.dp, 1)
-    if par.ep > 1 and dp % par.ep:
-        raise ConfigError(f"parallel.ep = {par.ep} must divide parallel.dp = {dp}.")
+    if par.ep > 1:
+        validate_expert_parallel(config, dp)
     per_step = dp * par.microbatches
     if train.global_batch % per_step:
         valid = [m for m in _divisors(train.global_batch // dp) if train.global_batch % dp == 0]
@@ -160,6 +161,28 @@ def validate_parallel(config: Config) -> None:
             f"train.global_batch = {train.global_batch} is not divisible by dp × microbatches = "
             f"{dp} × {par.microbatches} = {per_step}; {hint}."
         )
+
+
+def validate_expert_parallel(config: Config, dp: int) -> None:
+    """ep splits the experts of an MoE model over groups of data-parallel ranks."""
+    par, m = config.parallel, config.model
+    if not m.moe_experts:
+        raise ConfigError(f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
+                          f"(model.moe_experts > 0); use parallel.ep = 1 for a dense model.")
+    if dp % par.ep:
+        valid = [e for e in _divisors(dp) if m.moe_experts % e == 0]
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp = {dp} (expert "
+                          f"parallelism splits the data-parallel ranks); valid ep: "
+                          f"{', '.join(map(str, valid))}.")
+    if m.moe_experts % par.ep:
+        valid = [e for e in _divisors(dp) if m.moe_experts % e == 0]
+        raise ConfigError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = "
+                          f"{par.ep}; every expert-parallel rank must hold the same number of "
+                          f"experts. Valid ep: {', '.join(map(str, valid))}.")
+    if par.zero == 3:
+        raise ConfigError("parallel.zero = 3 with parallel.ep > 1 is not implemented; use "
+                          "parallel.zero <= 2 (expert parameters are then sharded over the "
+                          "expert-data-parallel ranks).")
 
 
 def tp_problems(config: Config, tp: int) -> list[str]:
@@ -186,9 +209,6 @@ def tp_problems(config: Config, tp: int) -> list[str]:
 def validate_tensor_parallel(config: Config) -> None:
     """tp must split heads, MLP width and vocabulary evenly; kv heads split or replicated."""
     tp = config.parallel.tp
-    if config.model.moe_experts:
-        raise ConfigError("parallel.tp > 1 with a Mixture-of-Experts model is not implemented "
-                          "yet; use parallel.tp = 1 for MoE models.")
     problems = tp_problems(config, tp)
     if problems:
         valid = [t for t in range(1, config.model.n_heads + 1) if not tp_problems(config, t)]
@@ -211,7 +231,7 @@ def validate_pipeline(config: Config) -> None:
     vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
     stage_layers(m, vocab, schedule.num_stages, par.pp_split)
     unsupported = [(m.tie_embeddings, "model.tie_embeddings = true"),
-                   (par.zero == 3, "parallel.zero = 3"), (m.moe_experts > 0, "an MoE model")]
+                   (par.zero == 3, "parallel.zero = 3")]
     for flag, what in unsupported:
         if flag:
             raise ConfigError(f"{what} with parallel.pp > 1 is not implemented yet; use pp = 1 "
@@ -244,6 +264,12 @@ def validate_train(config: Config) -> None:
     _at_least(t.log_every, 1, "train.log_every")
     _at_least(t.peak_tflops, 0.0, "train.peak_tflops")
     _at_least(t.threads_per_worker, 0, "train.threads_per_worker")
+    if not 0 < t.collective_timeout_s < 1e7:
+        raise ConfigError(f"train.collective_timeout_s = {t.collective_timeout_s} must be a "
+                          f"positive number of seconds (default 300).")
+    _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
+    _at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
+    _at_least(t.max_restarts, 0, "train.max_restarts")
     if t.device == "cuda":
         import torch
 
@@ -271,6 +297,10 @@ def validate_data_and_checkpoint(config: Config) -> None:
     _at_least(d.max_bytes, 1, "data.max_bytes")
     _at_least(c.every, 0, "checkpoint.every")
     _at_least(c.keep, 1, "checkpoint.keep")
+    if c.init_from and not Path(c.init_from).exists():
+        raise ConfigError(f'checkpoint.init_from = "{c.init_from}": no such directory; give a '
+                          f"meshtrain weights dir (e.g. RUN_DIR/final) or a Hugging Face model "
+                          f"dir.")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f'checkpoint.resume = "{c.resume}": no such checkpoint; use "auto", '
                           f'"none" or an existing checkpoint path.')

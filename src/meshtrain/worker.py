@@ -2,6 +2,11 @@
 
 Started either in-process (one worker), by :mod:`meshtrain.launch` as
 ``python -m meshtrain.worker CONFIG_JSON TASK``, or directly under torchrun/SLURM.
+
+Every collective is bounded by ``train.collective_timeout_s``. A multi-process worker keeps
+``RUN_DIR/diagnostics/rank{N}.json`` current (:mod:`meshtrain.diagnostics`) and, when it fails,
+records the error there (and in torch elastic's error file) instead of printing a traceback: the
+launcher prints one summary for the whole job.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import sys
 
 import torch
 
-from meshtrain.config import Config
+from meshtrain import diagnostics, faults
+from meshtrain.config import Config, ConfigError
+from meshtrain.errors import RunFailure
 from meshtrain.mesh import ParallelMesh, init_distributed, shutdown_distributed
 
 
@@ -30,35 +37,79 @@ def build_mesh(config: Config) -> ParallelMesh:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    init_distributed(device)
+    try:
+        init_distributed(device, config.train.collective_timeout_s)
+    except RuntimeError as error:
+        if "address already in use" in str(error).lower() or "EADDRINUSE" in str(error):
+            raise ConfigError(
+                f"MASTER_PORT {os.environ.get('MASTER_PORT')} on "
+                f"{os.environ.get('MASTER_ADDR')} is already in use (another job?); choose "
+                f"another MASTER_PORT.") from None
+        raise
     par = config.parallel
     return ParallelMesh.from_environment(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep,
                                          seed=config.train.seed, device=device)
 
 
+def _run_task(config: Config, mesh: ParallelMesh, task: str) -> None:
+    if task != "train":
+        raise ValueError(f"unknown worker task {task!r}")
+    from meshtrain.training.trainer import Trainer
+
+    Trainer(config, mesh).fit()
+
+
 def run(config: Config, task: str = "train") -> int:
     """Run ``task`` in this process (a worker of the job); returns the exit status."""
     _set_threads()
+    attempt = faults.restart_attempt()
+    if attempt and config.checkpoint.resume == "none":
+        config.checkpoint.resume = "auto"  # a restarted worker continues from the newest one
     mesh = build_mesh(config)
+    if attempt and mesh.is_logging_rank:
+        print(f"meshtrain: restart {attempt} of at most {config.train.max_restarts}; resuming "
+              f"from the newest valid checkpoint", file=sys.stderr, flush=True)
+    mesh.comm_log.debug = config.train.debug_collectives
+    timeout = config.train.collective_timeout_s
+    interval = diagnostics.interval_for(timeout)
+    monitor = None
+    if mesh.world_size > 1:
+        monitor = diagnostics.RankMonitor(mesh, config.train.run_dir, interval).start()
     try:
-        if task == "train":
-            from meshtrain.training.trainer import Trainer
-
-            Trainer(config, mesh).fit()
-        else:
-            raise ValueError(f"unknown worker task {task!r}")
-    finally:
-        shutdown_distributed()
+        _run_task(config, mesh, task)
+    except Exception as error:
+        if monitor is None:
+            raise
+        monitor.finish(error)
+        kind = diagnostics.classify(error)
+        if kind in ("timeout", "peer_lost") and not os.environ.get(diagnostics.LAUNCHED_ENV):
+            if kind == "timeout":
+                diagnostics.report_from_worker(mesh, config.train.run_dir, interval, timeout)
+            raise RunFailure(f"rank {mesh.rank}: {type(error).__name__}: {error}") from None
+        raise
+    if monitor is not None:
+        monitor.finish()
+    shutdown_distributed()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a spawned worker: ``python -m meshtrain.worker CONFIG_JSON TASK``."""
+    """Entry point of a spawned worker: ``python -m meshtrain.worker CONFIG_JSON TASK``.
+
+    Failures are recorded (torch elastic's error file, ``RUN_DIR/diagnostics``) for the
+    launcher's summary; the exit status is 2 for a config error found here (e.g. unusable data),
+    1 for any other failure.
+    """
     from torch.distributed.elastic.multiprocessing.errors import record
 
     args = sys.argv[1:] if argv is None else argv
     config = Config.from_dict(json.loads(open(args[0]).read()), origin=args[0])
-    return record(run)(config, args[1] if len(args) > 1 else "train")
+    try:
+        return record(run)(config, args[1] if len(args) > 1 else "train")
+    except ConfigError:
+        return 2
+    except Exception:  # recorded above; the launcher explains it
+        return 1
 
 
 if __name__ == "__main__":

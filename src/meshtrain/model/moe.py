@@ -2,16 +2,35 @@
 
 An :class:`MoE` layer routes each token to ``top_k`` of ``moe_experts`` experts and adds an
 optional always-on shared expert. Routing (:meth:`MoE.route`) and expert compute
-(:meth:`MoE.compute_experts`) are separate methods so expert parallelism can replace the second
-(dispatch with an all-to-all, run the local experts, combine) while keeping the first.
+(:meth:`MoE.compute_experts`) are separate methods; expert parallelism replaces only the
+``experts`` module (:mod:`meshtrain.parallel.expert`), which receives the assignments already sorted
+by expert and capped at capacity, dispatches them with an all-to-all, runs the local experts and
+combines them back, so routing, capacity and gating are the same code under every layout.
+
+Capacity (``moe_capacity_factor``): with a factor ``c > 0`` an expert accepts at most
+``ceil(c * T * k / E)`` assignments of the ``T`` tokens of one forward (one micro-batch of one
+data-parallel rank); later assignments (in token order) are dropped and counted. ``0`` = dropless.
 
 Load balancing (``config.moe_balance``):
 
 * ``"aux-loss"``: the Switch-Transformer auxiliary loss ``coef * E * sum_i f_i * P_i`` is stored
-  in ``last_stats["aux_loss"]`` for the trainer to add to the loss.
+  in ``last_stats["aux_loss"]`` for the trainer to add to the objective. It is computed **per
+  forward**, i.e. over the tokens of one micro-batch of one data-parallel rank (exactly the
+  reference's micro-batch in ``meshtrain verify``): ``f_i`` is the fraction of that micro-batch's
+  ``T * k`` assignments that chose expert ``i`` and ``P_i`` the mean router probability of expert
+  ``i`` over its ``T`` tokens. Under tensor parallelism every tp rank routes the *whole*
+  micro-batch (sequence parallelism first gathers the sequence), so the statistics already cover
+  the tokens the tp ranks share and need no further reduction; the trainer averages the per
+  micro-batch losses over all micro-batches and data-parallel ranks (each expert-parallel rank
+  routes its own micro-batch, so ep changes nothing here).
 * ``"bias"``: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert ``expert_bias`` is added to
-  the scores for *selection only*, and nudged by :meth:`MoE.update_bias` after each step.
+  the scores for *selection only*, and nudged by :meth:`MoE.update_bias` after each step from the
+  load of the **global batch** (every micro-batch of every data-parallel rank).
 * ``"none"``: neither.
+
+Statistics: ``last_stats`` holds the last forward's; :meth:`MoE.pop_step_stats` returns the sums
+since the previous call (the trainer's per-step window). Forwards re-run inside backward by
+activation checkpointing are not counted twice.
 """
 
 from __future__ import annotations
@@ -101,6 +120,7 @@ class MoE(nn.Module):
             self.shared_experts = None
         self.register_buffer("expert_bias", torch.zeros(self.num_experts), persistent=True)
         self.last_stats: dict[str, torch.Tensor] = {}
+        self._step_stats: dict[str, torch.Tensor] = {}
 
     def reset_buffers(self) -> None:
         """Zero the selection bias (fp32) and forget the last statistics."""
@@ -109,6 +129,7 @@ class MoE(nn.Module):
                 self.num_experts, device=self.expert_bias.device, dtype=torch.float32
             )
         self.last_stats = {}
+        self._step_stats = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Choose experts for tokens ``x`` [T, dim].
@@ -209,7 +230,34 @@ class MoE(nn.Module):
             "dropped": dropped,
             "aux_loss": stats["aux_loss"],
         }
+        if not _recomputing_in_backward():
+            self._accumulate(self.last_stats)
         return out.view_as(x)
+
+    @torch.no_grad()
+    def _accumulate(self, stats: dict[str, torch.Tensor]) -> None:
+        current = {"tokens_per_expert": stats["tokens_per_expert"].detach().long(),
+                   "dropped": stats["dropped"].detach().long(),
+                   "aux_loss": stats["aux_loss"].detach().float(),
+                   "forwards": torch.ones((), dtype=torch.long, device=self.expert_bias.device)}
+        if not self._step_stats:
+            self._step_stats = current
+        else:
+            self._step_stats = {k: self._step_stats[k] + v.to(self._step_stats[k].device)
+                                for k, v in current.items()}
+
+    def pop_step_stats(self) -> dict[str, torch.Tensor]:
+        """Sums since the last call over every forward: ``tokens_per_expert`` [E] (before capacity
+        dropping), ``dropped``, ``aux_loss`` (detached) and ``forwards``; then start afresh."""
+        device = self.expert_bias.device
+        stats = self._step_stats or {
+            "tokens_per_expert": torch.zeros(self.num_experts, dtype=torch.long, device=device),
+            "dropped": torch.zeros((), dtype=torch.long, device=device),
+            "aux_loss": torch.zeros((), device=device),
+            "forwards": torch.zeros((), dtype=torch.long, device=device),
+        }
+        self._step_stats = {}
+        return stats
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
@@ -220,6 +268,13 @@ class MoE(nn.Module):
         """
         load = load.to(device=self.expert_bias.device, dtype=torch.float32)
         self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+
+
+def _recomputing_in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. when a forward is an activation-checkpoint
+    recomputation (its routing repeats one already counted)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

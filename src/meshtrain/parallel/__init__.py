@@ -32,13 +32,15 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         if getattr(plan, axis) != getattr(mesh, axis):
             raise ValueError(f"plan.{axis} = {getattr(plan, axis)} but the mesh has "
                              f"{axis} = {getattr(mesh, axis)}")
-    if plan.ep > 1:
-        raise NotImplementedError("expert parallelism is not built yet")
     if plan.tp > 1:
         from meshtrain.parallel.tensor.apply import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.comm("tp"), mesh.tp_rank, plan.tp_rules,
                               plan.sequence_parallel)
+    if plan.ep > 1:
+        from meshtrain.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh.comm("ep"), mesh.ep_rank)
     model._meshtrain_pipeline = None
     if plan.pp > 1:
         from meshtrain.parallel.pipeline import build_schedule, check_schedule

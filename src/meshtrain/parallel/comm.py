@@ -13,8 +13,17 @@ send / recv         S
 =================  ==========================
 
 and the number of calls. :class:`CommLog` also keeps each rank's last few collectives (axis, op,
-shape, dtype, call site) so that a hang can later be explained by what each rank was last doing.
-Groups of size one are no-ops and record nothing.
+shape, dtype, call site, training step, and a per-axis **sequence number**) so that a hang can be
+explained by what each rank was last doing: every rank of a group issues the group's collectives
+in the same order, so in a hang the ranks whose sequence number on an axis is behind the others'
+are the ones that did not arrive (:mod:`meshtrain.diagnostics`). Point-to-point sends and receives
+are numbered separately (the two ends of a pipeline issue different counts).
+
+With ``CommLog.debug`` on (``train.debug_collectives``), every collective is preceded by a small
+all-gather of (sequence number, op, shape, dtype, call site) over its group, and the first
+difference between ranks raises :class:`~meshtrain.errors.CollectiveMismatchError` naming each
+rank's call instead of hanging or silently mixing tensors. Groups of size one are no-ops and
+record nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from meshtrain import faults
+from meshtrain.errors import CollectiveMismatchError
 
 # torch >= 2.10 renamed the flat-tensor collectives; use whichever this torch has.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,6 +56,21 @@ class CollectiveRecord:
     bus_bytes: int
     site: str
     time_s: float
+    seq: int = 0
+    """1-based number of this collective on its axis on this rank (p2p ops count separately)."""
+    step: int = 0
+    """Training step (1-based) during which it was issued; 0 outside the training loop."""
+    done: bool | None = False
+    """True once a blocking call returned; None for an async call (completion not tracked)."""
+    peer: int | None = None
+    """Global rank at the other end of a send/recv; None for collectives."""
+
+    def describe(self) -> str:
+        """One line: ``dp #12 all_reduce (1,) float32 at trainer.py:97 (step 2)``."""
+        where = f" {'to' if self.op == 'send' else 'from'} rank {self.peer}" \
+            if self.peer is not None else ""
+        return (f"{self.axis} #{self.seq} {self.op}{where} {self.shape} {self.dtype} at "
+                f"{self.site} (step {self.step})")
 
 
 def _call_site() -> str:
@@ -67,7 +94,7 @@ def bus_bytes(op: str, full_bytes: int, group_size: int) -> int:
         return (n - 1) * full_bytes // n
     if op in ("send", "recv", "broadcast"):
         return full_bytes
-    if op == "all_gather_object":  # diagnostics only: pickled size unknown, not counted
+    if op in ("all_gather_object", "barrier"):  # diagnostics / sync only: not counted
         return 0
     raise ValueError(f"unknown collective {op!r}")
 
@@ -79,15 +106,30 @@ class CommLog:
         self.bytes: dict[str, int] = collections.defaultdict(int)
         self.calls: dict[str, int] = collections.defaultdict(int)
         self.recent: collections.deque[CollectiveRecord] = collections.deque(maxlen=history)
+        self.seq: dict[str, int] = collections.defaultdict(int)
+        """Collectives issued per axis since the process started (never reset)."""
+        self.p2p_seq: dict[str, int] = collections.defaultdict(int)
+        """Sends and receives issued per axis since the process started."""
+        self.step = 0
+        self.debug = False
 
     def record(self, axis: str, op: str, tensor_shape: Sequence[int], dtype: torch.dtype,
-               full_bytes: int, group_size: int) -> None:
-        """Count one collective."""
+               full_bytes: int, group_size: int, peer: int | None = None) -> CollectiveRecord:
+        """Count one collective (or, with ``peer``, one send/recv) and return its record."""
         moved = bus_bytes(op, full_bytes, group_size)
         self.bytes[axis] += moved
         self.calls[axis] += 1
-        self.recent.append(CollectiveRecord(axis, op, tuple(tensor_shape), str(dtype), moved,
-                                            _call_site(), time.time()))
+        counter = self.seq if peer is None else self.p2p_seq
+        counter[axis] += 1
+        entry = CollectiveRecord(axis, op, tuple(tensor_shape), str(dtype), moved, _call_site(),
+                                 time.time(), counter[axis], self.step, False, peer)
+        self.recent.append(entry)
+        return entry
+
+    def begin_step(self, step: int) -> None:
+        """Start counting step ``step`` (1-based): reset the byte counters, tag new records."""
+        self.reset()
+        self.step = step
 
     def reset(self) -> None:
         """Start a new counting window (the trainer calls this at the start of each step)."""
@@ -100,8 +142,7 @@ class CommLog:
 
     def describe_recent(self) -> str:
         """Human-readable list of the last collectives, newest last."""
-        return "\n".join(f"  {r.axis:>3} {r.op:<15} {r.shape} {r.dtype} at {r.site}"
-                         for r in self.recent) or "  (none)"
+        return "\n".join(f"  {r.describe()}" for r in self.recent) or "  (none)"
 
 
 class CountedComm:
@@ -124,23 +165,56 @@ class CountedComm:
     def _nbytes(self, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
+    def _enter(self, op: str, shape: Sequence[int], dtype: torch.dtype,
+               full_bytes: int) -> CollectiveRecord | None:
+        """Record a collective about to be issued (after the debug check, if on); None when a
+        test-only injected fault says to skip it (:mod:`meshtrain.faults`)."""
+        if faults.active() and faults.skip_collective(self.log.step, self.axis):
+            return None
+        if self.log.debug:
+            self._check_same_call(op, tuple(shape), str(dtype))
+        return self.log.record(self.axis, op, shape, dtype, full_bytes, self.size)
+
+    @staticmethod
+    def _issued(entry: CollectiveRecord, work, async_op: bool):
+        """Mark a blocking call done (async completion is not tracked); pass ``work`` through."""
+        entry.done = None if async_op else True
+        return work
+
+    def _check_same_call(self, op: str, shape: tuple, dtype: str) -> None:
+        """Debug mode: all-gather what each rank is about to call; raise on the first mismatch."""
+        mine = (self.log.seq[self.axis] + 1, op, shape, dtype, _call_site(), dist.get_rank())
+        calls = [None] * self.size
+        dist.all_gather_object(calls, mine, group=self.group)
+        if all(call[:4] == calls[0][:4] for call in calls):
+            return
+        lines = "; ".join(f"rank {c[5]} calls #{c[0]} {c[1]} {c[2]} {c[3]} at {c[4]}"
+                          for c in calls)
+        raise CollectiveMismatchError(
+            f"collective mismatch on the {self.axis} group (ranks "
+            f"{', '.join(str(c[5]) for c in calls)}), found by train.debug_collectives: {lines}.")
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False):
         """In-place all-reduce over the axis."""
         if not self.active:
             return None
-        self.log.record(self.axis, "all_reduce", tensor.shape, tensor.dtype, self._nbytes(tensor),
-                        self.size)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        entry = self._enter("all_reduce", tensor.shape, tensor.dtype, self._nbytes(tensor))
+        if entry is None:
+            return None
+        return self._issued(entry, dist.all_reduce(tensor, op=op, group=self.group,
+                                                   async_op=async_op), async_op)
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Gather equal shards into ``output`` (concatenated along dim 0)."""
         if not self.active:
             output.copy_(shard.reshape(output.shape))
             return None
-        self.log.record(self.axis, "all_gather", output.shape, output.dtype, self._nbytes(output),
-                        self.size)
-        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        entry = self._enter("all_gather", output.shape, output.dtype, self._nbytes(output))
+        if entry is None:
+            return None
+        return self._issued(entry, _all_gather_flat(output, shard, group=self.group,
+                                                    async_op=async_op), async_op)
 
     def reduce_scatter_into(self, shard: torch.Tensor, full: torch.Tensor,
                             op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
@@ -148,9 +222,11 @@ class CountedComm:
         if not self.active:
             shard.copy_(full.reshape(shard.shape))
             return None
-        self.log.record(self.axis, "reduce_scatter", full.shape, full.dtype, self._nbytes(full),
-                        self.size)
-        return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
+        entry = self._enter("reduce_scatter", full.shape, full.dtype, self._nbytes(full))
+        if entry is None:
+            return None
+        return self._issued(entry, _reduce_scatter_flat(shard, full, op=op, group=self.group,
+                                                        async_op=async_op), async_op)
 
     def all_to_all_single(self, output: torch.Tensor, inputs: torch.Tensor,
                           output_splits: list[int] | None = None,
@@ -159,37 +235,46 @@ class CountedComm:
         if not self.active:
             output.copy_(inputs)
             return None
-        self.log.record(self.axis, "all_to_all", inputs.shape, inputs.dtype,
-                        self._nbytes(inputs), self.size)
-        return dist.all_to_all_single(output, inputs, output_splits, input_splits,
-                                      group=self.group, async_op=async_op)
+        entry = self._enter("all_to_all", inputs.shape, inputs.dtype, self._nbytes(inputs))
+        if entry is None:
+            return None
+        return self._issued(entry, dist.all_to_all_single(output, inputs, output_splits,
+                                                          input_splits, group=self.group,
+                                                          async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int = 0, async_op: bool = False):
         """Broadcast from the axis rank ``src_group_rank``."""
         if not self.active:
             return None
-        self.log.record(self.axis, "broadcast", tensor.shape, tensor.dtype, self._nbytes(tensor),
-                        self.size)
+        entry = self._enter("broadcast", tensor.shape, tensor.dtype, self._nbytes(tensor))
+        if entry is None:
+            return None
         src = dist.get_global_rank(self.group, src_group_rank)
-        return dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        return self._issued(entry, dist.broadcast(tensor, src=src, group=self.group,
+                                                  async_op=async_op), async_op)
 
     def all_gather_object(self, obj) -> list:
         """Gather a picklable object from every rank of the axis (diagnostics, not hot path)."""
         if not self.active:
             return [obj]
-        self.log.record(self.axis, "all_gather_object", (), torch.uint8, 0, self.size)
+        entry = self._enter("all_gather_object", (), torch.uint8, 0)
         out = [None] * self.size
+        if entry is None:
+            return out
         dist.all_gather_object(out, obj, group=self.group)
+        entry.done = True
         return out
 
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: int = 0):
         """Non-blocking point-to-point send to an axis rank; returns the work handle."""
-        self.log.record(self.axis, "send", tensor.shape, tensor.dtype, self._nbytes(tensor), 2)
-        return dist.isend(tensor, dst=dist.get_global_rank(self.group, dst_group_rank),
-                          group=self.group, tag=tag)
+        dst = dist.get_global_rank(self.group, dst_group_rank)
+        entry = self.log.record(self.axis, "send", tensor.shape, tensor.dtype,
+                                self._nbytes(tensor), 2, peer=dst)
+        return self._issued(entry, dist.isend(tensor, dst=dst, group=self.group, tag=tag), True)
 
     def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: int = 0):
         """Non-blocking point-to-point receive from an axis rank; returns the work handle."""
-        self.log.record(self.axis, "recv", tensor.shape, tensor.dtype, self._nbytes(tensor), 2)
-        return dist.irecv(tensor, src=dist.get_global_rank(self.group, src_group_rank),
-                          group=self.group, tag=tag)
+        src = dist.get_global_rank(self.group, src_group_rank)
+        entry = self.log.record(self.axis, "recv", tensor.shape, tensor.dtype,
+                                self._nbytes(tensor), 2, peer=src)
+        return self._issued(entry, dist.irecv(tensor, src=src, group=self.group, tag=tag), True)

@@ -15,7 +15,8 @@ from meshtrain.config import Config
 # How each module of the plain model is split under tensor parallelism (Megatron-LM's layout):
 # a TP region is entered once per sub-layer (attention, MLP, head), the first matmul of each pair
 # is split by columns (output features), the second by rows (input features) and reduced, so each
-# sub-layer costs one reduction forward and one backward. Styles: meshtrain.parallel.tensor.apply.
+# sub-layer costs one reduction forward and one backward. MoE layers are replicated over tp
+# (experts are split by expert parallelism instead). Styles: meshtrain.parallel.tensor.apply.
 DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
     ("tok_embeddings", "vocab"),
     ("layers.*.attention", "region"),
@@ -27,6 +28,7 @@ DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
     ("layers.*.feed_forward.w1", "column"),
     ("layers.*.feed_forward.w3", "column"),
     ("layers.*.feed_forward.w2", "row"),
+    ("layers.*.moe", "replicated"),
     ("norm", "region-output"),
     ("output", "column"),
 )

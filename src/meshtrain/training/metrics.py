@@ -48,6 +48,12 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        if start_step > 0 and self.path.is_file():
+            # Resuming at ``start_step``: drop lines of steps after it (logged by a run that died
+            # before its next checkpoint), so the file reads steps 1..N exactly once.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self.file = self.path.open("a" if start_step > 0 else "w")
         self.total_steps = total_steps
         self.start_time = time.time()

@@ -34,10 +34,13 @@ class FlatAdamW:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients (each parameter counted once across ranks); scales
-        them to ``max_norm`` when larger. ``max_norm = 0`` only measures."""
+        them to ``max_norm`` when larger. ``max_norm = 0`` only measures. A non-finite norm
+        leaves the gradients as they are (the step is skipped or stopped by the trainer, which
+        can then still name the offending parameter)."""
         norm = self.engine.grad_sq_norm(self.shards).sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
             for shard in self.shards:
                 grad = shard.grad()
                 grad.mul_(coef.to(grad.dtype))

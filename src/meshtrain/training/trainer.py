@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from meshtrain import faults
 from meshtrain.config import Config
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import Transformer, flops_per_token, moe_layers
@@ -37,6 +38,8 @@ from meshtrain.training.metrics import (
     device_peak_flops,
     peak_memory_bytes,
 )
+from meshtrain.training.moe_stats import MoEStepStats
+from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.tokenizer import load_tokenizer
 
@@ -73,6 +76,10 @@ class Trainer:
         self.pipeline = self._build_pipeline()
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
+        self.moe_stats = MoEStepStats(self.model, mesh, config.model)
+        self.nonfinite = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_skips,
+                                        verbose=mesh.is_logging_rank)
+        self.restarts = faults.restart_attempt()  # torch elastic's restart count (0 = first run)
         self.step = 0
         self.flops_per_token = flops_per_token(config.model, train.seq_len)
         self.peak_flops = device_peak_flops(self.device, train.precision, train.peak_tflops)
@@ -86,8 +93,10 @@ class Trainer:
         train, par = self.config.train, self.config.parallel
         micro = train.global_batch // (self.mesh.dp * par.microbatches)
         seq = train.seq_len // (self.mesh.tp if par.sequence_parallel else 1)
-        return PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
-                                (micro, seq, self.config.model.dim), self.dtype, self.device)
+        executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
+                                    (micro, seq, self.config.model.dim), self.dtype, self.device)
+        executor.aux_loss_fn = self._stage_aux_loss
+        return executor
 
     # ------------------------------------------------------------------ one step
     def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -98,17 +107,30 @@ class Trainer:
 
     def _moe_aux_loss(self) -> torch.Tensor | None:
         terms = [layer.last_stats["aux_loss"] for layer in moe_layers(self.model)
-                 if layer.last_stats is not None]
+                 if layer.last_stats]
         return torch.stack(terms).sum() if terms else None
+
+    def _stage_aux_loss(self, chunk) -> torch.Tensor | None:
+        """The MoE aux loss of a pipeline stage's layers for the micro-batch it just ran, scaled
+        like :meth:`_forward_backward`'s (None without aux-loss balancing)."""
+        if self.config.model.moe_balance != "aux-loss":
+            return None
+        terms = [layer.last_stats["aux_loss"] for i in chunk.layers
+                 for layer in moe_layers(self.model.layers[str(i)])]
+        if not terms:
+            return None
+        return torch.stack(terms).sum() / (self.plan.microbatches * self.mesh.dp)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy; vocab-parallel (never gathering logits) under tp."""
         tp = self.mesh.comm("tp")
         if tp.active:
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+            loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                 self.vocab_start, tp, IGNORE_INDEX).sum()
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
+        else:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                   reduction="sum", ignore_index=IGNORE_INDEX)
+        return faults.corrupt_loss(loss, self.step + 1) if faults.active() else loss
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                           global_tokens: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,34 +147,16 @@ class Trainer:
         objective.backward()
         return lm_loss.detach(), None if aux is None else aux.detach()
 
-    def _accumulate_expert_load(self, totals: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        loads = [layer.last_stats["tokens_per_expert"].detach().float()
-                 for layer in moe_layers(self.model)]
-        if totals is None:
-            return loads
-        return [t + load for t, load in zip(totals, loads, strict=True)]
-
-    @torch.no_grad()
-    def _update_expert_bias(self, loads: list[torch.Tensor] | None) -> None:
-        """Aux-loss-free balancing: nudge biases from the load of the whole global batch."""
-        layers = moe_layers(self.model)
-        if not layers or loads is None or self.config.model.moe_balance != "bias":
-            return
-        flat = torch.stack(loads)
-        self.mesh.comm("dp").all_reduce(flat)
-        for layer, load in zip(layers, flat, strict=True):
-            layer.update_bias(load)
-
     def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """Forward and backward every micro-batch and reduce the gradients over data-parallel
         ranks. Leaves the gradients of the global mean loss in the engine's gradient buffers
         (or shards); returns the local loss sums and token counts (not reduced over ranks)."""
         global_tokens = self._global_token_count(microbatches)
+        self.moe_stats.start_step()
         if self.pipeline is not None:
             return self._compute_gradients_pipelined(microbatches, global_tokens)
         lm_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
-        loads = None
         for index, (inputs, targets) in enumerate(microbatches):
             self.engine.start_microbatch(is_last=index == len(microbatches) - 1)
             lm_loss, aux = self._forward_backward(inputs, targets, global_tokens)
@@ -160,10 +164,8 @@ class Trainer:
             lm_total += lm_loss
             if aux is not None:
                 aux_total += aux
-                loads = self._accumulate_expert_load(loads)
         self.engine.reduce_partial_grads(self.optimizer.shards)
-        return {"lm": lm_total, "aux": aux_total, "global_tokens": global_tokens,
-                "expert_load": loads}
+        return {"lm": lm_total, "aux": aux_total, "global_tokens": global_tokens}
 
     def _compute_gradients_pipelined(self, microbatches, global_tokens: float) -> dict:
         """Run the pipeline schedule; gradients are reduced over dp once it has finished."""
@@ -177,27 +179,35 @@ class Trainer:
             from meshtrain.training.timeline_report import write_measured_timeline
 
             write_measured_timeline(self.pipeline, self.mesh, self.run_dir)
-        return {"lm": lm_total, "aux": torch.zeros((), device=self.device),
-                "global_tokens": global_tokens, "expert_load": None}
+        return {"lm": lm_total, "aux": self.pipeline.aux_total,
+                "global_tokens": global_tokens}
 
     def train_step(self) -> dict:
         """Run one optimizer step; return its metrics record."""
-        self.mesh.comm_log.reset()
+        if faults.active():
+            faults.maybe_kill(self.step + 1)
+        self.mesh.comm_log.begin_step(self.step + 1)
         start = time.perf_counter()
         result = self.compute_gradients(self.data.next_step())
         global_tokens = result["global_tokens"]
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
         memory = self._memory()
         lr = learning_rate(self.step, self.config.train)
-        self.optimizer.step(lr)
-        self._update_expert_bias(result["expert_load"])
+        losses = torch.stack([result["lm"], result["aux"]])
+        self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
+        self.mesh.comm("dp").all_reduce(losses)
+        # Loss and norm are global (equal on every rank), so every rank decides alike.
+        # TODO(checkpoint): when on_nonfinite stops the run, save the last good state first (the
+        # weights are still finite here: the bad update was never applied).
+        if self.nonfinite.check(self.step + 1, float(losses[0]), float(losses[1]),
+                                float(grad_norm), lambda: first_nonfinite_gradient(
+                                    self.engine, self.optimizer.shards, self.model)):
+            self.optimizer.step(lr)
+        moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
         every = self.config.parallel.check_replicas_every
         if every and (self.step + 1) % every == 0:
             self.engine.check_replicas_in_sync()
-        losses = torch.stack([result["lm"], result["aux"]])
-        self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
-        self.mesh.comm("dp").all_reduce(losses)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -214,12 +224,14 @@ class Trainer:
             "mfu": None,
             "comm_bytes": self.mesh.comm_log.snapshot(),
             "mem": memory,
+            "nonfinite_skips": self.nonfinite.total_skipped,
+            "restarts": self.restarts,
         }
         if self.peak_flops:
             record["mfu"] = (tokens * self.flops_per_token / elapsed
                              / (self.peak_flops * self.mesh.world_size))
-        if moe_layers(self.model):
-            record["moe"] = {"aux_loss": float(losses[1])}
+        if moe_summary is not None:
+            record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
         return record
 
     def _memory(self) -> dict:
@@ -228,9 +240,32 @@ class Trainer:
                 "peak_bytes": peak_memory_bytes(self.device)}
 
     # ------------------------------------------------------------------ the run
+    def restore(self) -> None:
+        """Resume from ``checkpoint.resume`` if it names a checkpoint, else start from
+        ``checkpoint.init_from`` weights if given, else keep the fresh initialisation."""
+        from meshtrain.checkpoint import manager, state
+
+        directory = manager.resolve_resume(self.config, warn=self.mesh.is_logging_rank)
+        if directory is not None:
+            manager.check_compatible(self.config, directory, self.config.model.vocab_size)
+            state.load(self, directory)
+            if self.mesh.is_logging_rank:
+                print(f"meshtrain: resumed from {directory} at step {self.step}", flush=True)
+        elif self.config.checkpoint.init_from:
+            state.init_from_weights(self, self.config.checkpoint.init_from)
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the current step (every rank takes part)."""
+        from meshtrain.checkpoint import state
+
+        state.save(self)
+
     def fit(self) -> list[dict]:
-        """Train to ``train.steps``; rank 0 logs every step and saves the final weights."""
+        """Train to ``train.steps`` (resuming first when asked); rank 0 logs every step and
+        saves the final weights; checkpoints every ``checkpoint.every`` steps."""
         train = self.config.train
+        self.restore()
+        every = self.config.checkpoint.every
         writer = None
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
@@ -242,6 +277,8 @@ class Trainer:
                 if writer is not None and (record["step"] % train.log_every == 0
                                            or record["step"] == train.steps):
                     writer.log(record)
+                if every and (self.step % every == 0 or self.step == train.steps):
+                    self.save_checkpoint()
         finally:
             if writer is not None:
                 writer.close()

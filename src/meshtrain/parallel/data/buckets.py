@@ -6,6 +6,11 @@ all-gathered with a single collective, and the optimizer works on contiguous sha
 
 Within a bucket, matrices (which get weight decay) come before vectors (norm weights, biases, which
 do not), so any rank's shard intersects the decayed region in one contiguous range.
+
+A bucket belongs to one reduction axis (``axis``): ``"dp"`` for parameters replicated over every
+data-parallel rank, ``"edp"`` for expert parameters under expert parallelism, which only the
+``dp / ep`` ranks holding the same experts share. Buckets never mix axes, so each is reduced (and,
+under ZeRO, sharded) over exactly the ranks that hold its parameters.
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ class FlatBucket:
     """A group of parameters flattened into one padded buffer, sharded evenly over ``dp_size``."""
 
     def __init__(self, index: int, named_params: list[tuple[str, torch.nn.Parameter]],
-                 dp_size: int, dp_rank: int):
+                 dp_size: int, dp_rank: int, axis: str = "dp"):
         if not named_params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
+        self.axis = axis
         ordered = ([np for np in named_params if wants_weight_decay(np[1])]
                    + [np for np in named_params if not wants_weight_decay(np[1])])
         self.slots: list[ParamSlot] = []
@@ -126,6 +132,32 @@ class FlatBucket:
             if a < b:
                 out.append((s.name, a - s.offset, a - lo, b - a))
         return out
+
+
+def reduce_axis(param: torch.nn.Parameter) -> str:
+    """The axis over which ``param``'s gradient is reduced: ``"edp"`` for expert-parallel expert
+    weights (marked ``_meshtrain_dp_axis`` by :mod:`meshtrain.parallel.expert`), else ``"dp"``."""
+    return getattr(param, "_meshtrain_dp_axis", "dp")
+
+
+def bucket_by_size_and_axis(named_params: list[tuple[str, torch.nn.Parameter]],
+                            bucket_bytes: int) -> list[tuple[str, list]]:
+    """Like :func:`bucket_by_size`, with one open bucket per reduction axis: parameters of
+    different axes never share a bucket, and buckets are emitted in the order they fill up
+    (so each axis's buckets keep the gradient-ready order). Returns ``(axis, params)`` pairs."""
+    out: list[tuple[str, list]] = []
+    open_buckets: dict[str, tuple[list, int]] = {}
+    for name, param in named_params:
+        axis = reduce_axis(param)
+        current, size = open_buckets.get(axis, ([], 0))
+        nbytes = param.numel() * param.element_size()
+        if current and size + nbytes > bucket_bytes:
+            out.append((axis, current))
+            current, size = [], 0
+        current.append((name, param))
+        open_buckets[axis] = (current, size + nbytes)
+    out += [(axis, current) for axis, (current, _) in open_buckets.items() if current]
+    return out
 
 
 def bucket_by_size(named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int,

@@ -19,6 +19,12 @@ Stages 0 and 1 reduce only on the last micro-batch of a step (gradients accumula
 flat gradient buffer). Stages 2 and 3 hold no full gradient buffer, so they reduce-scatter every
 micro-batch and accumulate into the gradient shard: with k micro-batches they move k times the
 gradient bytes, the price of never holding full gradients (as in DeepSpeed's stage 2 and FSDP).
+
+Expert parallelism: expert weights (marked by :mod:`meshtrain.parallel.expert`) are held only by
+the ``dp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
+:func:`~meshtrain.parallel.data.buckets.bucket_by_size_and_axis`) that are reduced, and under
+ZeRO sharded, over ``edp``; every other parameter reduces over ``dp``. ZeRO-3 is not combined with
+expert parallelism.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed
 
-from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size
+from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
 
 
 @dataclasses.dataclass
@@ -52,6 +58,10 @@ class DataParallelEngine:
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
+        self.comms = {"dp": comm, "edp": mesh.comm("edp")}
+        self.dp_rank, self.edp_rank = dp_rank, mesh.edp_rank
+        axis_ranks = {"dp": (max(comm.size, 1), dp_rank),
+                      "edp": (max(self.comms["edp"].size, 1), mesh.edp_rank)}
         self.tp_comm = mesh.comm("tp")
         self.pp_comm = mesh.comm("pp")
         self.tp_rank = mesh.tp_rank
@@ -59,12 +69,15 @@ class DataParallelEngine:
         if stage == 3:
             if units is None:
                 raise ValueError("ZeRO-3 needs the model's units (one bucket per block)")
-            groups = units
+            if any(reduce_axis(p) != "dp" for _, p in named):
+                raise ValueError("ZeRO-3 is not combined with expert parallelism")
+            groups = [("dp", unit) for unit in units]
         else:
             # Gradients become ready roughly in reverse registration order.
-            groups = bucket_by_size(list(reversed(named)), bucket_bytes)
-        dp_size = max(comm.size, 1)
-        self.buckets = [FlatBucket(i, g, dp_size, dp_rank) for i, g in enumerate(groups)]
+            groups = bucket_by_size_and_axis(list(reversed(named)), bucket_bytes)
+        self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
+                        for i, (axis, g) in enumerate(groups)]
+        self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
             raise ValueError(f"buckets cover {covered} parameters but the model has {len(named)}")
@@ -178,7 +191,7 @@ class DataParallelEngine:
             slot.param.grad = view.view(slot.shape)
 
     def _launch(self, b: FlatBucket) -> None:
-        comm = self.comm
+        comm = self.comms[b.axis]
         if self.stage == 0:
             buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
             handle = comm.all_reduce(buf, async_op=True)
@@ -238,15 +251,33 @@ class DataParallelEngine:
 
     def grad_sq_norm(self, shards: list[OptimizerShard]) -> torch.Tensor:
         """Sum of squared gradient entries, each parameter counted exactly once across every
-        rank (dp shards under ZeRO, tp pieces, tp-replicated copies once)."""
-        views = [shard.grad()[start:start + length]
-                 for shard, runs in zip(shards, self._norm_runs, strict=True)
-                 for start, length in runs]
+        rank (dp shards under ZeRO, tp pieces, tp-replicated copies once, each expert once).
+
+        Under ZeRO (stage >= 1) the dp ranks' shards are all distinct, expert buckets included
+        (edp shards of different experts on each ep rank), so one sum over dp counts everything
+        once. At stage 0 dense gradients are replicated over dp and expert gradients over edp:
+        with expert buckets, dense terms count on dp rank 0 and expert terms on edp rank 0 of
+        each expert group before the sum over dp."""
+        dense, expert = [], []
+        for shard, runs in zip(shards, self._norm_runs, strict=True):
+            target = expert if shard.bucket.axis == "edp" else dense
+            target += [shard.grad()[start:start + length] for start, length in runs]
         device = shards[0].master.device if shards else None
-        sq = (torch.stack(torch._foreach_norm([v.float() for v in views])).square().sum()
-              if views else torch.zeros((), device=device))
+
+        def sum_sq(views):
+            if not views:
+                return torch.zeros((), device=device)
+            return torch.stack(torch._foreach_norm([v.float() for v in views])).square().sum()
+
+        sq_dense, sq_expert = sum_sq(dense), sum_sq(expert)
         if self.stage >= 1:
+            sq = sq_dense + sq_expert
             self.comm.all_reduce(sq)
+        elif self.has_expert_buckets:
+            sq = sq_dense * float(self.dp_rank == 0) + sq_expert * float(self.edp_rank == 0)
+            self.comm.all_reduce(sq)
+        else:
+            sq = sq_dense
         self.tp_comm.all_reduce(sq)
         self.pp_comm.all_reduce(sq)  # each pipeline stage holds different parameters
         return sq
@@ -260,7 +291,7 @@ class DataParallelEngine:
                 b.master_source.copy_(shard.master)
             if self.stage in (1, 2):
                 mine = b.shard(b.param_buffer).clone()
-                self.comm.all_gather_into(b.param_buffer, mine)
+                self.comms[b.axis].all_gather_into(b.param_buffer, mine)
 
     def zero_grad(self) -> None:
         """Reset gradient buffers for the next step."""
@@ -292,7 +323,7 @@ class DataParallelEngine:
         for b in self.buckets:
             if self.stage == 3:
                 full = b.new_buffer()
-                self.comm.all_gather_into(full, b.param_shard)
+                self.comms[b.axis].all_gather_into(full, b.param_shard)
             else:
                 full = b.param_buffer
             for s in b.slots:
@@ -301,14 +332,18 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def check_replicas_in_sync(self) -> None:
-        """Raise if any replicated parameter differs from dp rank 0's copy (a sanity check)."""
+        """Raise if any replicated parameter differs from its first replica's copy (dp rank 0,
+        or edp rank 0 for expert buckets; a sanity check)."""
         if self.stage == 3 or not self.comm.active:
             return
         for b in self.buckets:
+            comm = self.comms[b.axis]
+            if not comm.active:
+                continue
             reference = b.param_buffer.clone()
-            self.comm.broadcast(reference, 0)
+            comm.broadcast(reference, 0)
             diff_t = (reference - b.param_buffer).abs().max().reshape(1).float()
-            self.comm.all_reduce(diff_t, op=torch.distributed.ReduceOp.MAX)  # every rank agrees
+            comm.all_reduce(diff_t, op=torch.distributed.ReduceOp.MAX)  # every rank agrees
             diff = float(diff_t)
             if diff > 0:
                 names = ", ".join(s.name for s in b.slots[:4])

@@ -13,6 +13,13 @@ Zero-bubble split: ``I`` computes only the gradient w.r.t. the stage input
 (``torch.autograd.grad`` with the graph retained) and ``W`` later accumulates the weight
 gradients (``torch.autograd.backward(..., inputs=params)``). This is exact; the W pass re-walks the
 stage's graph, so on CPU it costs more than a true split would (see docs/pipeline.md).
+
+Auxiliary losses (the MoE balance loss): ``aux_loss_fn(chunk)``, when set, is called right after
+each stage forward and returns that micro-batch's extra loss terms of the stage's own layers (or
+None). On the last stage the term is added to the loss; on any other stage it is kept beside the
+stage output and backpropagated *together* with it (``backward([out, aux], [grad, None])``), so a
+non-last stage's MoE layers get their balance gradient without sending anything extra.
+``aux_total`` is the detached sum of these terms over the step.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class PipelineExecutor:
         self.dtype, self.device = dtype, device
         self.record_events = False
         self.events: list[tuple[int, Action, float, float]] = []
+        self.aux_loss_fn: Callable[[StageChunk], torch.Tensor | None] | None = None
+        self.aux_total = torch.zeros((), device=device)
+        self._aux: dict[tuple[int, int], torch.Tensor] = {}
 
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
         return (stage * self.schedule.microbatches + microbatch) * 2 + (kind == "grad")
@@ -56,6 +66,8 @@ class PipelineExecutor:
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         pending_sends: list[tuple[object, torch.Tensor]] = []
         loss_total = torch.zeros((), device=self.device)
+        self.aux_total = torch.zeros((), device=self.device)
+        self._aux = {}
         self.events = []
         for action in self.schedule.actions[self.pp_rank]:
             start = time.perf_counter()
@@ -102,10 +114,15 @@ class PipelineExecutor:
             x = outputs[(mb, s - 1)].detach().requires_grad_()
             inputs[(mb, s)] = x
         out = chunk(x)
+        aux = self.aux_loss_fn(chunk) if self.aux_loss_fn is not None else None
+        if aux is not None:
+            self.aux_total += aux.detach()
         if chunk.is_last:
             loss = loss_fn(out, targets.to(self.device))
-            outputs[(mb, s)] = loss
+            outputs[(mb, s)] = loss if aux is None else loss + aux
             return loss.detach()
+        if aux is not None:
+            self._aux[(mb, s)] = aux
         outputs[(mb, s)] = out
         return torch.zeros((), device=self.device)
 
@@ -116,30 +133,37 @@ class PipelineExecutor:
             return grads_out[(mb, s)]
         return grads_in_memory(inputs, mb, s + 1)
 
+    def _roots(self, mb, s, outputs, grads_out, inputs) -> tuple[list, list]:
+        """The tensors to backpropagate from (stage output, plus its aux term) and their grads."""
+        roots = [outputs[(mb, s)]]
+        grads = [self._grad_of_output(mb, s, grads_out, inputs)]
+        if (mb, s) in self._aux:
+            roots.append(self._aux[(mb, s)])
+            grads.append(None)
+        return roots, grads
+
     def _backward_input(self, mb, s, full, inputs, outputs, grads_out, grads_in) -> None:
-        out = outputs[(mb, s)]
-        grad = self._grad_of_output(mb, s, grads_out, inputs)
+        roots, grads = self._roots(mb, s, outputs, grads_out, inputs)
         x = inputs.get((mb, s))
         if full:
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(roots, grads)
             self._release(mb, s, outputs, grads_out)
             if x is not None:
                 grads_in[(mb, s)] = x.grad
         elif x is not None:
-            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            (x.grad,) = torch.autograd.grad(roots, x, grads, retain_graph=True)
             grads_in[(mb, s)] = x.grad
 
     def _backward_weight(self, mb, s, outputs, grads_out, inputs) -> None:
-        out = outputs[(mb, s)]
-        grad = self._grad_of_output(mb, s, grads_out, inputs)
+        roots, grads = self._roots(mb, s, outputs, grads_out, inputs)
         params = [p for p in self.chunks[s].parameters() if p.requires_grad]
-        torch.autograd.backward(out, grad, inputs=params)
+        torch.autograd.backward(roots, grads, inputs=params)
         self._release(mb, s, outputs, grads_out)
 
-    @staticmethod
-    def _release(mb, s, outputs, grads_out) -> None:
+    def _release(self, mb, s, outputs, grads_out) -> None:
         outputs.pop((mb, s), None)
         grads_out.pop((mb, s), None)
+        self._aux.pop((mb, s), None)
 
 
 def grads_in_memory(inputs: dict, mb: int, next_stage: int) -> torch.Tensor:

@@ -12,6 +12,12 @@ plain model's module names). Styles:
 ``region``         the module's *input* enters a TP region: ``f`` (identity fwd / all-reduce bwd),
                    or with sequence parallelism an all-gather of the sequence
 ``region-output``  the module's *output* enters a TP region (the final norm, feeding the head)
+``replicated``     the module runs whole on every tp rank (the MoE layer: router and experts are
+                   replicated over tp, each rank computes the complete output, which is therefore
+                   *not* reduced). Without sequence parallelism nothing changes (its input is the
+                   full hidden state already, and its input gradient is complete on every rank);
+                   with it, the input's sequence is all-gathered (backward: keep this rank's chunk)
+                   and the output cut back to this rank's chunk (backward: all-gather)
 =================  ==========================================================================
 
 Every parameter that is not split is marked replicated over tp; with sequence parallelism the
@@ -26,7 +32,12 @@ import torch
 from torch import nn
 
 from meshtrain.parallel.comm import CountedComm
-from meshtrain.parallel.tensor.collectives import copy_to_tp_region, gather_from_sequence_region
+from meshtrain.parallel.tensor.collectives import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_sequence_for_replicated,
+    scatter_to_sequence_region,
+)
 from meshtrain.parallel.tensor.layers import (
     ColumnParallelLinear,
     HeadSelectLinear,
@@ -82,6 +93,14 @@ def apply_tensor_parallel(model: nn.Module, comm: CountedComm, tp_rank: int,
             elif style == "region-output":
                 module.register_forward_hook(
                     lambda m, args, out: _enter_region(out, comm, sequence_parallel))
+                continue
+            elif style == "replicated":
+                if sequence_parallel:
+                    module.register_forward_pre_hook(
+                        lambda m, args: (gather_sequence_for_replicated(args[0], comm),
+                                         *args[1:]))
+                    module.register_forward_hook(
+                        lambda m, args, out: scatter_to_sequence_region(out, comm))
                 continue
             else:
                 raise ValueError(f"unknown tensor-parallel style {style!r} for {name}")

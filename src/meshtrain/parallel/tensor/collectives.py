@@ -10,6 +10,13 @@ and the sequence-parallel pair (Korthikanti et al. 2022), along the sequence dim
 
 - :func:`gather_from_sequence_region`: all-gather forward, reduce-scatter backward;
 - :func:`reduce_scatter_to_sequence_region`: reduce-scatter forward, all-gather backward.
+
+and, for a module computed redundantly (replicated) on every tp rank under sequence parallelism
+(the MoE layer: experts are replicated over tp):
+
+- :func:`gather_sequence_for_replicated`: all-gather forward, keep this rank's chunk backward
+  (every rank's gradient is already the full one, so nothing is summed);
+- :func:`scatter_to_sequence_region`: keep this rank's chunk forward, all-gather backward.
 """
 
 from __future__ import annotations
@@ -86,13 +93,28 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.comm), None
 
 
+def _my_chunk(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    chunk = x.shape[1] // comm.size
+    rank = torch.distributed.get_group_rank(comm.group, torch.distributed.get_rank())
+    return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
+
+
+class _GatherSequenceForReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather_seq(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_chunk(grad, ctx.comm), None
+
+
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        chunk = x.shape[1] // comm.size
-        rank = torch.distributed.get_group_rank(comm.group, torch.distributed.get_rank())
-        return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
+        return _my_chunk(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
@@ -122,3 +144,9 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> tor
 def scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Keep this rank's sequence chunk of a replicated tensor; all-gather backward."""
     return _ScatterSequence.apply(x, comm) if comm.active else x
+
+
+def gather_sequence_for_replicated(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    """All-gather the sequence forward; backward keeps this rank's chunk of the (full, identical
+    on every tp rank) gradient. For modules computed redundantly on every tp rank."""
+    return _GatherSequenceForReplicated.apply(x, comm) if comm.active else x

@@ -28,11 +28,14 @@ from meshtrain.parallel.tensor.collectives import (
 
 
 def mark_sharded(param: nn.Parameter, full_shape: tuple[int, ...],
-                 shard: Callable[[torch.Tensor], torch.Tensor], tp_dim: int | None) -> None:
-    """Record on ``param`` its full shape, how to slice it, and the dim tp splits (or None)."""
+                 shard: Callable[[torch.Tensor], torch.Tensor], tp_dim: int | None,
+                 offset: tuple[int, ...] | None = None) -> None:
+    """Record on ``param`` its full shape, how to slice it, the dim tp splits (or None), and
+    where its piece starts in the full tensor (``offset``, per dim; checkpoints use it)."""
     param._meshtrain_full_shape = tuple(full_shape)
     param._meshtrain_shard = shard
     param._meshtrain_tp_dim = tp_dim
+    param._meshtrain_global_offset = tuple(offset) if offset else (0,) * len(full_shape)
 
 
 def mark_replicated(param: nn.Parameter, partial_grad: bool) -> None:
@@ -57,7 +60,8 @@ class ColumnParallelLinear(nn.Module):
         rows = out_features // tp_size
         lo = tp_rank * rows
         self.weight = _new_param(linear.weight, (rows, in_features))
-        mark_sharded(self.weight, (out_features, in_features), lambda w: w[lo:lo + rows], 0)
+        mark_sharded(self.weight, (out_features, in_features), lambda w: w[lo:lo + rows], 0,
+                     (lo, 0))
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[lo:lo + rows])
@@ -81,7 +85,8 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.weight = _new_param(linear.weight, (out_features, cols))
-        mark_sharded(self.weight, (out_features, in_features), lambda w: w[:, lo:lo + cols], 1)
+        mark_sharded(self.weight, (out_features, in_features), lambda w: w[:, lo:lo + cols], 1,
+                     (0, lo))
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[:, lo:lo + cols])
@@ -136,7 +141,7 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = _new_param(embedding.weight, (rows, dim))
         lo = self.vocab_start
-        mark_sharded(self.weight, (vocab, dim), lambda w: w[lo:lo + rows], 0)
+        mark_sharded(self.weight, (vocab, dim), lambda w: w[lo:lo + rows], 0, (lo, 0))
         if not embedding.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(embedding.weight[lo:lo + rows])

@@ -1,0 +1,211 @@
+"""Layout-free training state on ``torch.distributed.checkpoint`` (DCP).
+
+The checkpoint stores every parameter, and its fp32 Adam state, as the **full logical tensor of
+the unsplit model** under stable names (``model.<param>``, ``optim.exp_avg.<param>``,
+``optim.exp_avg_sq.<param>``, ``buffers.<buffer>``). Each rank contributes the rectangular
+chunks it owns:
+
+- a ZeRO shard is a contiguous range of a bucket's flat buffer; its intersection with one
+  parameter is a flat range of that (possibly tensor-parallel) parameter, which splits into a few
+  boxes (a partial row, whole rows, a partial row — recursively per dimension);
+- the box is then moved to full-tensor coordinates by the piece's offset (tensor parallelism's
+  split dimension, expert parallelism's first expert), recorded on the parameter as
+  ``_meshtrain_global_offset``.
+
+Copies held by several ranks (replicas over dp without ZeRO, over tp for norms) produce identical
+write items that DCP's planner de-duplicates. Loading asks DCP for exactly the boxes the *new*
+layout owns, and DCP reads the overlapping parts of whatever chunks were saved: any layout loads
+any other, with no conversion step. The master weights (fp32) are what is saved, so precision
+can change too.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_item_for_byteio,
+    create_read_items_for_chunk_list,
+)
+
+
+@dataclass
+class Chunk:
+    """A box of the full tensor ``fqn`` held by this rank: ``tensor`` is a writable view."""
+
+    fqn: str
+    global_size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit this model (shapes or names differ)."""
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int,
+                     ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(offsets, sizes)`` covering the flat range ``[start, stop)`` of a row-major tensor
+    of ``shape``, in flat order; each box is itself contiguous in flat memory."""
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    if start % inner:
+        row = start // inner
+        row_stop = min(stop, (row + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], start - row * inner,
+                                                                  row_stop - row * inner)]
+        start = row_stop
+    full_stop = (stop // inner) * inner
+    if full_stop > start:
+        out.append(((start // inner, *zeros), ((full_stop - start) // inner, *shape[1:])))
+        start = full_stop
+    if start < stop:
+        row = start // inner
+        out += [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0,
+                                                                  stop - row * inner)]
+    return out
+
+
+def _flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:
+    index = 0
+    for o, n in zip(offsets, shape, strict=True):
+        index = index * n + o
+    return index
+
+
+def optimizer_chunks(optimizer) -> list[Chunk]:
+    """Chunks of every parameter's fp32 master value and Adam moments held by this rank."""
+    chunks: list[Chunk] = []
+    sharded = optimizer.engine.stage >= 1
+    for shard, exp_avg, exp_avg_sq in zip(optimizer.shards, optimizer.exp_avg,
+                                          optimizer.exp_avg_sq, strict=True):
+        bucket = shard.bucket
+        base = bucket.shard_start if sharded else 0
+        for slot, start, length in bucket.segments(sharded):
+            param = slot.param
+            full = tuple(getattr(param, "_meshtrain_full_shape", None) or slot.shape)
+            shift = getattr(param, "_meshtrain_global_offset", None) or (0,) * len(full)
+            first = base + start - slot.offset  # flat position inside the parameter
+            for offsets, sizes in flat_range_boxes(slot.shape, first, first + length):
+                at = start + _flat_index(offsets, slot.shape) - first
+                n = math.prod(sizes)
+                where = tuple(o + s for o, s in zip(offsets, shift, strict=True))
+                for prefix, source in (("model", shard.master), ("optim.exp_avg", exp_avg),
+                                       ("optim.exp_avg_sq", exp_avg_sq)):
+                    chunks.append(Chunk(f"{prefix}.{slot.name}", full, where,
+                                        source[at:at + n].view(sizes)))
+    return chunks
+
+
+def buffer_chunks(model: torch.nn.Module) -> list[Chunk]:
+    """Persistent buffers (e.g. MoE expert biases), whole, from every rank that holds them."""
+    persistent = set(model.state_dict().keys())
+    return [Chunk(f"buffers.{name}", tuple(buf.shape), (0,) * buf.ndim, buf)
+            for name, buf in model.named_buffers() if name in persistent]
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Writes this rank's chunks plus (on the coordinator) named byte blobs."""
+
+    def __init__(self, chunks: list[Chunk], blobs: dict[str, bytes]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {(c.fqn, torch.Size(c.offsets)): c for c in chunks}
+        self.blobs = blobs
+
+    def create_local_plan(self) -> SavePlan:
+        """One SHARD write item per chunk; BYTE_IO items for the blobs on the coordinator."""
+        items = []
+        for c in self.chunks.values():
+            items.append(WriteItem(
+                index=MetadataIndex(c.fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets),
+                                               sizes=torch.Size(c.tensor.shape)),
+                    properties=TensorProperties.create_from_tensor(c.tensor),
+                    size=torch.Size(c.global_size))))
+        if self.is_coordinator:
+            items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO)
+                      for name in self.blobs]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        """The tensor (detached, contiguous) or bytes behind ``write_item``."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.blobs[write_item.index.fqn])
+        chunk = self.chunks[(write_item.index.fqn, write_item.index.offset)]
+        return chunk.tensor.detach().contiguous()
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each of this rank's chunks, the overlapping parts of the saved chunks."""
+
+    def __init__(self, chunks: list[Chunk], blob_names: Sequence[str]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {(c.fqn, torch.Size(c.offsets)): c for c in chunks}
+        self.blob_names = list(blob_names)
+        self.blobs: dict[str, bytes] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        """Read items for every chunk, refusing names or shapes the checkpoint lacks."""
+        saved = self.metadata.state_dict_metadata
+        requests: list[ReadItem] = []
+        for c in self.chunks.values():
+            md = saved.get(c.fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointMismatch(f"the checkpoint has no tensor {c.fqn!r}")
+            if tuple(md.size) != tuple(c.global_size):
+                raise CheckpointMismatch(f"{c.fqn}: checkpoint shape {tuple(md.size)} != model "
+                                         f"shape {tuple(c.global_size)}")
+            local = ChunkStorageMetadata(offsets=torch.Size(c.offsets),
+                                         sizes=torch.Size(c.tensor.shape))
+            requests += create_read_items_for_chunk_list(c.fqn, md, [local])
+        for name in self.blob_names:
+            if name in saved:
+                requests.append(_create_read_item_for_byteio(MetadataIndex(name), 0,
+                                                             MetadataIndex(name), 0, 0))
+        return LoadPlan(requests)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The part of our chunk that this read fills (a view, written in place)."""
+        chunk = self.chunks[(read_item.dest_index.fqn, read_item.dest_index.offset)]
+        view = chunk.tensor
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths,
+                                                  strict=True)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Copy back when the reader handed us a different tensor than our view."""
+        target = self.resolve_tensor(read_item)
+        if tensor.data_ptr() != target.data_ptr():
+            target.copy_(tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Keep a named blob."""
+        self.blobs[read_item.dest_index.fqn] = value.read()

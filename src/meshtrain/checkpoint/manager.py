@@ -1,0 +1,182 @@
+"""Checkpoint directories: atomic saves, manifests with checksums, retention, resume discovery.
+
+Layout of ``checkpoint.dir`` (default ``RUN_DIR/checkpoints``)::
+
+    step_00000040/            a complete checkpoint (DCP files + manifest.json)
+    step_00000080/
+    .tmp-step_00000120/       being written; never read, removed by the next save
+
+A save writes into ``.tmp-step_N``, then rank 0 writes ``manifest.json`` (every file with its size
+and SHA-256, the step, the model config and the layout) and renames the directory to ``step_N``:
+a checkpoint is visible only once complete, and an interrupted save never touches a finished one.
+Only after that are checkpoints beyond the newest ``checkpoint.keep`` removed. An existing
+``step_N`` is never overwritten.
+
+On resume, ``auto`` takes the newest checkpoint whose manifest verifies; a truncated or garbled
+one is skipped with a warning naming the problem.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from meshtrain.config import Config, ConfigError, ModelConfig
+
+PREFIX = "step_"
+MANIFEST = "manifest.json"
+# Model settings that change the shape of some tensor: a checkpoint must agree on all of them.
+SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "mlp",
+              "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_every",
+              "expert_ffn_dim")
+
+
+def checkpoint_root(config: Config) -> Path:
+    """``checkpoint.dir``, or ``RUN_DIR/checkpoints`` when empty."""
+    return Path(config.checkpoint.dir or Path(config.train.run_dir) / "checkpoints")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """Directory of the checkpoint taken after ``step`` optimizer steps."""
+    return root / f"{PREFIX}{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, step: int, config: Config, layout: dict) -> None:
+    """List and checksum every file of ``directory`` into its manifest (rank 0, after DCP)."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": "meshtrain-dcp-1", "step": step, "files": files,
+                "model": dataclasses.asdict(config.model), "layout": layout}
+    path = directory / MANIFEST
+    with path.open("w") as handle:
+        json.dump(manifest, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def verify(directory: Path) -> str | None:
+    """``None`` when ``directory`` is a complete, intact checkpoint, else what is wrong."""
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest.json (incomplete save)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest.json is unreadable"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def read_manifest(directory: Path) -> dict:
+    """The parsed manifest of a checkpoint directory."""
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoint directories under ``root``, newest first (not verified)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def newest_valid(root: Path, warn: bool = True) -> Path | None:
+    """The newest checkpoint that verifies; skipped broken ones are reported as warnings."""
+    for candidate in list_checkpoints(root):
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        if warn:
+            warnings.warn(f"skipping checkpoint {candidate}: {problem}; falling back to an "
+                          f"older one", stacklevel=2)
+            print(f"meshtrain: warning: skipping checkpoint {candidate}: {problem}",
+                  file=sys.stderr)
+    return None
+
+
+def resolve_resume(config: Config, warn: bool = True) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` asks for (``none``, ``auto`` or a path)."""
+    resume = config.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return newest_valid(checkpoint_root(config), warn)
+    path = Path(resume)
+    problem = verify(path)
+    if problem is not None:
+        raise ConfigError(f"checkpoint.resume = {path}: not a usable checkpoint ({problem}).")
+    return path
+
+
+def _shape_signature(model: ModelConfig) -> dict:
+    return {key: getattr(model, key) for key in SHAPE_KEYS}
+
+
+def check_compatible(config: Config, directory: Path, vocab_size: int) -> None:
+    """Refuse (ConfigError, exit 2) a checkpoint whose model shape differs from ``config``'s."""
+    saved = ModelConfig(**read_manifest(directory)["model"])
+    current = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab_size)
+    want, have = _shape_signature(current), _shape_signature(saved)
+    diffs = [f"{k}: checkpoint {have[k]} vs config {want[k]}" for k in SHAPE_KEYS
+             if want[k] != have[k]]
+    if diffs:
+        raise ConfigError(f"checkpoint {directory} was saved from a different model shape ("
+                          + "; ".join(diffs) + "). Resume with the same [model] settings, or "
+                          "set checkpoint.resume = none.")
+
+
+def preflight(config: Config) -> Path | None:
+    """Before any worker starts: find the checkpoint to resume (if any) and refuse one from a
+    different model shape (exit 2). Returns it, or None for a fresh start."""
+    from meshtrain.training.tokenizer import tokenizer_vocab_size
+
+    directory = resolve_resume(config, warn=True)
+    if directory is not None:
+        check_compatible(config, directory, tokenizer_vocab_size(config.data.tokenizer))
+    return directory
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove finished checkpoints beyond the newest ``keep`` valid ones, and stale temps."""
+    valid = [p for p in list_checkpoints(root) if verify(p) is None]
+    for old in valid[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def encode_rng() -> str:
+    """This process's torch RNG state, as text for the checkpoint metadata."""
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def decode_rng(text: str) -> None:
+    """Restore a torch RNG state written by :func:`encode_rng`."""
+    import numpy as np
+
+    state = np.frombuffer(base64.b64decode(text), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(state))

@@ -1,0 +1,114 @@
+"""Saving and restoring a :class:`~meshtrain.training.trainer.Trainer`'s whole state.
+
+What a checkpoint holds: every parameter's fp32 master value and Adam moments (layout-free, see
+:mod:`meshtrain.checkpoint.dcp`), persistent buffers (MoE expert biases), the optimizer step,
+the data sampler position, the torch RNG state, and the step. The learning-rate schedule is a
+function of the step, and the mesh's random streams are functions of (seed, stream, coordinates),
+so neither needs state of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from meshtrain.checkpoint import manager
+from meshtrain.checkpoint.dcp import (
+    ChunkLoadPlanner,
+    ChunkSavePlanner,
+    buffer_chunks,
+    optimizer_chunks,
+)
+
+META = "meta"
+
+
+def _layout(trainer) -> dict:
+    par = trainer.config.parallel
+    return {"world_size": trainer.mesh.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
+            "ep": par.ep, "zero": par.zero, "virtual_stages": par.virtual_stages,
+            "precision": trainer.config.train.precision}
+
+
+def _group():
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def save(trainer) -> Path:
+    """Write a checkpoint of ``trainer`` after its current step (a collective: every rank)."""
+    root = manager.checkpoint_root(trainer.config)
+    final = manager.step_dir(root, trainer.step)
+    temp = root / f".tmp-{final.name}"
+    mesh = trainer.mesh
+    exists = final.exists()
+    if mesh.is_logging_rank and not exists:
+        shutil.rmtree(temp, ignore_errors=True)  # leftovers of an interrupted save
+        temp.mkdir(parents=True, exist_ok=True)
+    mesh.barrier()
+    if exists:  # never overwrite a finished checkpoint
+        return final
+    meta = {"step": trainer.step, "optimizer_step": trainer.optimizer.step_count,
+            "data": trainer.data.state_dict(), "rng": manager.encode_rng(),
+            "config": trainer.config.to_dict()}
+    chunks = optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(temp)),
+             planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()}),
+             process_group=_group())
+    mesh.barrier()
+    delay = os.environ.get("MESHTRAIN_TEST_SAVE_DELAY_S")  # test-only: widen the crash window
+    if delay:
+        time.sleep(float(delay))
+    if mesh.is_logging_rank:
+        manager.write_manifest(temp, trainer.step, trainer.config, _layout(trainer))
+        temp.rename(final)
+        manager.prune(root, trainer.config.checkpoint.keep)
+    mesh.barrier()
+    return final
+
+
+def load(trainer, directory: Path) -> dict:
+    """Restore ``trainer`` from ``directory`` (saved at any layout); returns the metadata."""
+    chunks = optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
+    planner = ChunkLoadPlanner(chunks, [META])
+    dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+             process_group=_group())
+    meta = json.loads(planner.blobs[META])
+    trainer.step = meta["step"]
+    trainer.optimizer.step_count = meta["optimizer_step"]
+    trainer.data.load_state_dict(meta["data"])
+    manager.decode_rng(meta["rng"])
+    trainer.engine.after_step(trainer.optimizer.shards)  # parameters from the loaded masters
+    return meta
+
+
+def init_from_weights(trainer, path: str) -> None:
+    """Start from full weights (a meshtrain weights dir or a Hugging Face dir) at any layout:
+    each rank copies, tensor by tensor, just the boxes it owns into its fp32 masters."""
+    from meshtrain.checkpoint.hf import iter_weights
+
+    chunks: dict[str, list] = {}
+    for chunk in optimizer_chunks(trainer.optimizer):
+        if chunk.fqn.startswith("model."):
+            chunks.setdefault(chunk.fqn[len("model."):], []).append(chunk)
+    seen = set()
+    for name, full in iter_weights(path):
+        for chunk in chunks.get(name, []):
+            box = full
+            for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.tensor.shape,
+                                                    strict=True)):
+                box = box.narrow(dim, start, size)
+            chunk.tensor.copy_(box)
+        seen.add(name)
+    missing = sorted(set(chunks) - seen)
+    if missing:
+        from meshtrain.config import ConfigError
+
+        raise ConfigError(f"checkpoint.init_from = {path} lacks {len(missing)} parameter(s) of "
+                          f"this model, e.g. {', '.join(missing[:3])}.")
+    trainer.engine.after_step(trainer.optimizer.shards)

@@ -1,0 +1,130 @@
+"""Test-only fault injection, so the failure paths can be exercised on purpose.
+
+Set ``MESHTRAIN_FAULT`` in the environment of a run (it reaches every worker) to a comma-separated
+list of faults, each ``KIND:key=value:key=value``. **Never set it in a real run.**
+
+================  ===========================================================================
+kind              effect
+================  ===========================================================================
+skip_collective   at ``step`` on ``rank``, the first collective (on ``axis``, if given) is not
+                  issued. ``then=stall`` (default): the rank then stops there (sleeps), like a
+                  rank stuck before a collective, so the others wait in it until
+                  ``train.collective_timeout_s``. ``then=continue``: it carries on with its next
+                  collective, which is out of step with the others' (what
+                  ``train.debug_collectives`` catches).
+nan_loss          at ``step`` (on ``rank``, or every rank when omitted) the loss becomes NaN, so
+                  its gradients do too (exercises ``train.on_nonfinite``).
+kill              at the start of ``step`` on ``rank`` the worker sends itself SIGKILL.
+================  ===========================================================================
+
+Every fault fires only in restart ``attempt`` (default 0, the first run; torch elastic counts
+restarts in ``TORCHELASTIC_RESTART_COUNT``), so a restarted job runs clean. Steps are 1-based, as
+in ``metrics.jsonl``. Example: ``MESHTRAIN_FAULT=skip_collective:rank=1:step=2``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import signal
+import time
+
+ENV_VAR = "MESHTRAIN_FAULT"
+KINDS = ("skip_collective", "nan_loss", "kill")
+_INT_KEYS = ("rank", "step", "attempt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault (see the module docstring for the kinds)."""
+
+    kind: str
+    step: int
+    rank: int | None = None
+    axis: str | None = None
+    then: str = "stall"
+    attempt: int = 0
+
+
+def parse(spec: str) -> tuple[Fault, ...]:
+    """Parse a ``MESHTRAIN_FAULT`` value; raises ``ValueError`` naming what is malformed."""
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise ValueError(f"{ENV_VAR}: unknown fault {kind!r}; kinds: {', '.join(KINDS)}")
+        fields: dict[str, object] = {"kind": kind}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in ("rank", "step", "axis", "then", "attempt"):
+                raise ValueError(f"{ENV_VAR}: bad field {pair!r} in {item!r}")
+            fields[key] = int(value) if key in _INT_KEYS else value
+        if "step" not in fields:
+            raise ValueError(f"{ENV_VAR}: {item!r} needs step=N")
+        if fields.get("then", "stall") not in ("stall", "continue"):
+            raise ValueError(f"{ENV_VAR}: then= must be stall or continue in {item!r}")
+        if kind in ("skip_collective", "kill") and "rank" not in fields:
+            raise ValueError(f"{ENV_VAR}: {item!r} needs rank=N")
+        faults.append(Fault(**fields))  # type: ignore[arg-type]
+    return tuple(faults)
+
+
+@functools.cache
+def active() -> tuple[Fault, ...]:
+    """The faults of this process's environment (parsed once; empty in a normal run)."""
+    return parse(os.environ.get(ENV_VAR, ""))
+
+
+_fired: set[Fault] = set()
+
+
+def current_rank() -> int:
+    """This process's global rank as the launcher set it (0 outside a distributed job)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def restart_attempt() -> int:
+    """How many times torch elastic has restarted this job's workers (0 on the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def take(kind: str, step: int, axis: str | None = None) -> Fault | None:
+    """The fault of ``kind`` due now on this rank, marked as fired (each fires once), or None."""
+    if not active():
+        return None
+    rank, attempt = current_rank(), restart_attempt()
+    for fault in active():
+        if (fault.kind == kind and fault.step == step and fault not in _fired
+                and fault.attempt == attempt and fault.rank in (None, rank)
+                and fault.axis in (None, axis)):
+            _fired.add(fault)
+            return fault
+    return None
+
+
+def skip_collective(step: int, axis: str) -> bool:
+    """Called by the comm layer before each collective: True = do not issue this one.
+
+    With ``then=stall`` this never returns: the rank sleeps until it is killed.
+    """
+    fault = take("skip_collective", step, axis)
+    if fault is None:
+        return False
+    if fault.then == "stall":
+        while True:
+            time.sleep(3600)
+    return True
+
+
+def corrupt_loss(loss, step: int):
+    """``loss`` times NaN when a ``nan_loss`` fault is due at ``step``, else ``loss``."""
+    if take("nan_loss", step) is None:
+        return loss
+    return loss * float("nan")
+
+
+def maybe_kill(step: int) -> None:
+    """SIGKILL this process when a ``kill`` fault is due at the start of ``step``."""
+    if take("kill", step) is not None:
+        os.kill(os.getpid(), signal.SIGKILL)

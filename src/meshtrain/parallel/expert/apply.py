@@ -1,0 +1,77 @@
+"""Apply expert parallelism: each MoE layer keeps only its ``E / ep`` local experts.
+
+Ep rank ``r`` (the position of this rank among ``ep`` consecutive data-parallel ranks, see
+:class:`~meshtrain.mesh.ParallelMesh`) holds experts ``[r * E/ep, (r + 1) * E/ep)`` of every MoE
+layer. The layer's ``experts`` module is replaced by :class:`ExpertParallelExperts`, which keeps
+the parameter names (``layers.<i>.moe.experts.w1`` ...) and records, like a tensor-parallel shard,
+the full shape and how to cut its slice (``_meshtrain_full_shape`` / ``_meshtrain_shard`` /
+``_meshtrain_global_offset``), so the name-seeded initialisation gives the same weights as one
+process and checkpoints see where the slice sits. Expert parameters are marked
+``_meshtrain_dp_axis = "edp"`` (the data-parallel engine reduces, and under ZeRO shards, them over
+the ranks holding the same experts) and ``_meshtrain_ep_dim = 0``.
+
+The router, the expert bias, the shared experts and everything else stay replicated over ep and
+reduce over the whole dp group. Under tensor parallelism the experts are replicated over tp: each
+tp rank runs the same all-to-alls within its own ep group (see
+:mod:`meshtrain.parallel.tensor.apply`, style ``replicated``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.model.moe import GroupedExperts, moe_layers
+from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.expert.dispatch import combine, dispatch, plan_dispatch
+from meshtrain.parallel.tensor.layers import mark_replicated, mark_sharded
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """This rank's slice of a :class:`GroupedExperts`, reached through all-to-all dispatch."""
+
+    def __init__(self, experts: GroupedExperts, comm: CountedComm, ep_rank: int, ep_size: int):
+        total = experts.num_experts
+        if total % ep_size:
+            raise ValueError(f"{total} experts are not divisible by ep = {ep_size}")
+        local = total // ep_size
+        dim, hidden = experts.w1.shape[1], experts.w1.shape[2]
+        with torch.device(experts.w1.device):
+            super().__init__(local, dim, hidden, experts.act.mlp)
+        self.comm = comm
+        self.total_experts = total
+        self.first_expert = lo = ep_rank * local
+        for name in EXPERT_WEIGHTS:
+            full = getattr(experts, name, None)
+            if full is None:
+                continue
+            param = nn.Parameter(torch.empty((local, *full.shape[1:]), dtype=full.dtype,
+                                             device=full.device))
+            setattr(self, name, param)
+            mark_sharded(param, tuple(full.shape), lambda w, lo=lo: w[lo:lo + local], None,
+                         (lo,) + (0,) * (full.ndim - 1))
+            if getattr(full, "_meshtrain_tp_replicated", False):
+                mark_replicated(param, partial_grad=False)
+            param._meshtrain_dp_axis = "edp"
+            param._meshtrain_ep_dim = 0
+            if not full.is_meta:
+                with torch.no_grad():
+                    param.copy_(full[lo:lo + local])
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x`` [N, dim]: this rank's assignments sorted by global expert (``counts[e]`` rows
+        for expert ``e``, all ``E`` of them). Returns their expert outputs in the same order."""
+        plan = plan_dispatch(torch.tensor(counts, dtype=torch.long, device=x.device), self.comm)
+        grouped = dispatch(x, plan, self.comm)
+        return combine(super().forward(grouped, plan.local_counts), plan, self.comm)
+
+
+def apply_expert_parallel(model: nn.Module, comm: CountedComm, ep_rank: int) -> int:
+    """Replace every MoE layer's experts by this ep rank's slice (in place); returns the number
+    of MoE layers changed."""
+    layers = moe_layers(model)
+    for moe in layers:
+        moe.experts = ExpertParallelExperts(moe.experts, comm, ep_rank, comm.size)
+    return len(layers)

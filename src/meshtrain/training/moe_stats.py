@@ -1,0 +1,91 @@
+"""Per-step Mixture-of-Experts statistics over the global batch, and the bias-balancing update.
+
+Each :class:`~meshtrain.model.moe.MoE` layer sums its own routing counts over every forward of a
+step (:meth:`~meshtrain.model.moe.MoE.pop_step_stats`), whatever order a pipeline schedule runs
+the micro-batches in. At the end of the step :class:`MoEStepStats`:
+
+1. lays this rank's layers into one ``[moe layers, experts + 1]`` table (tokens per expert, then
+   dropped assignments), zeros for the MoE layers other pipeline stages hold;
+2. all-reduces it over ``dp``: every data-parallel rank (hence every expert-parallel rank, which
+   routes its own tokens) and, since each rank summed its micro-batches, the **global batch**.
+   Tensor-parallel ranks route identical tokens, so tp is *not* reduced (no double counting);
+3. nudges each local layer's ``expert_bias`` from its global load (``moe_balance = "bias"``);
+4. all-reduces over ``pp`` so the logging rank sees every stage's layers, and summarises them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshtrain.config import ModelConfig
+from meshtrain.model.moe import MoE
+
+
+class MoEStepStats:
+    """Collects, reduces and summarises one step's expert loads for this rank's MoE layers."""
+
+    def __init__(self, model: nn.Module, mesh, config: ModelConfig):
+        self.mesh = mesh
+        self.balance = config.moe_balance
+        self.num_experts = config.moe_experts
+        self.layer_ids = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+        row_of = {layer_id: row for row, layer_id in enumerate(self.layer_ids)}
+        # (row in the table, module) for the MoE layers this rank holds; names are the plain
+        # model's (layers.<i>.moe), whatever pipeline stage or wrapper holds them.
+        self.local: list[tuple[int, MoE]] = []
+        for name, module in model.named_modules():
+            if isinstance(module, MoE):
+                layer_id = int(name.split(".")[name.split(".").index("layers") + 1])
+                self.local.append((row_of[layer_id], module))
+
+    @property
+    def active(self) -> bool:
+        """True when the model has MoE layers (on any stage)."""
+        return bool(self.layer_ids)
+
+    def start_step(self) -> None:
+        """Forget statistics of forwards outside the step (e.g. an evaluation)."""
+        for _, layer in self.local:
+            layer.pop_step_stats()
+
+    @torch.no_grad()
+    def finish_step(self) -> dict:
+        """Reduce the step's loads over the global batch, update the biases, return a summary."""
+        experts = self.num_experts
+        device = self.mesh.device
+        table = torch.zeros(len(self.layer_ids), experts + 1, dtype=torch.float64, device=device)
+        for row, layer in self.local:
+            stats = layer.pop_step_stats()
+            table[row, :experts] = stats["tokens_per_expert"].to(device, torch.float64)
+            table[row, experts] = stats["dropped"].to(device, torch.float64)
+        self.mesh.comm("dp").all_reduce(table)
+        if self.balance == "bias":
+            for row, layer in self.local:
+                layer.update_bias(table[row, :experts])
+        self.mesh.comm("pp").all_reduce(table)
+        return summarize_loads(table, self.layer_ids)
+
+
+def summarize_loads(table: torch.Tensor, layer_ids: list[int]) -> dict:
+    """Per-layer load summary from a ``[layers, experts + 1]`` table (last column: dropped).
+
+    ``max_over_mean`` is the busiest expert's load over the mean load (1 = perfectly balanced),
+    ``cv`` the coefficient of variation (population std / mean) of the tokens per expert.
+    """
+    layers = {}
+    for row, layer_id in enumerate(layer_ids):
+        load = table[row, :-1]
+        mean = float(load.mean())
+        layers[str(layer_id)] = {
+            "max_load": int(load.max()),
+            "mean_load": mean,
+            "max_over_mean": float(load.max()) / mean if mean else 0.0,
+            "cv": float(load.std(unbiased=False)) / mean if mean else 0.0,
+            "dropped": int(table[row, -1]),
+        }
+    return {
+        "dropped": int(table[:, -1].sum()),
+        "max_over_mean": max((v["max_over_mean"] for v in layers.values()), default=0.0),
+        "layers": layers,
+    }
