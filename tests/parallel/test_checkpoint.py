@@ -172,3 +172,32 @@ def test_killed_mid_save_leaves_previous_checkpoint(tmp_path):
                                    run_dir=str(tmp_path)))
     resumed.restore()
     assert resumed.step == 2
+
+
+def test_checkpoint_tensors_and_convert_to_hf(tmp_path):
+    """A training checkpoint (dp2 × tp2, ZeRO-1) reads back as full tensors equal to the model's,
+    and converts to a Hugging Face model with the same logits."""
+    import torch
+
+    from meshtrain.checkpoint import read_checkpoint_tensors
+    from meshtrain.cli import main
+
+    config = _cfg(tmp_path / "run", "parallel.tp=2", "parallel.zero=1", nproc=4)
+    run_distributed(4, train_then_stop, config.to_dict(), 2)
+    ckpt = tmp_path / "run" / "checkpoints"
+    saved_config, tensors = read_checkpoint_tensors(ckpt)
+    state = dict(tensors)
+    assert saved_config.parallel.tp == 2 and "output.weight" in state
+    assert state["layers.0.attention.wq.weight"].shape == (32, 32)  # full, not a tp shard
+
+    assert main(["convert", "--to-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    from transformers import AutoModelForCausalLM
+
+    from meshtrain.model import Transformer
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float().eval()
+    model = Transformer(saved_config.model)
+    model.load_state_dict(state, strict=False)
+    tokens = torch.randint(0, saved_config.model.vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)

@@ -9,12 +9,14 @@ from meshtrain.checkpoint.hf import (
     save_hf,
     weights_config,
 )
+from meshtrain.checkpoint.reader import read_checkpoint_tensors
 
 __all__ = [
     "convert_from_hf",
     "convert_to_hf",
     "iter_weights",
     "load_hf",
+    "read_checkpoint_tensors",
     "save_hf",
     "weights_config",
 ]
