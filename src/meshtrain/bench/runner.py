@@ -173,7 +173,7 @@ def summarise_run(ranks: list[dict]) -> dict:
             "mean_tokens_per_s": ranks[0]["tokens_per_step"] * len(step_times) / sum(step_times),
             "peak_bytes": [r["peak_bytes"] for r in ranks],
             "train_bytes": [r["peak_bytes"] - r["base_bytes"] for r in ranks],
-            "losses": ranks[0]["losses"]}
+            "losses": ranks[0]["losses"], "threads": max(r["threads"] for r in ranks)}
 
 
 def run_suite(suite: Suite, options: BenchOptions,
@@ -222,7 +222,8 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
     m, t = config.model, config.train
     result.update(
         steps=options.steps, warmup=options.warmup, repeats=options.repeats,
-        tokens_per_step=t.global_batch * t.seq_len, threads_per_process=THREADS_PER_PROCESS,
+        tokens_per_step=t.global_batch * t.seq_len,
+        threads_per_process=max(r["threads"] for rs in runs.values() for r in rs),
         shape={**{k: getattr(m, k) for k in SHAPE_KEYS}, "seq_len": t.seq_len,
                "global_batch": t.global_batch, "microbatches": config.parallel.microbatches,
                "precision": t.precision},

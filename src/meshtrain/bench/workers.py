@@ -11,6 +11,7 @@ intra-op thread). Each returns the dict of :func:`timed_run`:
 ``tokens_per_step``  tokens of the global batch (all ranks) per optimizer step
 ``base_bytes``       peak RSS before the model was built (imports and the token stream loaded)
 ``peak_bytes``       peak RSS at the end (``meshtrain.training.metrics.peak_memory_bytes``)
+``threads``          ``torch.get_num_threads()`` while the steps ran
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def timed_run(step: Callable[[int], float], warmup: int, steps: int, tokens_per_
         cpu_times.append(time.process_time() - start_cpu)
     return {"step_times": times[warmup:], "step_cpu_times": cpu_times[warmup:], "losses": losses,
             "tokens_per_step": tokens_per_step, "base_bytes": base_bytes,
-            "peak_bytes": peak_memory_bytes(device)}
+            "peak_bytes": peak_memory_bytes(device), "threads": torch.get_num_threads()}
 
 
 def meshtrain_worker(config_dict: dict, warmup: int, steps: int) -> dict:

@@ -70,18 +70,16 @@ class AttentionCore(nn.Module):
     """Causal scaled-dot-product attention on q [B, Hq, S, D], k/v [B, Hkv, S, D].
 
     Parameter-free and RoPE-free, so a strategy can wrap or replace it (e.g. for context
-    parallelism or selective checkpointing). Grouped-query attention is handled by repeating each
-    key/value head ``Hq / Hkv`` times (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the
-    head counts come from the tensors, so tensor-parallel shards work unchanged.
+    parallelism or selective checkpointing). Grouped-query attention uses SDPA's ``enable_gqa``
+    (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the head counts come from the tensors, so tensor-parallel shards work unchanged.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Return the attention output [B, Hq, S, D]."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # enable_gqa reads kv head h // (Hq / Hkv) without materialising repeated heads
+        # (the repeat_interleave copy and its backward sum cost ~15% of attention on CPU).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
