@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# The demo: 8 CPU processes, dp 2 × tp 2 × pp 2 with a Mixture-of-Experts model at ep 2, then a
+# sample from the trained weights. `make train DEMO_CONFIG=configs/demo.toml` for one process.
+DEMO_CONFIG ?= configs/4d_moe.toml
+DEMO_RUN_DIR ?= runs/demo
+
 train: setup
-	$(VENV)/bin/meshtrain train
+	$(VENV)/bin/meshtrain train --config $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR)
+	$(VENV)/bin/meshtrain generate --checkpoint $(DEMO_RUN_DIR) --prompt "def " \
+		--max-new-tokens 160 --temperature 0.7
 
 test: setup
 	$(PY) -m pytest -q tests

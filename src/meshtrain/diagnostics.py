@@ -235,8 +235,10 @@ def hang_summary(snapshots: dict[int, dict], world_size: int, run_dir: str = "RU
     for culprit in absent:
         waiters = sorted(r for r, (_, behind) in waits.items() if culprit in behind)
         recs = {describe_record(waits[r][0]) for r in waiters}
-        lines.append(f"rank {culprit} did not arrive at {' / '.join(sorted(recs))}, which "
-                     f"rank(s) {', '.join(map(str, waiters))} wait in.")
+        who = (f"rank {waiters[0]} waits" if len(waiters) == 1
+               else f"ranks {', '.join(map(str, waiters))} wait")
+        lines.append(f"rank {culprit} did not arrive at {' / '.join(sorted(recs))}, where "
+                     f"{who}.")
     if not absent and waits:
         lines.append("every rank arrived at the collective it waits in, yet it did not finish "
                      "(ranks called different collectives, or a network fault); rerun with "
@@ -263,13 +265,18 @@ def explain_failure(exit_codes: dict[int, int], messages: dict[int, str], run_di
                     world_size: int, timeout_s: float) -> tuple[int, str]:
     """The exit status (1, or 2 for a config error found by a worker) and ONE message for a
     failed job, from the workers' exit codes, error-file messages and diagnostics files."""
-    killed = sorted(rank for rank, code in exit_codes.items() if code < 0)
+    # The launcher stops the surviving workers with SIGTERM: those are consequences, not causes.
+    stopping = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}
+    killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and code not in stopping)
     if killed:
-        names = [f"rank {r} by {_signal_name(exit_codes[r])}" for r in killed]
         hint = " (out of memory, or killed from outside?)" if any(
             exit_codes[r] == -signal.SIGKILL for r in killed) else ""
-        return 1, (f"worker {', '.join(names)} was killed{hint}; the other workers were "
-                   f"stopped.")
+        if len(killed) == 1:
+            what = f"worker rank {killed[0]} was killed by {_signal_name(exit_codes[killed[0]])}"
+        else:
+            what = "workers " + ", ".join(f"rank {r} ({_signal_name(exit_codes[r])})"
+                                          for r in killed) + " were killed"
+        return 1, f"{what}{hint}; the other workers were stopped."
     snaps = load_snapshots(run_dir)
     failed = [s for s in snaps.values() if s.get("status") == "error"]
     if failed:
@@ -285,7 +292,12 @@ def explain_failure(exit_codes: dict[int, int], messages: dict[int, str], run_di
             return 1, (f"worker rank {rank} failed: {cause['error']}\n"
                        + cause.get("traceback", "").rstrip())
         return 1, f"worker rank {rank} failed: {cause['error'].split(': ', 1)[-1]}"
-    rank = min(exit_codes) if exit_codes else 0
+    if exit_codes and all(code in stopping for code in exit_codes.values()):
+        rank = min(exit_codes)
+        return 1, (f"worker rank {rank} was stopped by {_signal_name(exit_codes[rank])} from "
+                   f"outside meshtrain.")
+    errored = [r for r, code in exit_codes.items() if code not in stopping] or list(exit_codes)
+    rank = min(errored) if errored else 0
     code = exit_codes.get(rank, 1)
     detail = messages.get(rank, "")
     if code == 2:

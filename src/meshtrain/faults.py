@@ -79,6 +79,12 @@ def active() -> tuple[Fault, ...]:
 _fired: set[Fault] = set()
 
 
+def reset() -> None:
+    """Forget the parsed environment and which faults fired (for tests that change it)."""
+    active.cache_clear()
+    _fired.clear()
+
+
 def current_rank() -> int:
     """This process's global rank as the launcher set it (0 outside a distributed job)."""
     return int(os.environ.get("RANK", "0"))

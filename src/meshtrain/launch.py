@@ -146,8 +146,8 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         elastic_launch(launch_config, sys.executable)(
             "-m", "meshtrain.worker", str(config_path), task)
     except ChildFailedError as error:
-        codes = {f.rank: f.exitcode for f in error.failures.values()}
-        messages = {f.rank: _failure_text(f.message) for f in error.failures.values()}
+        codes = {rank: f.exitcode for rank, f in error.failures.items()}
+        messages = {rank: _failure_text(f.message) for rank, f in error.failures.items()}
         status, message = diagnostics.explain_failure(
             codes, messages, config.train.run_dir, nproc, config.train.collective_timeout_s)
         if status == 2:

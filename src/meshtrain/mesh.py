@@ -31,7 +31,10 @@ class ParallelMesh:
     """Degrees, coordinates, groups, counted comms and RNG streams of one process."""
 
     def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0,
-                 device: torch.device | str = "cpu", seed: int = 0):
+                 device: torch.device | str = "cpu", seed: int = 0,
+                 timeout_s: float | None = None):
+        """``timeout_s`` bounds every collective of the axis groups (``train.collective_timeout_s``;
+        None = torch's default). Sub-groups do not inherit the world group's timeout."""
         if ep < 1 or dp % ep:
             raise ValueError(f"ep = {ep} must divide dp = {dp}")
         self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
@@ -41,6 +44,7 @@ class ParallelMesh:
         self.rank = rank
         self.device = torch.device(device)
         self.seed = seed
+        self.timeout_s = timeout_s
         self.tp_rank = rank % tp
         self.dp_rank = (rank // tp) % dp
         self.pp_rank = rank // (tp * dp)
@@ -57,14 +61,16 @@ class ParallelMesh:
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0,
-                         device: torch.device | str = "cpu") -> ParallelMesh:
+                         device: torch.device | str = "cpu",
+                         timeout_s: float | None = None) -> ParallelMesh:
         """Build the mesh for this process; the default process group must already exist
         when the world has more than one rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != dp * tp * pp:
             raise ValueError(f"world size {world} != dp × tp × pp = {dp} × {tp} × {pp}")
-        return cls(dp=dp, tp=tp, pp=pp, ep=ep, rank=rank, device=device, seed=seed)
+        return cls(dp=dp, tp=tp, pp=pp, ep=ep, rank=rank, device=device, seed=seed,
+                   timeout_s=timeout_s)
 
     def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         """Global rank of the process at the given coordinates."""
@@ -86,7 +92,11 @@ class ParallelMesh:
         return groups
 
     def _build_groups(self) -> None:
+        import datetime
+
         distributed = dist.is_initialized() and self.world_size > 1
+        timeout = (None if self.timeout_s is None
+                   else datetime.timedelta(seconds=self.timeout_s))
         built: dict[tuple, dist.ProcessGroup | None] = {}
         for axis, member_lists in self._axis_members().items():
             mine = next(m for m in member_lists if self.rank in m)
@@ -100,7 +110,7 @@ class ParallelMesh:
                 continue
             # new_group is collective over the whole world: every rank creates every group.
             for members in member_lists:
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=timeout)
                 if self.rank in members:
                     self._groups[axis] = built[key] = group
 

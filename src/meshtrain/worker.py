@@ -48,7 +48,8 @@ def build_mesh(config: Config) -> ParallelMesh:
         raise
     par = config.parallel
     return ParallelMesh.from_environment(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep,
-                                         seed=config.train.seed, device=device)
+                                         seed=config.train.seed, device=device,
+                                         timeout_s=config.train.collective_timeout_s)
 
 
 def _run_task(config: Config, mesh: ParallelMesh, task: str) -> None:
@@ -106,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     config = Config.from_dict(json.loads(open(args[0]).read()), origin=args[0])
     try:
         return record(run)(config, args[1] if len(args) > 1 else "train")
-    except ConfigError:
-        return 2
-    except Exception:  # recorded above; the launcher explains it
-        return 1
+    except Exception as error:  # recorded above; the launcher explains it
+        # Leave at once: a normal interpreter exit can wait seconds on the process group's
+        # unfinished collectives, and the other workers are stopped only once this one is gone.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(error, ConfigError) else 1)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ class AttentionCore(nn.Module):
 
     Parameter-free and RoPE-free, so a strategy can wrap or replace it (e.g. for context
     parallelism or selective checkpointing). Grouped-query attention uses SDPA's ``enable_gqa``
-    (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the head counts come from the tensors, so tensor-parallel shards work unchanged.
+    (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the head counts come from the tensors,
+    so tensor-parallel shards work unchanged.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

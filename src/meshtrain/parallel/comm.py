@@ -183,7 +183,8 @@ class CountedComm:
 
     def _check_same_call(self, op: str, shape: tuple, dtype: str) -> None:
         """Debug mode: all-gather what each rank is about to call; raise on the first mismatch."""
-        mine = (self.log.seq[self.axis] + 1, op, shape, dtype, _call_site(), dist.get_rank())
+        mine = (self.log.seq[self.axis] + 1, op, shape, dtype.removeprefix("torch."), _call_site(),
+                dist.get_rank())
         calls = [None] * self.size
         dist.all_gather_object(calls, mine, group=self.group)
         if all(call[:4] == calls[0][:4] for call in calls):

@@ -1,26 +1,55 @@
 """``meshtrain calibrate``: measure this machine into a hardware profile JSON.
 
-Runs ``nproc`` local processes (:func:`meshtrain.distributed_run.run_distributed`, gloo on CPU)
-and measures, on rank 0's view:
+Runs ``nproc`` local processes (:func:`meshtrain.distributed_run.run_distributed`, gloo on CPU,
+one intra-op thread each, as ``meshtrain verify`` and the tests run workers) and measures, on
+rank 0's view:
 
-- the matmul rate of square fp32 GEMMs (best of a few sizes) and a memory-copy bandwidth;
-- all-reduce, all-gather, reduce-scatter, all-to-all and send/recv time by message size, turned
-  into *bus* bandwidth with :func:`meshtrain.parallel.comm.bus_bytes` (the nccl-tests convention
-  the cost model uses), the largest message giving the bandwidth and the smallest the latency.
+- the rate of square fp32 GEMMs (best of a few sizes) — the profile's ``peak_tflops`` with
+  ``matmul_efficiency = fp32_rate = 1``;
+- streaming memory bandwidth: ``dst.copy_(src)`` into a preallocated buffer (read + write), at
+  the largest size (main memory, not cache) — what the cost model's element-wise and optimizer
+  passes move their bytes at;
+- the fixed cost of one tiny eager op (dispatch, autograd-free): ``kernel_overhead_us``;
+- all-reduce, all-gather, reduce-scatter, all-to-all and send/recv time by message size. Each
+  collective's times are fitted to ``latency + bus_bytes / bandwidth`` (bus bytes as
+  :func:`meshtrain.parallel.comm.bus_bytes` counts them, the nccl-tests convention the cost
+  model uses). The all-reduce fit gives the profile's bandwidth and its per-step latency (the
+  fitted latency divided by the ``2 ceil(log2 n)`` steps :meth:`Cluster.collective_time`
+  charges), so the cost model reproduces the measured small-message time; send/recv gives the
+  "inter-node" figures.
 
-The result is a :class:`~meshtrain.planner.hardware.HardwareProfile` whose ``peak_tflops`` is the
-*measured* GEMM rate (so ``matmul_efficiency`` is 1), usable as ``--hardware profile.json``. Since
-all processes share one machine, intra- and inter-node figures are the same measurement.
+Since every process shares the machine's cores, the profile says ``comm_overlaps_compute =
+False``: gloo's reductions and copies take the cores that compute. All processes share one
+machine, so its "node" is the whole machine. :func:`quick_profile` is a one-second in-process
+variant (GEMM, copy and op overhead measured; gloo figures built in) for ``parallel.auto``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import time
+from pathlib import Path
 
 from meshtrain.planner.hardware import HardwareProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+QUICK_GLOO_GBPS = 1.0
+"""Built-in all-reduce bus bandwidth of gloo over loopback for :func:`quick_profile`, GB/s: what
+``meshtrain calibrate`` measured on a quiet 2-core development VM, rounded down."""
+QUICK_GLOO_LATENCY_US = 100.0
+"""Built-in per-step latency of a gloo collective on one machine, microseconds (as above)."""
+
+
+def default_profile_path() -> Path:
+    """Where ``meshtrain calibrate`` writes by default and ``parallel.auto`` looks first:
+    ``$MESHTRAIN_PROFILE``, else ``$XDG_CACHE_HOME/meshtrain/profile.json`` (``~/.cache``)."""
+    if os.environ.get("MESHTRAIN_PROFILE"):
+        return Path(os.environ["MESHTRAIN_PROFILE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "meshtrain" / "profile.json"
 
 
 def _time(fn, repeats: int) -> float:
@@ -31,6 +60,43 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def _median_time(fn, window_s: float, samples: int) -> float:
+    """Median over ``samples`` windows of the mean seconds per call, each window calling ``fn``
+    for at least ``window_s``: on a shared machine a short burst can land in a quiet or a busy
+    moment, the median of longer windows is what a training step sees."""
+    fn()  # warm-up
+    times = []
+    for _ in range(samples):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= window_s:
+                break
+        times.append(elapsed / calls)
+    return statistics.median(times)
+
+
+def _measure_compute(matmul_sizes: list[int], copy_bytes: list[int], window_s: float,
+                     samples: int) -> dict:
+    """GEMM rates, copy bandwidths and the tiny-op overhead of this process."""
+    import torch
+
+    out: dict = {"matmul": [], "copy": []}
+    for n in matmul_sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        seconds = _median_time(lambda a=a, b=b: torch.mm(a, b), window_s, samples)
+        out["matmul"].append({"n": n, "time_s": seconds, "tflops": 2 * n**3 / seconds / 1e12})
+    for nbytes in copy_bytes:
+        src, dst = torch.ones(max(nbytes // 4, 1)), torch.empty(max(nbytes // 4, 1))
+        seconds = _median_time(lambda src=src, dst=dst: dst.copy_(src), window_s, samples)
+        out["copy"].append({"bytes": src.numel() * 4, "gbps": 2 * src.numel() * 4 / seconds / 1e9})
+    x, y = torch.ones(16), torch.ones(16)
+    out["op_overhead_us"] = _median_time(lambda: torch.add(x, y), window_s / 4, samples) * 1e6
+    return out
+
+
 def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> dict:
     """Worker body: every rank runs the same collectives; rank 0's timings are returned."""
     import torch
@@ -39,17 +105,12 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
     from meshtrain.parallel.comm import _all_gather_flat, _reduce_scatter_flat, bus_bytes
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict = {"matmul": [], "copy": [], **{op: [] for op in COLLECTIVES}}
-    for n in matmul_sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        seconds = _time(lambda a=a, b=b: torch.mm(a, b), repeats)
-        out["matmul"].append({"n": n, "time_s": seconds, "tflops": 2 * n**3 / seconds / 1e12})
+    out: dict = {op: [] for op in COLLECTIVES}
+    out.update(_measure_compute(matmul_sizes, [max(sizes)], 0.1 * repeats, 5))
     for nbytes in sizes:
         elements = max(world, nbytes // 4 // world * world)
         full = torch.ones(elements)
         shard = torch.ones(elements // world)
-        copy_s = _time(lambda full=full: full.clone(), repeats)
-        out["copy"].append({"bytes": elements * 4, "gbps": 2 * elements * 4 / copy_s / 1e9})
 
         def send(full=full):
             if rank == 0:
@@ -67,21 +128,56 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
         for op, fn in ops.items():
             dist.barrier()
             try:
-                seconds = _time(fn, repeats)
+                seconds = _time(fn, repeats * (4 if nbytes <= 2**16 else 1))
             except RuntimeError as error:  # a backend without this collective
                 out[op].append({"bytes": elements * 4, "error": str(error).splitlines()[0]})
                 continue
             moved = bus_bytes("send" if op == "send" else op, elements * 4, world)
-            out[op].append({"bytes": elements * 4, "time_s": seconds,
+            out[op].append({"bytes": elements * 4, "bus_bytes": moved, "time_s": seconds,
                             "bus_gbps": moved / seconds / 1e9})
     return out if rank == 0 else {}
 
 
-def _bandwidth_and_latency(rows: list[dict]) -> tuple[float, float]:
+def fit_latency_bandwidth(rows: list[dict]) -> tuple[float, float]:
+    """Least-squares fit of ``time = latency + bus_bytes / bandwidth`` over the measured sizes;
+    (bandwidth GB/s, latency us). Falls back to the largest message's rate (and the smallest
+    message's time as latency) when noise makes the fitted slope or intercept non-positive."""
     good = [r for r in rows if "time_s" in r]
     if not good:
         return 0.0, 0.0
-    return max(r["bus_gbps"] for r in good), min(r["time_s"] for r in good) * 1e6
+    xs = [r["bus_bytes"] for r in good]
+    ts = [r["time_s"] for r in good]
+    n = len(good)
+    mean_x, mean_t = sum(xs) / n, sum(ts) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, ts, strict=True)) / var \
+        if var > 0 else 0.0
+    intercept = mean_t - slope * mean_x
+    if slope <= 0 or intercept <= 0:
+        largest = max(good, key=lambda r: r["bus_bytes"])
+        return largest["bus_gbps"], min(ts) * 1e6
+    return 1 / slope / 1e9, intercept * 1e6
+
+
+def _memory_gb(nproc: int) -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / nproc
+
+
+def _cpu_profile(name: str, compute: dict, all_reduce: tuple[float, float],
+                 send: tuple[float, float], nproc: int, power_w: float, source: str,
+                 measured: dict | None) -> HardwareProfile:
+    """A CPU profile: measured fp32 GEMM rate as the peak, streaming copy as memory bandwidth."""
+    bandwidth, latency = all_reduce
+    steps = 2 * math.ceil(math.log2(max(nproc, 2)))
+    send_bw, send_latency = send
+    return HardwareProfile(
+        name=name, peak_tflops=max(r["tflops"] for r in compute["matmul"]),
+        memory_gb=_memory_gb(nproc), hbm_gbps=compute["copy"][-1]["gbps"],
+        matmul_efficiency=1.0, kernel_overhead_us=compute["op_overhead_us"],
+        intra_node_gbps=bandwidth, inter_node_gbps=send_bw or bandwidth,
+        intra_node_latency_us=latency / steps, inter_node_latency_us=send_latency or latency,
+        power_w=power_w, reserved_gb=0.0, attention_efficiency=1.0, fp32_rate=1.0,
+        comm_overlaps_compute=False, source=source, measured=measured)
 
 
 def calibrate(nproc: int = 2, sizes: list[int] | None = None,
@@ -90,18 +186,28 @@ def calibrate(nproc: int = 2, sizes: list[int] | None = None,
     """Measure this machine with ``nproc`` processes and return the profile."""
     from meshtrain.distributed_run import run_distributed
 
-    sizes = sizes or [2**12, 2**16, 2**20, 2**24]
+    sizes = sorted(sizes or [2**12, 2**16, 2**20, 2**24])
     matmul_sizes = matmul_sizes or [256, 512, 1024]
     measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
-    peak = max(r["tflops"] for r in measured["matmul"])
-    all_reduce_bw, latency = _bandwidth_and_latency(measured["all_reduce"])
-    send_bw, send_latency = _bandwidth_and_latency(measured["send"])
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / nproc
-    return HardwareProfile(
-        name=name, peak_tflops=peak, memory_gb=memory_gb,
-        hbm_gbps=max(r["gbps"] for r in measured["copy"]), matmul_efficiency=1.0,
-        kernel_overhead_us=1.0, intra_node_gbps=all_reduce_bw, inter_node_gbps=send_bw or
-        all_reduce_bw, intra_node_latency_us=latency, inter_node_latency_us=send_latency or
-        latency, power_w=power_w, reserved_gb=0.0, attention_efficiency=1.0,
-        source=f"meshtrain calibrate, {nproc} gloo processes on one machine",
-        measured=measured)
+    return _cpu_profile(name, measured, fit_latency_bandwidth(measured["all_reduce"]),
+                        fit_latency_bandwidth(measured["send"]), nproc, power_w,
+                        f"meshtrain calibrate, {nproc} gloo processes on one machine "
+                        f"({os.cpu_count()} cores), one thread each", measured)
+
+
+def quick_profile(nproc: int) -> HardwareProfile:
+    """About a second, in this process, one thread: GEMM rate, copy bandwidth and op overhead
+    measured; gloo collectives at the built-in ``QUICK_GLOO_*`` figures (no processes spawned)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        compute = _measure_compute([256, 512], [2**24], 0.1, 3)
+    finally:
+        torch.set_num_threads(threads)
+    steps = 2 * math.ceil(math.log2(max(nproc, 2)))
+    return _cpu_profile("quick-cpu", compute, (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US * steps),
+                        (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US), nproc, 0.0,
+                        "quick in-process measurement (GEMM, copy, op overhead); built-in gloo "
+                        "figures", compute)

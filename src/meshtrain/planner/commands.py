@@ -128,7 +128,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``meshtrain calibrate``."""
-    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--out", help="profile JSON to write (default: "
+                        "~/.cache/meshtrain/profile.json, where parallel.auto looks)")
     parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
     parser.add_argument("--sizes", default="4096,65536,1048576,16777216",
                         help="message sizes in bytes, comma-separated")
@@ -151,14 +152,17 @@ def _int_list(text: str, option: str) -> list[int]:
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """``meshtrain calibrate``: measure and write a profile JSON."""
-    from meshtrain.planner.calibrate import calibrate
+    from meshtrain.planner.calibrate import calibrate, default_profile_path
 
     if args.nproc < 2:
         raise ConfigError(f"--nproc {args.nproc}: calibrate needs at least 2 processes.")
     profile = calibrate(args.nproc, _int_list(args.sizes, "--sizes"),
                         _int_list(args.matmul_sizes, "--matmul-sizes"), args.repeats,
                         args.name, args.power_w)
-    Path(args.out).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
-    print(f"wrote {args.out}: {profile.peak_tflops:.3g} TFLOP/s matmul, all-reduce "
-          f"{profile.intra_node_gbps:.3g} GB/s bus, latency {profile.intra_node_latency_us:.0f} us")
+    out = Path(args.out) if args.out else default_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    print(f"wrote {out}: {profile.peak_tflops * 1e3:.3g} GFLOP/s fp32 matmul per process, "
+          f"{profile.hbm_gbps:.3g} GB/s copy, all-reduce {profile.intra_node_gbps:.3g} GB/s bus "
+          f"+ {profile.intra_node_latency_us:.0f} us per step")
     return 0

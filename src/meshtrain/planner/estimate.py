@@ -25,9 +25,10 @@ from meshtrain.planner.pipeline_model import pipeline_estimate
 from meshtrain.planner.timing import BlockCost, block_cost, head_cost
 from meshtrain.planner.workload import Layout, Workload, check_layout, stage_layers
 
-ADAM_BYTES_PER_PARAM = 30.0
-"""HBM traffic of one AdamW update per parameter: read master, m, v, grad (fp32), write master,
-m, v and the bf16 copy."""
+STEP_SYNCS_PER_AXIS = 3
+"""Small latency-bound all-reduces per step on every axis of size > 1: the gradient norm's
+partial sums, and the loss (one over pp, one over dp; tp's grad-norm and replicated-gradient
+reductions). Seen in :meth:`meshtrain.training.trainer.Trainer.train_step`."""
 
 
 def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: list[int],
@@ -89,7 +90,8 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             hidden = m * (2 * t("all_gather", weights) + t("reduce_scatter", grads))
             tail, window = 0.0, m * (backward + forward)
         total += hidden + tail
-        exposed += tail + (max(hidden - window, 0.0) if traits.overlap_dp else hidden)
+        overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
+        exposed += tail + (max(hidden - window, 0.0) if overlap else hidden)
     return total, exposed
 
 
@@ -135,8 +137,11 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                                     c.backward_input + c.backward_weight + c.recompute, c.forward)
     zero_share = lay.dp if lay.zero >= 1 else 1
     shard = sp.dense / zero_share + sp.expert / max(lay.dp // lay.ep if lay.zero else 1, 1)
-    optimizer = shard * ADAM_BYTES_PER_PARAM / (cluster.profile.hbm_gbps * 1e9)
-    step = pipelined + dp_exposed + optimizer
+    optimizer = (shard * workload.traits.optimizer_bytes_per_param
+                 / (cluster.profile.hbm_gbps * 1e9))
+    syncs = sum(STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size, stride)
+                for size, stride in ((lay.dp, lay.tp), (lay.tp, 1), (lay.pp, lay.tp * lay.dp)))
+    step = pipelined + dp_exposed + optimizer + syncs
 
     memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
               for r, layers in enumerate(placement)]
@@ -158,6 +163,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "dp_comm_exposed_s": dp_exposed,
         "dp_comm_total_s": dp_total,
         "optimizer_s": optimizer,
+        "step_sync_s": syncs,
     }
     result = {
         "params": total_params,

@@ -53,6 +53,13 @@ class HardwareProfile:
     """Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation)."""
     attention_efficiency: float = 0.75
     """Fused (flash) attention throughput relative to large GEMMs."""
+    fp32_rate: float = 0.5
+    """fp32 GEMM throughput as a fraction of ``peak_tflops`` (0.5 on GPUs without TF32; 1 for a
+    calibrated CPU profile, whose ``peak_tflops`` is the measured fp32 rate)."""
+    comm_overlaps_compute: bool = True
+    """Whether a collective can run beside compute without slowing it (GPUs: NCCL on its own
+    SMs and copy engines). False on CPUs where every core computes: gloo's reduction and copies
+    then take the same cores, so overlapped communication is still paid in full."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""

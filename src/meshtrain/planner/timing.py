@@ -62,7 +62,8 @@ class GemmClock:
 
     def __init__(self, cluster: Cluster, dtype_bytes: int):
         p = cluster.profile
-        self.rate = p.peak_tflops * 1e12 * p.matmul_efficiency * (1.0 if dtype_bytes == 2 else 0.5)
+        self.rate = (p.peak_tflops * 1e12 * p.matmul_efficiency
+                     * (1.0 if dtype_bytes == 2 else p.fp32_rate))
         self.hbm = p.hbm_gbps * 1e9
         self.overhead = p.kernel_overhead_us * 1e-6
         self.attention_rate = self.rate * p.attention_efficiency

@@ -29,11 +29,18 @@ class RuntimeTraits:
     elementwise_traffic: float = 8.0
     """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
     byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
+    optimizer_bytes_per_param: float = 96.0
+    """Memory traffic of the gradient clipping + AdamW update + zero_grad per parameter (shard).
+    meshtrain's eager ``FlatAdamW`` in fp32 makes about a dozen passes: the clip's norm (4) and
+    scale (8), decay (8), ``lerp_`` (12), ``mul_`` + ``addcmul_`` (20), ``sqrt``, divide and add
+    for the denominator (24), ``addcdiv_`` (16), zeroing (4). A fused Adam (Megatron-LM / Apex)
+    reads master, m, v, grad and writes master, m, v and the bf16 copy: 30."""
 
 
 MESHTRAIN = RuntimeTraits()
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
-                              grad_reduce_bytes=4, elementwise_traffic=3.0)
+                              grad_reduce_bytes=4, elementwise_traffic=3.0,
+                              optimizer_bytes_per_param=30.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,9 +62,9 @@ class NonFiniteGuard:
         self.total_skipped += 1
         if self.in_a_row >= self.max_skips:
             raise NonFiniteError(
-                f"step {step}: non-finite {what}, the {self.in_a_row}th step in a row "
-                f"(train.max_nonfinite_skips = {self.max_skips}); stopping. Lower train.lr or "
-                f"check the data.")
+                f"step {step}: non-finite {what}; {self.in_a_row} steps in a row were "
+                f"non-finite (train.max_nonfinite_skips = {self.max_skips}); stopping. Lower "
+                f"train.lr or check the data.")
         if self.verbose:
             print(f"meshtrain: step {step}: non-finite {what}; skipped the optimizer step "
                   f"({self.in_a_row} in a row, at most {self.max_skips - 1})", flush=True)

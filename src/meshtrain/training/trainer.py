@@ -286,8 +286,11 @@ class Trainer:
         return history
 
     def save_final(self) -> Path | None:
-        """Rank 0 writes ``RUN_DIR/final/model.safetensors`` and ``config.json``."""
-        params = self.engine.full_state_dict()  # a collective under ZeRO-3
+        """Rank 0 writes ``RUN_DIR/final/model.safetensors`` (the full, unsharded model, gathered
+        over every axis) and ``config.json``."""
+        from meshtrain.parallel.gather import gather_full_state_dict
+
+        full = gather_full_state_dict(self.model, self.engine, self.mesh)  # a collective
         self.mesh.barrier()
         if not self.mesh.is_logging_rank:
             return None
@@ -295,10 +298,7 @@ class Trainer:
 
         out = self.run_dir / "final"
         out.mkdir(parents=True, exist_ok=True)
-        buffers = {name: b for name, b in self.model.named_buffers()
-                   if name not in params and name in self.model.state_dict()}
-        state = {k: v.detach().float().cpu().contiguous()
-                 for k, v in {**params, **buffers}.items()}
+        state = {k: v.detach().float().cpu().contiguous() for k, v in full.items()}
         tmp = out / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"step": str(self.step)})
         tmp.replace(out / "model.safetensors")
