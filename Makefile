@@ -24,7 +24,7 @@ DEMO_RUN_DIR ?= runs/demo
 
 train: setup
 	$(VENV)/bin/meshtrain train --config $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR)
-	$(VENV)/bin/meshtrain generate --checkpoint $(DEMO_RUN_DIR) --prompt "def " \
+	OMP_NUM_THREADS=1 $(VENV)/bin/meshtrain generate --checkpoint $(DEMO_RUN_DIR) --prompt "def " \
 		--max-new-tokens 160 --temperature 0.7
 
 test: setup

@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     bench.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")
+    bench.add_argument("--procs", default="1,2,4", metavar="N,N,...",
+                       help="process counts of the scaling suite (default 1,2,4)")
+    bench.add_argument("--plot", default="", metavar="PNG",
+                       help="write the scaling suite's tokens/s against processes as a PNG")
     _add_planner_parsers(sub)
     sim = sub.add_parser("simulate", help="time a pipeline schedule (bubble, memory, timeline)")
     sim.add_argument("--schedule", required=True,
@@ -129,6 +133,10 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
             raise ConfigError(f"--nproc {nproc} does not match the {job_world_size()} processes "
                               f"that torchrun/SLURM started; drop --nproc under torchrun/srun.")
         nproc = job_world_size()
+    if config.parallel.auto:  # the planner picks the layout (meshtrain.planner.auto)
+        from meshtrain.planner.auto import choose_layout
+
+        nproc = choose_layout(config, nproc, in_job)
     world = config.validate(nproc)
     return config, world
 
@@ -186,8 +194,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from meshtrain.distributed_run import DistributedTestError
     from meshtrain.launch import LaunchError
 
+    try:
+        procs = tuple(int(n) for n in args.procs.split(",") if n.strip())
+    except ValueError:
+        raise ConfigError(f'--procs "{args.procs}" is not a comma list of process counts, '
+                          'e.g. 1,2,4.') from None
     options = BenchOptions(suites=args.suites, steps=args.steps, warmup=args.warmup,
-                           repeats=args.repeats, overrides=args.overrides)
+                           repeats=args.repeats, overrides=args.overrides, procs=procs,
+                           plot=args.plot)
     try:
         results = run_bench(options)
     except DistributedTestError as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -109,6 +110,13 @@ class ParallelConfig:
     """Gradient bucket size for data-parallel reduction, in MiB."""
     check_replicas_every: int = 0
     """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
+    auto: bool = False
+    """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
+    and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;
+    the choice and why are printed on stderr. See :mod:`meshtrain.planner.auto`."""
+    auto_profile: str = ""
+    """Hardware profile for ``auto``: a ``meshtrain calibrate`` JSON or a profile name; empty =
+    ~/.cache/meshtrain/profile.json if present, else a quick measurement of this machine."""
 
     def model_parallel_size(self) -> int:
         """tp × pp: the ranks that together hold one replica of the model."""
@@ -274,13 +282,17 @@ def _coerce(value: Any, kind: type, key: str, origin: str) -> Any:
         if isinstance(value, bool):
             raise bad
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        else:
+            raise bad
+        if not math.isfinite(number):
+            raise ConfigError(f"{origin}: {key} = {value!r} is not a finite number.")
+        return number
     if kind is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -197,7 +197,18 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     if world <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    extra = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch elastic's agent keeps one store for every restart of the workers and does not
+        # separate attempts in it: a restarted worker would read the failed attempt's keys
+        # (refused connections, barriers that never complete). Give each attempt its own prefix.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        extra = {"store": dist.PrefixStore(f"meshtrain/attempt_{attempt}", store),
+                 "rank": int(os.environ["RANK"]), "world_size": world}
+    dist.init_process_group(backend=backend, timeout=timeout, **extra)
 
 
 def shutdown_distributed() -> None:

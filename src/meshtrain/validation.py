@@ -6,6 +6,7 @@ value given and what would be valid, so the CLI can print it and exit with statu
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from meshtrain.config import (
@@ -26,10 +27,13 @@ from meshtrain.config import (
 # clearly instead of silently running something else.
 IMPLEMENTED_AXES = {"dp", "tp", "pp", "ep"}
 MAX_ZERO_STAGE_IMPLEMENTED = 3
+MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order (O(sqrt n): configs may hold huge values)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _choice(value: str, options: tuple[str, ...], key: str) -> None:
@@ -146,14 +150,9 @@ def validate_parallel(config: Config) -> None:
         )
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
-    if par.tp > 1:
-        validate_tensor_parallel(config)
-    validate_pipeline(config)
     dp = max(par.dp, 1)
-    if par.ep > 1:
-        validate_expert_parallel(config, dp)
     per_step = dp * par.microbatches
-    if train.global_batch % per_step:
+    if train.global_batch % per_step:  # first: it bounds microbatches for the schedule below
         valid = [m for m in _divisors(train.global_batch // dp) if train.global_batch % dp == 0]
         hint = (f"valid parallel.microbatches for dp={dp}: {', '.join(map(str, valid))}"
                 if valid else f"choose a global_batch that is a multiple of {per_step}")
@@ -161,6 +160,11 @@ def validate_parallel(config: Config) -> None:
             f"train.global_batch = {train.global_batch} is not divisible by dp × microbatches = "
             f"{dp} × {par.microbatches} = {per_step}; {hint}."
         )
+    if par.tp > 1:
+        validate_tensor_parallel(config)
+    validate_pipeline(config)
+    if par.ep > 1:
+        validate_expert_parallel(config, dp)
 
 
 def validate_expert_parallel(config: Config, dp: int) -> None:
@@ -211,7 +215,7 @@ def validate_tensor_parallel(config: Config) -> None:
     tp = config.parallel.tp
     problems = tp_problems(config, tp)
     if problems:
-        valid = [t for t in range(1, config.model.n_heads + 1) if not tp_problems(config, t)]
+        valid = [t for t in _divisors(config.model.n_heads) if not tp_problems(config, t)]
         raise ConfigError(f"parallel.tp = {tp} does not evenly split {'; '.join(problems)}. "
                           f"Valid tp for this model: {', '.join(map(str, valid))}.")
 
@@ -223,11 +227,20 @@ def validate_pipeline(config: Config) -> None:
     from meshtrain.training.tokenizer import tokenizer_vocab_size
 
     par, m = config.parallel, config.model
-    schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
-    if par.pp == 1 and par.pp_split:
-        raise ConfigError("parallel.pp_split is set but parallel.pp = 1; remove it or set pp.")
     if par.pp == 1:
+        # One stage runs no schedule: check only the name/chunk combination, cheaply (the
+        # action lists grow with microbatches x virtual_stages).
+        build_schedule(par.pp_schedule, 1, 1, min(par.virtual_stages, 3))
+        if par.pp_split:
+            raise ConfigError("parallel.pp_split is set but parallel.pp = 1; remove it or set pp.")
         return
+    actions = par.pp * par.microbatches * par.virtual_stages
+    if actions > MAX_PIPELINE_WORK:
+        raise ConfigError(
+            f"parallel.pp × microbatches × virtual_stages = {par.pp} × {par.microbatches} × "
+            f"{par.virtual_stages} = {actions} is far more pipeline work items than any schedule "
+            f"needs (at most {MAX_PIPELINE_WORK}); use fewer micro-batches or virtual stages.")
+    schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
     vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
     stage_layers(m, vocab, schedule.num_stages, par.pp_split)
     unsupported = [(m.tie_embeddings, "model.tie_embeddings = true"),

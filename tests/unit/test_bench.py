@@ -1,8 +1,12 @@
-"""``meshtrain bench``: the JSON document of a tiny run, argument errors, the suite registry."""
+"""``meshtrain bench``: the JSON document of tiny runs of every suite, argument errors, the
+suite registry, the tables. The runs check the output's shape and that both sides train the same
+numbers, never the speed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 
 import pytest
@@ -13,18 +17,30 @@ from meshtrain.cli import main
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64", "--set", "train.seq_len=32",
         "--set", "train.global_batch=4", "--set", "data.max_bytes=200000"]
+ONE_QUICK_RUN = ["--steps", "2", "--warmup", "0", "--repeats", "1", "--json"]
 
 SIDES = ("meshtrain", "peer")
+PAIR_SUITES = ("dp", "zero3", "tp", "pp")
+"""The two-process meshtrain-vs-peer suites, run together in one ``meshtrain bench`` call."""
 
 
-def _run_json(capsys, suite: str) -> dict:
-    status = main(["bench", "--suite", suite, "--steps", "2", "--warmup", "0", "--repeats", "1",
-                   "--json", *TINY])
-    out, err = capsys.readouterr()
-    assert status == 0, err
-    results = json.loads(out)
-    assert isinstance(results, list) and len(results) == 1
-    return results[0]
+def _bench_json(*args: str) -> list[dict]:
+    """``meshtrain bench ARGS`` in this process; its stdout parsed as JSON."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["bench", *args])
+    assert status == 0
+    results = json.loads(out.getvalue())
+    assert isinstance(results, list)
+    return results
+
+
+@pytest.fixture(scope="module")
+def pair_results() -> dict[str, dict]:
+    """One call for every two-process pair suite (one warm parent, one JSON document)."""
+    results = _bench_json("--suite", ",".join(PAIR_SUITES), *ONE_QUICK_RUN, *TINY)
+    assert [r["suite"] for r in results] == list(PAIR_SUITES)
+    return {r["suite"]: r for r in results}
 
 
 def _check_result(result: dict, suite: str, world: int) -> None:
@@ -52,13 +68,47 @@ def _check_result(result: dict, suite: str, world: int) -> None:
     assert result["meshtrain_last_loss"] == pytest.approx(result["peer_last_loss"], rel=1e-3)
 
 
-def test_single_suite_json(capsys):
+def test_single_suite_json():
     pytest.importorskip("transformers")
-    _check_result(_run_json(capsys, "single"), "single", 1)
+    [result] = _bench_json("--suite", "single", *ONE_QUICK_RUN, *TINY)
+    _check_result(result, "single", 1)
 
 
-def test_dp_suite_json(capsys):
-    _check_result(_run_json(capsys, "dp"), "dp", 2)
+@pytest.mark.parametrize("suite", PAIR_SUITES)
+def test_pair_suite_json(pair_results, suite):
+    result = pair_results[suite]
+    _check_result(result, suite, 2)
+    assert result["peer"] == SUITES[suite].peer
+    # pp: the same micro-batches on both sides (2 x pp of them unless --set)
+    assert result["shape"]["microbatches"] == (4 if suite == "pp" else 1)
+
+
+def test_scaling_suite_json_and_plot(tmp_path):
+    plot = tmp_path / "scaling.png"
+    [result] = _bench_json("--suite", "scaling", "--procs", "1,2", "--plot", str(plot),
+                           *ONE_QUICK_RUN, *TINY)
+    assert result["suite"] == "scaling" and result["world_size"] == 2
+    assert result["skipped"] == [] and result["cpu_count"] >= 1
+    assert result["threads_per_process"] == 1 and result["tokens_per_step"] == 4 * 32
+    base = result["axes"]["dp"][0]
+    assert base["procs"] == 1 and base["efficiency"] == 1.0
+    for axis in ("dp", "tp", "pp"):
+        points = result["axes"][axis]
+        assert [p["procs"] for p in points] == [1, 2]
+        assert points[0] == base  # one shared one-process run
+        two = points[1]
+        assert two["layout"][axis] == 2 and len(two["peak_bytes_per_rank"]) == 2
+        assert two["tokens_per_s"] > 0 and len(two["runs_tokens_per_s"]) == 1
+        assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * base["tokens_per_s"]))
+        assert two["cpu_efficiency"] > 0
+        assert result["efficiency"][axis] == {"2": two["efficiency"]}
+        # Every layout trains the same numbers as one process.
+        assert two["first_loss"] == pytest.approx(base["first_loss"], rel=1e-4)
+        assert two["last_loss"] == pytest.approx(base["last_loss"], rel=1e-3)
+    assert result["axes"]["pp"][1]["layout"]["microbatches"] == 4
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["plot"] == str(plot)
+    table = format_table([result])
+    assert "scaling" in table and "efficiency" in table and "tp" in table
 
 
 @pytest.mark.parametrize("args, message", [
@@ -68,10 +118,16 @@ def test_dp_suite_json(capsys):
     (["--set", "model.dimm=8"], 'Did you mean "dim"'),
     (["--set", "train.precision=bf16"], "fp32"),
     (["--suite", "single", "--set", "model.mlp=gelu"], "SwiGLU"),
+    (["--suite", "tp", "--set", "model.n_kv_heads=1"], "divisible by 2"),
+    (["--suite", "dp", "--plot", "x.png"], "--suite scaling"),
+    (["--suite", "scaling", "--plot", "no/such/dir/x.png"], "does not exist"),
+    (["--suite", "scaling", "--procs", "0,2"], "--procs"),
+    (["--suite", "scaling", "--procs", "two"], "--procs"),
+    (["--suite", "scaling", "--set", "model.n_heads=5"], "n_heads"),
 ])
 def test_usage_errors_exit_2(capsys, args, message):
     assert main(["bench", *args]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())  # the message is wrapped at 100 columns
     assert message in err
     assert "Traceback" not in err
 

@@ -1,10 +1,13 @@
 """``meshtrain bench``: meshtrain side by side with PyTorch-native peers on the same work.
 
 Each suite trains one Llama shape for a fixed number of steps with meshtrain and with a peer
-(``single``: Hugging Face ``LlamaForCausalLM``; ``dp``: ``DistributedDataParallel``), alternating
-fresh runs, and reports median tokens/s, the ratio meshtrain / peer and peak memory per rank.
-See :mod:`meshtrain.bench.runner` for the method and :mod:`meshtrain.bench.suites` for how to add
-a suite; ``docs/performance.md`` for measurements.
+(``single``: Hugging Face ``LlamaForCausalLM``; ``dp``: ``DistributedDataParallel``; ``zero3``:
+FSDP2 ``fully_shard``; ``tp``: DTensor ``parallelize_module``; ``pp``:
+``torch.distributed.pipelining`` 1F1B), alternating fresh runs, and reports median tokens/s, the
+ratio meshtrain / peer and peak memory per rank. ``scaling`` measures meshtrain alone at 1, 2, 4
+processes per axis against ideal linear scaling (:mod:`meshtrain.bench.scaling`). See
+:mod:`meshtrain.bench.runner` for the method and :mod:`meshtrain.bench.suites` for how to add a
+suite; ``docs/performance.md`` for measurements.
 """
 
 from __future__ import annotations

@@ -9,9 +9,14 @@ first-step losses of both sides agree, which the bench reports as a sanity check
 
 - :func:`hf_llama_worker`: one process, ``transformers``' ``LlamaForCausalLM`` (SDPA attention).
 - :func:`ddp_worker`: N processes, ``DistributedDataParallel`` around the meshtrain model.
+
+The model-parallel peers (FSDP2, DTensor TP, ``torch.distributed.pipelining``) are in
+:mod:`meshtrain.bench.parallel_peers`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +85,25 @@ def adamw(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
                              foreach=True)
 
 
-def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_scale: int = 1):
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor (a replicated DTensor's full value)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def default_clip(model: torch.nn.Module, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` over every parameter (the plain, DDP and FSDP2 peers)."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+
+
+def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_scale: int = 1,
+              clip=default_clip, loss_context=contextlib.nullcontext):
     """A plain training step over ``data``'s micro-batches: forward, loss, backward, clip, AdamW.
 
     ``logits_of(model, inputs)`` returns the logits; each micro-batch's summed loss is divided by
-    the step's local token count (and DDP averages over ranks: the global mean).
+    the step's local token count (and DDP / FSDP average over ranks: the global mean).
+    ``clip(model, max_norm)`` clips the gradients by their global norm; loss and backward run
+    inside ``loss_context()`` (``torch.distributed.tensor.parallel.loss_parallel`` for the
+    DTensor peer, whose logits stay split over the vocabulary).
     """
     optimizer = adamw(model, train)
 
@@ -94,12 +113,13 @@ def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_
         total = torch.zeros(())
         for inputs, targets in microbatches:
             logits = logits_of(model, inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                   reduction="sum") / tokens
-            loss.backward()
-            total += loss.detach()
+            with loss_context():
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                       reduction="sum") / tokens
+                loss.backward()
+            total += local_value(loss.detach())
         if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip, foreach=True)
+            clip(model, train.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(index, train)
         optimizer.step()
@@ -112,7 +132,9 @@ def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_
     return step
 
 
-def _train_data(config: Config, rank: int = 0, world: int = 1):
+def train_data(config: Config, rank: int = 0, world: int = 1):
+    """The :class:`~meshtrain.training.data.TrainData` that meshtrain's data-parallel rank
+    ``rank`` of ``world`` reads (micro-batches as ``parallel.microbatches`` says)."""
     from meshtrain.training.data import TrainData
     from meshtrain.training.tokenizer import load_tokenizer
 
@@ -126,7 +148,7 @@ def hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
 
     config = load_bench_config(config_dict)
     preload_tokens(config)
-    data = _train_data(config)
+    data = train_data(config)
     base = peak_memory_bytes(torch.device("cpu"))
     model = build_hf_llama(config)
     step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
@@ -145,7 +167,7 @@ def ddp_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     config = load_bench_config(config_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     preload_tokens(config)
-    data = _train_data(config, rank, world)
+    data = train_data(config, rank, world)
     base = peak_memory_bytes(torch.device("cpu"))
     model = DistributedDataParallel(build_model(config.model, seed=config.train.seed),
                                     bucket_cap_mb=config.parallel.dp_bucket_mb)

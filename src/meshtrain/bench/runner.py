@@ -9,8 +9,8 @@ discarded; the run's throughput is a step's tokens over the run's median step ti
 reports the **median over repeats** of each side, their ratio ``meshtrain / peer`` and the peak
 memory of each rank.
 
-Adding a suite (e.g. ZeRO-3 vs FSDP2, tp vs DTensor, pp vs ``torch.distributed.pipelining``) is
-one :func:`register_suite` call in :mod:`meshtrain.bench.suites`; see :class:`Suite`.
+Adding a suite is one :func:`register_suite` call in :mod:`meshtrain.bench.suites`; see
+:class:`Suite`. A suite that is not a meshtrain/peer pair (``scaling``) brings its own ``run``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ from typing import Any
 from meshtrain.config import Config, ConfigError, parse_override, set_key
 
 BENCH_DEFAULTS: dict[str, Any] = {
-    "model.vocab_size": 264, "model.dim": 256, "model.n_layers": 4, "model.n_heads": 8,
+    "model.vocab_size": 512, "model.dim": 256, "model.n_layers": 4, "model.n_heads": 8,
     "model.n_kv_heads": 4, "model.ffn_dim": 704, "model.mlp": "swiglu",
-    "model.tie_embeddings": False, "train.seq_len": 128, "train.global_batch": 16,
+    "model.tie_embeddings": False, "train.seq_len": 256, "train.global_batch": 8,
     "train.precision": "fp32", "train.device": "cpu", "data.source": "builtin",
     "data.tokenizer": "bytes", "data.max_bytes": 1_000_000,
 }
-"""The shape every suite benchmarks unless ``--set`` changes it (the project's perf baseline)."""
+"""The shape every suite benchmarks unless ``--set`` changes it (the project's perf baseline, the
+shape of issue 10): dim 256 × 4 layers × 8 query / 4 key-value heads, SwiGLU FFN 704, vocabulary
+512 (the 264 byte ids, padded), seq_len 256, 8 sequences a step, fp32, CPU."""
 
 THREADS_PER_PROCESS = 1
 """Intra-op threads of every benchmark process (``torch.set_num_threads``)."""
@@ -59,11 +61,16 @@ class Suite:
     world_size: int
     peer: str
     description: str
-    peer_worker: Worker
+    peer_worker: Worker | None
     meshtrain_worker: Worker
     configure: Callable[[Config], None] = lambda config: None
     requires: tuple[str, ...] = ()
     install: str = "pip install -e '.[bench]'"
+    run: Callable[[Suite, BenchOptions, Callable[[str], None]], dict] | None = None
+    """A suite that is not one meshtrain/peer pair (``scaling``) runs itself: ``run(suite,
+    options, log)`` returns its result document (then ``peer_worker`` may be None)."""
+    check: Callable[[Suite, BenchOptions], None] | None = None
+    """With ``run``: refuse impossible options before anything starts (raise ConfigError)."""
 
 
 SUITES: dict[str, Suite] = {}
@@ -94,6 +101,10 @@ class BenchOptions:
     """``--set section.key=value`` changes to :data:`BENCH_DEFAULTS`."""
     timeout_s: float = 900.0
     """Per-run limit before the run's workers are killed."""
+    procs: tuple[int, ...] = (1, 2, 4)
+    """Process counts the ``scaling`` suite measures on every axis."""
+    plot: str = ""
+    """PNG path for the ``scaling`` suite's plot (empty: no plot)."""
 
 
 def resolve_suites(names: list[str]) -> list[Suite]:
@@ -118,6 +129,9 @@ def check_options(options: BenchOptions) -> None:
         value = getattr(options, key)
         if value < minimum:
             raise ConfigError(f"--{key} = {value} is too small; it must be at least {minimum}.")
+    if not options.procs or min(options.procs) < 1:
+        raise ConfigError(f"--procs = {','.join(map(str, options.procs))}: give process counts "
+                          "of at least 1, e.g. --procs 1,2,4.")
 
 
 def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[Config, int]:
@@ -219,16 +233,21 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
         result[f"{side}_last_loss"] = rs[0]["losses"][-1]
     result["ratio"] = medians["meshtrain"] / medians["peer"]
     result["cpu_ratio"] = result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"]
-    m, t = config.model, config.train
+    t = config.train
     result.update(
         steps=options.steps, warmup=options.warmup, repeats=options.repeats,
         tokens_per_step=t.global_batch * t.seq_len,
         threads_per_process=max(r["threads"] for rs in runs.values() for r in rs),
-        shape={**{k: getattr(m, k) for k in SHAPE_KEYS}, "seq_len": t.seq_len,
-               "global_batch": t.global_batch, "microbatches": config.parallel.microbatches,
-               "precision": t.precision},
-        torch_version=torch.__version__)
+        shape=shape_of(config), torch_version=torch.__version__)
     return result
+
+
+def shape_of(config: Config) -> dict:
+    """The benchmarked shape as the JSON reports it."""
+    m, t = config.model, config.train
+    return {**{k: getattr(m, k) for k in SHAPE_KEYS}, "seq_len": t.seq_len,
+            "global_batch": t.global_batch, "microbatches": config.parallel.microbatches,
+            "precision": t.precision}
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -> list[dict]:
@@ -240,14 +259,30 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             print(line, file=sys.stderr, flush=True)
     check_options(options)
     suites = resolve_suites(options.suites)
+    if options.plot and not any(suite.run is not None for suite in suites):
+        raise ConfigError("--plot draws the scaling suite; add --suite scaling.")
     for suite in suites:  # refuse a bad --set or a missing peer before any run starts
         check_requirements(suite)
-        bench_config(suite, options.overrides, options.warmup + options.steps)
-    return [run_suite(suite, options, log) for suite in suites]
+        if suite.check is not None:
+            suite.check(suite, options)
+        else:
+            bench_config(suite, options.overrides, options.warmup + options.steps)
+    return [suite.run(suite, options, log) if suite.run is not None
+            else run_suite(suite, options, log) for suite in suites]
 
 
 def format_table(results: list[dict]) -> str:
-    """A plain-text table of suite results, for a terminal."""
+    """A plain-text table of suite results, for a terminal (``scaling`` gets its own table)."""
+    from meshtrain.bench.scaling import format_scaling
+
+    pairs = [r for r in results if "ratio" in r]
+    blocks = [format_pairs(pairs)] if pairs else []
+    blocks += [format_scaling(r) for r in results if r.get("suite") == "scaling"]
+    return "\n\n".join(blocks)
+
+
+def format_pairs(results: list[dict]) -> str:
+    """The table of the meshtrain-vs-peer suites."""
     mib = 1024 * 1024
     header = (f"{'suite':<8} {'procs':>5} {'meshtrain tok/s':>16} {'peer tok/s':>11} "
               f"{'ratio':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17}  peer")
@@ -258,10 +293,9 @@ def format_table(results: list[dict]) -> str:
                      f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} "
                      f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17}  "
                      f"{r['peer']}")
-    if results:
-        r = results[0]
-        lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
-                     f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
-                     f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); cpu ratio: "
-                     f"the same per CPU-second used")
+    r = results[0]
+    lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
+                 f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
+                 f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); cpu ratio: "
+                 f"the same per CPU-second used")
     return "\n".join(lines)

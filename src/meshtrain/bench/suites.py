@@ -11,13 +11,16 @@ To add a suite (say ``zero3``: meshtrain ZeRO-3 vs FSDP2 ``fully_shard``):
 3. ``register_suite(Suite(name=..., world_size=..., peer=..., description=..., configure=...,
    meshtrain_worker=meshtrain_worker, peer_worker=...))`` below.
 
-The runner then validates, alternates, summarises and prints it like every other suite.
+The runner then validates, alternates, summarises and prints it like every other suite. A suite
+that is not one meshtrain/peer pair passes ``run`` and ``check`` instead (see ``scaling``).
 """
 
 from __future__ import annotations
 
+from meshtrain.bench.parallel_peers import dtensor_tp_worker, fsdp2_worker, pipelining_worker
 from meshtrain.bench.peers import ddp_worker, hf_llama_worker
 from meshtrain.bench.runner import Suite, register_suite
+from meshtrain.bench.scaling import check_scaling, run_scaling
 from meshtrain.bench.workers import meshtrain_worker
 from meshtrain.config import Config, ConfigError
 
@@ -42,6 +45,38 @@ def configure_dp(config: Config) -> None:
     _only_dp(config, 0)
 
 
+def configure_zero3(config: Config) -> None:
+    """Data parallelism with ZeRO-3 (parameters, gradients and optimizer state sharded)."""
+    _only_dp(config, 0)
+    config.parallel.zero = 3
+
+
+TP_DEGREE = 2
+PP_DEGREE = 2
+
+
+def configure_tp(config: Config) -> None:
+    """tp = 2 alone (no sequence parallelism). The DTensor peer splits q, k and v by columns, so
+    both head counts must divide by tp (meshtrain would also replicate too few kv heads)."""
+    _only_dp(config, 1)
+    config.parallel.tp = TP_DEGREE
+    m = config.model
+    if m.n_heads % TP_DEGREE or m.kv_heads % TP_DEGREE:
+        raise ConfigError(f"model.n_heads = {m.n_heads}, model.n_kv_heads = {m.kv_heads}: the tp "
+                          f"suite's DTensor peer splits both head counts over tp = {TP_DEGREE}; "
+                          f"valid: head counts divisible by {TP_DEGREE}.")
+
+
+def configure_pp(config: Config) -> None:
+    """pp = 2 with the 1F1B schedule over ``parallel.microbatches`` micro-batches (when left at
+    1: ``2 × pp`` = 4), so both sides run the same micro-batches."""
+    _only_dp(config, 1)
+    par = config.parallel
+    par.pp, par.pp_schedule, par.virtual_stages = PP_DEGREE, "1f1b", 1
+    if par.microbatches == 1:
+        par.microbatches = 2 * PP_DEGREE
+
+
 register_suite(Suite(
     name="single", world_size=1,
     peer="transformers LlamaForCausalLM (sdpa) + torch.optim.AdamW",
@@ -54,3 +89,29 @@ register_suite(Suite(
     peer="torch DistributedDataParallel + torch.optim.AdamW",
     description="2 processes: meshtrain dp=2 vs DDP around the same meshtrain model",
     configure=configure_dp, meshtrain_worker=meshtrain_worker, peer_worker=ddp_worker))
+
+register_suite(Suite(
+    name="zero3", world_size=2,
+    peer="torch FSDP2 fully_shard (per block + root) + torch.optim.AdamW",
+    description="2 processes: meshtrain dp=2 ZeRO-3 vs FSDP2 on the same meshtrain model, fp32",
+    configure=configure_zero3, meshtrain_worker=meshtrain_worker, peer_worker=fsdp2_worker))
+
+register_suite(Suite(
+    name="tp", world_size=TP_DEGREE,
+    peer="DTensor parallelize_module (Colwise/Rowwise, vocab-split embedding/head, "
+         "loss_parallel) + torch.optim.AdamW",
+    description="2 processes: meshtrain tp=2 vs DTensor tensor parallel on the same model",
+    configure=configure_tp, meshtrain_worker=meshtrain_worker, peer_worker=dtensor_tp_worker))
+
+register_suite(Suite(
+    name="pp", world_size=PP_DEGREE,
+    peer="torch.distributed.pipelining PipelineStage + Schedule1F1B + torch.optim.AdamW",
+    description="2 processes: meshtrain pp=2 1F1B vs torch pipelining 1F1B, same split and "
+                "micro-batches",
+    configure=configure_pp, meshtrain_worker=meshtrain_worker, peer_worker=pipelining_worker))
+
+register_suite(Suite(
+    name="scaling", world_size=4,
+    peer="ideal linear scaling of meshtrain's own one-process run",
+    description="meshtrain alone at 1, 2, 4 processes of the same global batch on dp, tp and pp",
+    meshtrain_worker=meshtrain_worker, peer_worker=None, run=run_scaling, check=check_scaling))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -106,7 +107,12 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {op: [] for op in COLLECTIVES}
-    out.update(_measure_compute(matmul_sizes, [max(sizes)], 0.1 * repeats, 5))
+    copy_bytes = [max(sizes)]
+    if rank == 0:  # alone: the others wait at the barrier
+        out["solo"] = _measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 3)
+    dist.barrier()
+    out["concurrent"] = _measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 3)
+    dist.barrier()
     for nbytes in sizes:
         elements = max(world, nbytes // 4 // world * world)
         full = torch.ones(elements)
@@ -163,17 +169,20 @@ def _memory_gb(nproc: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / nproc
 
 
-def _cpu_profile(name: str, compute: dict, all_reduce: tuple[float, float],
+def _cpu_profile(name: str, solo: dict, concurrent: dict, all_reduce: tuple[float, float],
                  send: tuple[float, float], nproc: int, power_w: float, source: str,
                  measured: dict | None) -> HardwareProfile:
-    """A CPU profile: measured fp32 GEMM rate as the peak, streaming copy as memory bandwidth."""
+    """A CPU profile: measured fp32 GEMM rates as the peak, streaming copy as memory bandwidth,
+    each per thread with ``nproc`` threads busy and alone (``solo_*``)."""
     bandwidth, latency = all_reduce
     steps = 2 * math.ceil(math.log2(max(nproc, 2)))
     send_bw, send_latency = send
     return HardwareProfile(
-        name=name, peak_tflops=max(r["tflops"] for r in compute["matmul"]),
-        memory_gb=_memory_gb(nproc), hbm_gbps=compute["copy"][-1]["gbps"],
-        matmul_efficiency=1.0, kernel_overhead_us=compute["op_overhead_us"],
+        name=name, peak_tflops=max(r["tflops"] for r in concurrent["matmul"]),
+        memory_gb=_memory_gb(nproc), hbm_gbps=concurrent["copy"][-1]["gbps"],
+        solo_tflops=max(r["tflops"] for r in solo["matmul"]),
+        solo_hbm_gbps=solo["copy"][-1]["gbps"], calibrated_processes=nproc,
+        matmul_efficiency=1.0, kernel_overhead_us=solo["op_overhead_us"],
         intra_node_gbps=bandwidth, inter_node_gbps=send_bw or bandwidth,
         intra_node_latency_us=latency / steps, inter_node_latency_us=send_latency or latency,
         power_w=power_w, reserved_gb=0.0, attention_efficiency=1.0, fp32_rate=1.0,
@@ -189,25 +198,43 @@ def calibrate(nproc: int = 2, sizes: list[int] | None = None,
     sizes = sorted(sizes or [2**12, 2**16, 2**20, 2**24])
     matmul_sizes = matmul_sizes or [256, 512, 1024]
     measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
-    return _cpu_profile(name, measured, fit_latency_bandwidth(measured["all_reduce"]),
+    return _cpu_profile(name, measured["solo"], measured["concurrent"],
+                        fit_latency_bandwidth(measured["all_reduce"]),
                         fit_latency_bandwidth(measured["send"]), nproc, power_w,
                         f"meshtrain calibrate, {nproc} gloo processes on one machine "
                         f"({os.cpu_count()} cores), one thread each", measured)
 
 
 def quick_profile(nproc: int) -> HardwareProfile:
-    """About a second, in this process, one thread: GEMM rate, copy bandwidth and op overhead
-    measured; gloo collectives at the built-in ``QUICK_GLOO_*`` figures (no processes spawned)."""
+    """A second or two in this process, no workers spawned: GEMM rate, copy bandwidth and op
+    overhead measured with one thread (``solo_*``) and with ``k = min(nproc, cores)`` intra-op
+    threads (divided by ``k``: the per-thread share when ``k`` workers compute at once); gloo
+    collectives at the built-in ``QUICK_GLOO_*`` figures."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    busy = max(1, min(nproc, os.cpu_count() or 1))
     try:
-        compute = _measure_compute([256, 512], [2**24], 0.1, 3)
+        torch.set_num_threads(1)
+        solo = _measure_compute([256, 512], [2**24], 0.1, 3)
+        # k Python threads, each a single-threaded GEMM / copy (torch releases the GIL): the
+        # share each of k one-thread workers gets.
+        results: list[dict] = [{} for _ in range(busy)]
+
+        def measure(i: int) -> None:
+            results[i] = _measure_compute([512], [2**24], 0.1, 3)
+
+        pool = [threading.Thread(target=measure, args=(i,)) for i in range(busy)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+        together = results[0]
     finally:
         torch.set_num_threads(threads)
     steps = 2 * math.ceil(math.log2(max(nproc, 2)))
-    return _cpu_profile("quick-cpu", compute, (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US * steps),
-                        (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US), nproc, 0.0,
-                        "quick in-process measurement (GEMM, copy, op overhead); built-in gloo "
-                        "figures", compute)
+    return _cpu_profile("quick-cpu", solo, together,
+                        (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US * steps),
+                        (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US), busy, 0.0,
+                        f"quick in-process measurement on {os.cpu_count()} cores (GEMM, copy, op "
+                        f"overhead); built-in gloo figures", {"solo": solo, "concurrent": together})

@@ -138,7 +138,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     zero_share = lay.dp if lay.zero >= 1 else 1
     shard = sp.dense / zero_share + sp.expert / max(lay.dp // lay.ep if lay.zero else 1, 1)
     optimizer = (shard * workload.traits.optimizer_bytes_per_param
-                 / (cluster.profile.hbm_gbps * 1e9))
+                 / (cluster.process_rates()[1] * 1e9))
     syncs = sum(STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size, stride)
                 for size, stride in ((lay.dp, lay.tp), (lay.tp, 1), (lay.pp, lay.tp * lay.dp)))
     step = pipelined + dp_exposed + optimizer + syncs

@@ -60,6 +60,15 @@ class HardwareProfile:
     """Whether a collective can run beside compute without slowing it (GPUs: NCCL on its own
     SMs and copy engines). False on CPUs where every core computes: gloo's reduction and copies
     then take the same cores, so overlapped communication is still paid in full."""
+    solo_tflops: float = 0.0
+    """Calibrated CPU profiles: the GEMM rate of one process computing alone, where
+    ``peak_tflops`` is what each of ``calibrated_processes`` gets while all compute at once (on
+    a small or shared machine far less: cores, caches and memory bandwidth are shared). 0 on GPUs,
+    where every process owns its device. See :meth:`per_process`."""
+    solo_hbm_gbps: float = 0.0
+    """Calibrated CPU profiles: streaming copy bandwidth of one process alone (as above)."""
+    calibrated_processes: int = 0
+    """Processes (one thread each) that computed at once for ``peak_tflops`` / ``hbm_gbps``."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -67,6 +76,20 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (what ``calibrate --out`` writes)."""
         return dataclasses.asdict(self)
+
+    def per_process(self, processes: int, threads: int = 1) -> tuple[float, float]:
+        """(peak TFLOP/s, memory GB/s) one of ``processes`` processes with ``threads`` threads
+        each gets. GPUs: the profile's figures. Calibrated CPUs: the machine's throughput with
+        ``k = processes × threads`` busy threads is the solo figure for ``k = 1``, ``k`` times the
+        concurrent per-thread figure up to the calibrated count, and flat beyond it (the cores
+        are full); each process gets its share."""
+        if not self.solo_tflops or not self.calibrated_processes:
+            return self.peak_tflops, self.hbm_gbps
+        busy = max(processes, 1) * max(threads, 1)
+        if busy == 1:
+            return self.solo_tflops, self.solo_hbm_gbps or self.hbm_gbps
+        share = min(busy, self.calibrated_processes) / max(processes, 1)
+        return self.peak_tflops * share, self.hbm_gbps * share
 
 
 # Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
@@ -139,6 +162,8 @@ class Cluster:
     profile: HardwareProfile
     gpus: int
     gpus_per_node: int = 8
+    threads_per_process: int = 1
+    """CPU runs: intra-op threads of each worker process (see :meth:`process_rates`)."""
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -147,6 +172,11 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ConfigError(f"--gpus {self.gpus} is not a whole number of nodes of "
                               f"{self.gpus_per_node} GPUs.")
+
+    def process_rates(self) -> tuple[float, float]:
+        """(peak TFLOP/s, memory GB/s) of one rank while all ``gpus`` ranks compute
+        (:meth:`HardwareProfile.per_process`)."""
+        return self.profile.per_process(self.gpus, self.threads_per_process)
 
     @property
     def nodes(self) -> int:

@@ -62,9 +62,9 @@ class GemmClock:
 
     def __init__(self, cluster: Cluster, dtype_bytes: int):
         p = cluster.profile
-        self.rate = (p.peak_tflops * 1e12 * p.matmul_efficiency
-                     * (1.0 if dtype_bytes == 2 else p.fp32_rate))
-        self.hbm = p.hbm_gbps * 1e9
+        peak, hbm = cluster.process_rates()
+        self.rate = peak * 1e12 * p.matmul_efficiency * (1.0 if dtype_bytes == 2 else p.fp32_rate)
+        self.hbm = hbm * 1e9
         self.overhead = p.kernel_overhead_us * 1e-6
         self.attention_rate = self.rate * p.attention_efficiency
         self.dtype_bytes = dtype_bytes

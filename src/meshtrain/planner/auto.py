@@ -1,0 +1,231 @@
+"""``parallel.auto = true``: choose the parallel layout for this model on this machine.
+
+:func:`choose_layout` runs in :func:`meshtrain.cli.resolve_run_config` before anything launches.
+It prices every layout of ``nproc`` processes (``--nproc``; else the visible GPUs, or
+``os.cpu_count()`` on CPU) with the planner's cost model, drops those that do not fit in memory,
+ranks the rest by predicted tokens/s, and takes the fastest one that
+:func:`meshtrain.validation.validate_parallel` accepts — so only layouts this runtime implements
+and this model's shape allows are chosen. It then sets ``parallel.{dp, tp, pp, zero,
+microbatches, pp_schedule, virtual_stages, sequence_parallel, activation_checkpointing}`` and
+prints one paragraph on stderr: the layout, its predicted step time and tokens/s, what bounds it,
+and the runner-up. ``parallel.ep`` (and ``pp_split``) are kept as configured: candidates must
+agree with them.
+
+The hardware profile, first found wins:
+
+1. ``parallel.auto_profile`` (a ``meshtrain calibrate`` JSON, or a named profile such as
+   ``h100-80g``);
+2. the default calibration file, ``~/.cache/meshtrain/profile.json``
+   (:func:`meshtrain.planner.calibrate.default_profile_path`), which ``meshtrain calibrate``
+   writes when given no ``--out``;
+3. on CUDA, the named profile matching the device name (A100, H100, H200, B200, MI300X);
+4. on CPU, :func:`meshtrain.planner.calibrate.quick_profile`: one or two seconds in this process
+   (GEMM rate, copy bandwidth, op overhead; gloo figures built in). Inside a torchrun/SLURM job
+   every rank chooses for itself, so there the built-in :data:`BUILTIN_CPU` figures are used
+   instead: a measurement could differ between ranks, and so could their choices.
+
+On CPU, a calibrated profile's rates are per thread; with ``T`` intra-op threads per worker the
+planner counts ``T`` busy threads per process (:meth:`HardwareProfile.per_process`). Every
+candidate uses the same processes and threads, so the ranking does not depend on that scaling;
+the printed prediction does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+
+from meshtrain.config import Config, ConfigError
+from meshtrain.planner.hardware import PROFILES, Cluster, HardwareProfile, load_profile
+from meshtrain.planner.workload import Layout, Workload
+
+BUILTIN_CPU = HardwareProfile(
+    name="builtin-cpu", peak_tflops=0.02, memory_gb=4.0, hbm_gbps=5.0, matmul_efficiency=1.0,
+    kernel_overhead_us=5.0, intra_node_gbps=1.0, inter_node_gbps=1.0, intra_node_latency_us=100.0,
+    inter_node_latency_us=100.0, power_w=0.0, reserved_gb=0.0, attention_efficiency=1.0,
+    fp32_rate=1.0, comm_overlaps_compute=False, solo_tflops=0.04, solo_hbm_gbps=10.0,
+    calibrated_processes=2,
+    source="built-in CPU figures (one core of a small VM: 40 GFLOP/s fp32 alone, 20 when "
+           "sharing; gloo 1 GB/s, 100 us); run meshtrain calibrate for this machine's")
+"""Deterministic CPU figures for ``parallel.auto`` inside a job with no calibration file."""
+
+REPRICE_TOP = 20
+"""Candidates re-priced with the pipeline schedule simulator after the closed-form ranking."""
+
+_GPU_NAMES = (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"), ("mi300", "mi300x"),
+              ("a100", "a100-80g"))
+
+
+def _uses_cuda(config: Config) -> bool:
+    import torch
+
+    return config.train.device == "cuda" or (config.train.device == "auto"
+                                             and torch.cuda.is_available())
+
+
+def default_processes(config: Config) -> int:
+    """``--nproc`` when not given: the visible GPUs, else the CPU cores."""
+    if _uses_cuda(config):
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    return os.cpu_count() or 1
+
+
+def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareProfile, str]:
+    """The profile ``parallel.auto`` prices with, and where it came from (see module doc)."""
+    from meshtrain.planner.calibrate import default_profile_path, quick_profile
+
+    given = config.parallel.auto_profile
+    if given:
+        try:
+            return load_profile(given), f"parallel.auto_profile {given}"
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("--hardware", "parallel.auto_profile")) from None
+    default = default_profile_path()
+    if default.is_file():
+        return load_profile(str(default)), f"calibration {default}"
+    if _uses_cuda(config):
+        import torch
+
+        name = torch.cuda.get_device_name().lower()
+        for key, profile in _GPU_NAMES:
+            if key in name:
+                return PROFILES[profile], f"data-sheet profile {profile} for {name}"
+        raise ConfigError(f"parallel.auto: no built-in profile for the GPU {name!r}; run "
+                          f"meshtrain calibrate or set parallel.auto_profile to a profile "
+                          f"({', '.join(PROFILES)}) or a calibrate JSON.")
+    if in_job:
+        return BUILTIN_CPU, "built-in CPU figures (no calibration file; same on every rank)"
+    return quick_profile(nproc), "a quick measurement of this CPU (no calibration file)"
+
+
+def _candidate_config(config: Config, layout: Layout) -> Config:
+    candidate = copy.deepcopy(config)
+    par = candidate.parallel
+    par.dp, par.tp, par.pp, par.zero = layout.dp, layout.tp, layout.pp, layout.zero
+    par.microbatches, par.pp_schedule = layout.microbatches, layout.schedule
+    par.virtual_stages = layout.chunks_per_rank
+    par.sequence_parallel = layout.sequence_parallel
+    par.activation_checkpointing = layout.activation_checkpointing
+    return candidate
+
+
+def _valid(candidate: Config) -> bool:
+    from meshtrain.validation import validate_parallel
+
+    try:
+        validate_parallel(candidate)
+    except ConfigError:
+        return False
+    return True
+
+
+def _rank_key(result: dict) -> tuple:
+    """Fastest first; among predictions equal to 3 significant digits, the simpler layout."""
+    lay = result["layout"]
+    complexity = (lay["pp"] > 1, lay["tp"] > 1, lay["zero"], lay["microbatches"],
+                  lay["activation_checkpointing"] != "none", lay["sequence_parallel"])
+    return float(f"{result['step_time_s']:.3g}"), complexity
+
+
+def _summary(result: dict) -> str:
+    """``compute 80%, tp_comm 12%, bubble 5%``: the largest parts of the predicted step."""
+    step = result["step_time_s"]
+    parts = sorted(((v, k.removesuffix("_s")) for k, v in result["breakdown"].items()
+                    if k != "dp_comm_total_s" and v > 0), reverse=True)
+    return ", ".join(f"{name} {v / step:.0%}" for v, name in parts[:3])
+
+
+def _shape(result: dict) -> tuple[int, int, int]:
+    return result["layout"]["dp"], result["layout"]["tp"], result["layout"]["pp"]
+
+
+def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tuple], int]:
+    """``([best, runner-up], searched)``: (estimate, config) pairs of valid layouts that fit,
+    the runner-up being the fastest of another ``dp × tp × pp`` shape (none when no other shape
+    is valid), and how many layouts were priced."""
+    from meshtrain.planner.commands import _check_shapes
+    from meshtrain.planner.estimate import estimate
+    from meshtrain.planner.search import enumerate_layouts
+
+    shaped = copy.deepcopy(config)
+    _check_shapes(shaped)  # fills the vocabulary size the cost model needs
+    workload = Workload.from_config(shaped)
+    batch = workload.global_batch
+    sizes = tuple(b for b in range(1, batch + 1) if batch % b == 0)
+    layouts = [lay for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes)
+               if lay.ep == config.parallel.ep]
+    priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
+                          for lay in layouts) if r["fits"]]
+    priced.sort(key=lambda r: -r["tokens_per_s"])
+    front = [estimate(workload, Layout(**r["layout"]), cluster) for r in priced[:REPRICE_TOP]]
+    front.sort(key=_rank_key)
+    chosen: list[tuple] = []
+    for result in front + priced[REPRICE_TOP:]:
+        if chosen and _shape(result) == _shape(chosen[0][0]):
+            continue
+        candidate = _candidate_config(config, Layout(**result["layout"]))
+        if _valid(candidate):
+            chosen.append((result, candidate))
+            if len(chosen) == 2:
+                break
+    return chosen, len(layouts)
+
+
+def describe(result: dict) -> str:
+    """``dp=2 tp=1 pp=1 zero=0 microbatches=1 (1f1b, checkpointing none)``."""
+    lay = result["layout"]
+    text = f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
+    if lay["ep"] > 1:
+        text += f" ep={lay['ep']}"
+    text += f" zero={lay['zero']} microbatches={lay['microbatches']}"
+    extras = []
+    if lay["pp"] > 1:
+        chunks = Layout(**lay).chunks_per_rank
+        extras.append(lay["schedule"] + (f" v={chunks}" if chunks > 1 else ""))
+    if lay["sequence_parallel"]:
+        extras.append("sequence parallel")
+    extras.append(f"checkpointing {lay['activation_checkpointing']}")
+    return f"{text} ({', '.join(extras)})"
+
+
+def choose_layout(config: Config, nproc: int | None, in_job: bool = False) -> int:
+    """Set ``config.parallel`` to the best valid layout for ``nproc`` processes (default:
+    :func:`default_processes`), print why on stderr, and return the process count."""
+    from meshtrain.launch import job_rank, threads_per_worker
+
+    nproc = default_processes(config) if nproc is None else nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be at least 1.")
+    profile, origin = resolve_profile(config, nproc, in_job)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if in_job else nproc
+    threads = 1 if profile.solo_tflops == 0 else threads_per_worker(config, per_node)
+    cluster = Cluster(profile, nproc, max(per_node, 1), threads)
+    chosen, searched = rank_layouts(config, nproc, cluster)
+    if not chosen:
+        raise ConfigError(
+            f"parallel.auto: none of the {searched} layouts of {nproc} processes both fits in "
+            f"memory and is accepted by this runtime for this model (global batch "
+            f"{config.train.global_batch}); try another --nproc or a global batch that is a "
+            f"multiple of it.")
+    best, candidate = chosen[0]
+    config.parallel = dataclasses.replace(candidate.parallel)
+    text = (f"meshtrain: parallel.auto chose {describe(best)} for {nproc} process(es) "
+            f"({threads} thread(s) each), priced with {profile.name} from {origin}: predicted "
+            f"{best['step_time_s']:.3g} s/step, {best['tokens_per_s']:,.0f} tokens/s "
+            f"({_summary(best)}).")
+    if len(chosen) > 1:
+        second = chosen[1][0]
+        slower = second["step_time_s"] / best["step_time_s"] - 1
+        text += (f" Runner-up (best other dp x tp x pp): {describe(second)} at "
+                 f"{second['step_time_s']:.3g} s/step ({second['tokens_per_s']:,.0f} tokens/s, "
+                 f"{slower:.0%} slower).")
+    else:
+        text += " No layout of another dp x tp x pp shape is valid and fits."
+    text += f" {searched} layouts searched."
+    if job_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+    return nproc

@@ -1,0 +1,131 @@
+"""Predicted vs measured step times on this CPU, for a calibrated profile.
+
+``python -m meshtrain.planner.cpu_check [--profile profile.json] [--dim 128 ...]`` calibrates
+(unless given a profile), trains a small model for a few steps with one process, dp2, tp2 and pp2
+(1F1B, 4 micro-batches) through :func:`meshtrain.verify.run_layout` (one intra-op thread per
+process), and prints a markdown table of the planner's prediction (:func:`estimate`), the median
+measured step time after a warm-up step, and the error. ``tests/integration/
+test_planner_calibration.py`` runs the same comparison with generous bounds; the table in
+``docs/planner.md`` came from this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+
+from meshtrain.config import Config, load_config
+from meshtrain.planner.hardware import Cluster, HardwareProfile
+
+LAYOUTS: dict[str, tuple[list[str], int]] = {
+    "1 process": ([], 1),
+    "dp2": ([], 2),
+    "tp2": (["parallel.tp=2"], 2),
+    "pp2 1f1b": (["parallel.pp=2", "parallel.microbatches=4"], 2),
+}
+"""The compared layouts: extra ``--set`` overrides and process count."""
+
+
+def small_config(extra: list[str], world: int, dim: int = 128, layers: int = 4, seq: int = 128,
+                 batch: int = 8, run_dir: str | None = None) -> Config:
+    """A validated fp32 Llama-style config: ``dim / 16``-wide heads (8 query, 4 kv for dim
+    128), SwiGLU hidden ``2.75 dim``, byte vocabulary, one thread per process."""
+    heads = max(dim // 16, 2)
+    config = load_config(None, [
+        f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads // 2}", f"model.ffn_dim={dim * 11 // 4}",
+        "model.vocab_size=264", f"train.seq_len={seq}", f"train.global_batch={batch}",
+        "train.warmup_steps=0", "train.threads_per_worker=1", "data.max_bytes=200000",
+        f"train.run_dir={run_dir or os.path.join(tempfile.gettempdir(), 'meshtrain-cpu-check')}",
+        *extra])
+    config.validate(world)
+    return config
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread in this process (the one-process layout runs here)."""
+    import torch
+
+    threads, env = torch.get_num_threads(), os.environ.get("MESHTRAIN_THREADS")
+    torch.set_num_threads(1)
+    os.environ["MESHTRAIN_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("MESHTRAIN_THREADS", None)
+        else:
+            os.environ["MESHTRAIN_THREADS"] = env
+
+
+def measure(config: Config, world: int, steps: int, warmup: int = 1) -> list[float]:
+    """Step times (s) of ``steps`` steps after ``warmup`` discarded ones, one thread/process."""
+    from meshtrain.verify import run_layout
+
+    with _one_thread():
+        records = run_layout(config, world, warmup + steps)
+    return [r["step_time_s"] for r in records[warmup:]]
+
+
+def predict(config: Config, world: int, profile: HardwareProfile) -> dict:
+    """The planner's estimate of ``config``'s layout on ``world`` one-thread processes."""
+    from meshtrain.planner.estimate import estimate
+    from meshtrain.planner.workload import Layout, Workload
+
+    return estimate(Workload.from_config(config), Layout.from_config(config),
+                    Cluster(profile, world, max(world, 1)))
+
+
+def compare(profile: HardwareProfile, steps: int = 4, **shape) -> list[dict]:
+    """One row per layout: ``layout, predicted_s, measured_s, error, times, breakdown``."""
+    rows = []
+    for name, (extra, world) in LAYOUTS.items():
+        config = small_config(extra, world, **shape)
+        predicted = predict(config, world, profile)
+        times = measure(config, world, steps)
+        measured = statistics.median(times)
+        rows.append({"layout": name, "predicted_s": predicted["step_time_s"],
+                     "measured_s": measured, "error": predicted["step_time_s"] / measured - 1,
+                     "times": times, "breakdown": predicted["breakdown"]})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown: layout, predicted, measured, error."""
+    lines = ["| layout | predicted s/step | measured s/step (median) | error |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
+                     f"{r['error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Calibrate (or load ``--profile``), compare, print the table."""
+    from meshtrain.planner.calibrate import calibrate
+    from meshtrain.planner.hardware import load_profile
+
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.planner.cpu_check")
+    parser.add_argument("--profile", help="a calibrate JSON (default: calibrate now)")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per layout")
+    for key, default in (("dim", 128), ("layers", 4), ("seq", 128), ("batch", 8)):
+        parser.add_argument(f"--{key}", type=int, default=default)
+    args = parser.parse_args(argv)
+    profile = load_profile(args.profile) if args.profile else calibrate(2)
+    rows = compare(profile, args.steps, dim=args.dim, layers=args.layers, seq=args.seq,
+                   batch=args.batch)
+    print(format_table(rows))
+    for r in rows:
+        print(r["layout"], [round(t, 4) for t in r["times"]],
+              {k: round(v, 4) for k, v in r["breakdown"].items() if v}, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``parallel.auto = true``: the planner picks the layout before ``train`` launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from meshtrain.config import load_config
+from meshtrain.planner.auto import BUILTIN_CPU, choose_layout
+
+TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.ffn_dim=64", "train.seq_len=16", "train.global_batch=8", "train.warmup_steps=0",
+        "data.max_bytes=200000"]
+
+
+def _sets(values: list[str]) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def test_train_auto_runs_the_chosen_layout(tmp_path):
+    """No calibration file (an empty cache dir): a quick in-process measurement prices the
+    layouts; the paragraph on stderr names the layout that then runs."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("MESHTRAIN_PROFILE", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--steps", "2",
+         "--run-dir", str(tmp_path / "run"), *_sets(TINY + ["parallel.auto=true"])],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    match = re.search(r"parallel\.auto chose dp=(\d+) tp=(\d+) pp=(\d+)", run.stderr)
+    assert match, run.stderr
+    assert "predicted" in run.stderr and "tokens/s" in run.stderr and "Runner-up" in run.stderr
+    dp, tp, pp = map(int, match.groups())
+    assert dp * tp * pp == 2
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["parallel"]
+    assert (saved["dp"], saved["tp"], saved["pp"]) == (dp, tp, pp)
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 2
+
+
+def test_auto_uses_the_given_profile_and_only_valid_layouts(tmp_path, capsys):
+    """``parallel.auto_profile`` is used; layouts the runtime refuses (pp with tied embeddings)
+    are never chosen, and the choice passes the full validation."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(BUILTIN_CPU.to_dict()))
+    config = load_config(None, TINY + ["parallel.auto=true", "model.tie_embeddings=true",
+                                       f"parallel.auto_profile={profile}"])
+    assert choose_layout(config, 4) == 4
+    par = config.parallel
+    assert par.pp == 1 and par.dp * par.tp == 4
+    assert config.validate(4) == 4
+    err = capsys.readouterr().err
+    assert f"from parallel.auto_profile {profile}" in err and f"dp={par.dp} tp={par.tp}" in err
+
+
+def test_auto_profile_missing_exits_2(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--run-dir", str(tmp_path),
+         *_sets(TINY + ["parallel.auto=true", f"parallel.auto_profile={tmp_path}/none.json"])],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "parallel.auto_profile" in run.stderr and "Traceback" not in run.stderr
