@@ -201,3 +201,14 @@ def test_checkpoint_tensors_and_convert_to_hf(tmp_path):
     tokens = torch.randint(0, saved_config.model.vocab_size, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_round_trip(tmp_path):
+    """Save an MoE model at dp2 × ep2 (ZeRO-1), resume on one process."""
+    moe = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_balance=bias")
+    reference = uninterrupted(_cfg(tmp_path / "ref", *moe, nproc=1).to_dict())
+    saved = _cfg(tmp_path / "run", *moe, "parallel.ep=2", "parallel.zero=1", nproc=2)
+    first = run_distributed(2, train_then_stop, saved.to_dict(), SPLIT)[0]
+    rest = resume_and_finish(_cfg(tmp_path / "run", *moe, "checkpoint.resume=auto",
+                                  nproc=1).to_dict())
+    assert first + rest == pytest.approx(reference, abs=LOSS_TOLERANCE_FP32)
