@@ -17,3 +17,33 @@ def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None =
     config = load_config(None, base + list(overrides))
     config.validate(nproc)
     return config
+
+
+def train_many(config_dicts: list[dict], steps: int) -> list[list[dict]]:
+    """Run several configs one after another in one spawned world (saves start-up time);
+    returns each config's metric records (rank 0's; other ranks return empty lists)."""
+    from meshtrain.verify import train_steps
+
+    return [train_steps(c, steps) for c in config_dicts]
+
+
+def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int,
+                                     timeout: float = 900) -> list[list[dict]]:
+    """Train each config on ``world`` processes and assert its losses and gradient norms match
+    its one-process reference within meshtrain.verify's fp32 tolerances; returns the records."""
+    from meshtrain.distributed_run import run_distributed
+    from meshtrain.verify import (
+        GRAD_NORM_RTOL_FP32,
+        LOSS_TOLERANCE_FP32,
+        compare,
+        reference_config,
+        run_layout,
+    )
+
+    results = run_distributed(world, train_many, [c.to_dict() for c in cases], steps,
+                              timeout=timeout)[0]
+    for config, records in zip(cases, results, strict=True):
+        reference = run_layout(reference_config(config), 1, steps)
+        report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
+        assert report["ok"], (config.parallel, report)
+    return results

@@ -9,35 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.config import Config
 from meshtrain.distributed_run import run_distributed
-from meshtrain.verify import (
-    GRAD_NORM_RTOL_FP32,
-    LOSS_TOLERANCE_FP32,
-    compare,
-    reference_config,
-    run_layout,
-    train_steps,
-)
-from tests.helpers import tiny_config
+from meshtrain.verify import LOSS_TOLERANCE_FP32, run_layout
+from tests.helpers import assert_layouts_match_one_process, tiny_config, train_many
 
-STEPS = 5
-
-
-def train_many(config_dicts: list[dict], steps: int) -> list[list[dict]]:
-    """Run several configs one after another in one spawned world (saves start-up time)."""
-    return [train_steps(c, steps) for c in config_dicts]
-
-
-def _run_cases(world: int, cases: list[Config]) -> list[list[dict]]:
-    return run_distributed(world, train_many, [c.to_dict() for c in cases], STEPS,
-                           timeout=600)[0]
-
-
-def _assert_matches_reference(config: Config, records: list[dict]) -> None:
-    reference = run_layout(reference_config(config), 1, STEPS)
-    report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
-    assert report["ok"], report
+STEPS = 5  # the issue's "five steps of losses and gradient norms"
 
 
 def _dp_bytes(records: list[dict]) -> int:
@@ -50,9 +26,7 @@ def test_dp2_every_zero_stage_matches_one_process():
               tiny_config("parallel.zero=3", "parallel.microbatches=2", nproc=2),
               tiny_config("parallel.zero=1", "parallel.dp_bucket_mb=0.005",
                           "parallel.check_replicas_every=1", nproc=2)]
-    results = _run_cases(2, cases)
-    for config, records in zip(cases, results, strict=True):
-        _assert_matches_reference(config, records)
+    results = assert_layouts_match_one_process(2, cases, STEPS)
 
     plain, z1, z2, z3 = (_dp_bytes(r) for r in results[:4])
     assert z1 / plain == pytest.approx(1.0, rel=0.05)
@@ -69,9 +43,7 @@ def test_dp2_every_zero_stage_matches_one_process():
 def test_dp4_zero3_and_microbatch_combinations():
     cases = [tiny_config("parallel.zero=3", nproc=4),
              tiny_config("parallel.zero=2", "parallel.microbatches=2", nproc=4)]
-    results = _run_cases(4, cases)
-    for config, records in zip(cases, results, strict=True):
-        _assert_matches_reference(config, records)
+    results = assert_layouts_match_one_process(4, cases, STEPS)
     # Same global batch, different (dp, microbatches) split: identical losses.
     one_proc = run_layout(tiny_config("parallel.microbatches=8"), 1, STEPS)
     assert [r["loss"] for r in results[1]] == pytest.approx(

@@ -11,27 +11,15 @@ import pytest
 import torch
 
 from meshtrain.distributed_run import run_distributed
-from meshtrain.verify import (
-    GRAD_NORM_RTOL_FP32,
-    LOSS_TOLERANCE_FP32,
-    compare,
-    reference_config,
-    run_layout,
-)
-from tests.helpers import tiny_config
-from tests.parallel.test_data_parallel import STEPS, train_many
+from tests.helpers import assert_layouts_match_one_process, tiny_config
+
+STEPS = 3
 
 LAYER_TOL = 1e-5
 
 
 def _parity(world: int, cases) -> list[list[dict]]:
-    results = run_distributed(world, train_many, [c.to_dict() for c in cases], STEPS,
-                              timeout=600)[0]
-    for config, records in zip(cases, results, strict=True):
-        reference = run_layout(reference_config(config), 1, STEPS)
-        report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
-        assert report["ok"], (config.parallel, report)
-    return results
+    return assert_layouts_match_one_process(world, cases, STEPS)
 
 
 def test_tp2_with_and_without_sequence_parallel():

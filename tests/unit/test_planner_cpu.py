@@ -1,0 +1,52 @@
+"""The CPU side of the cost model: calibrated rates, collective fits, no compute/comm overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtrain.config import load_config
+from meshtrain.planner.auto import BUILTIN_CPU
+from meshtrain.planner.calibrate import fit_latency_bandwidth
+from meshtrain.planner.estimate import estimate
+from meshtrain.planner.hardware import PROFILES, Cluster
+from meshtrain.planner.workload import Layout, Workload
+
+
+def test_per_process_rates_solo_shared_and_saturated():
+    p = BUILTIN_CPU  # 40 GFLOP/s alone, 20 per thread with 2 busy, calibrated with 2
+    assert p.per_process(1, 1) == (p.solo_tflops, p.solo_hbm_gbps)
+    assert p.per_process(2, 1)[0] == pytest.approx(p.peak_tflops)
+    assert p.per_process(1, 2)[0] == pytest.approx(2 * p.peak_tflops)  # two threads, one proc
+    assert p.per_process(4, 1)[0] == pytest.approx(p.peak_tflops / 2)  # cores are full
+    gpu = PROFILES["h100-80g"]
+    assert gpu.per_process(64, 1) == (gpu.peak_tflops, gpu.hbm_gbps)
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    rows = [{"bus_bytes": b, "time_s": 50e-6 + b / 2e9, "bus_gbps": b / (50e-6 + b / 2e9) / 1e9}
+            for b in (4096, 65536, 2**20, 2**24)]
+    bandwidth, latency = fit_latency_bandwidth(rows)
+    assert bandwidth == pytest.approx(2.0, rel=1e-6)
+    assert latency == pytest.approx(50.0, rel=1e-6)
+    noisy = [dict(rows[0], time_s=1.0), rows[-1]]  # slope < 0: fall back to the largest's rate
+    assert fit_latency_bandwidth(noisy)[0] == pytest.approx(rows[-1]["bus_gbps"])
+
+
+def _estimate(profile, *overrides, world=2):
+    config = load_config(None, ["model.dim=256", "model.n_heads=8", "model.vocab_size=264",
+                                "train.global_batch=16", *overrides])
+    config.validate(world)
+    return estimate(Workload.from_config(config), Layout.from_config(config),
+                    Cluster(profile, world, world))
+
+
+def test_calibrated_fp32_runs_at_the_measured_rate_and_dp_comm_is_exposed():
+    halved = dataclasses.replace(BUILTIN_CPU, fp32_rate=0.5)
+    one = _estimate(BUILTIN_CPU, world=1)["breakdown"]["compute_s"]
+    assert _estimate(halved, world=1)["breakdown"]["compute_s"] > 1.5 * one  # GEMMs dominate
+    result = _estimate(BUILTIN_CPU)["breakdown"]
+    assert result["dp_comm_exposed_s"] == pytest.approx(result["dp_comm_total_s"])
+    overlapping = dataclasses.replace(BUILTIN_CPU, comm_overlaps_compute=True)
+    assert _estimate(overlapping)["breakdown"]["dp_comm_exposed_s"] == 0.0
