@@ -158,7 +158,7 @@ class TrainConfig:
     threads_per_worker: int = 0
     """torch intra-op threads per worker process; 0 = the machine's cores split over the workers."""
     collective_timeout_s: float = 300.0
-    """Seconds a collective may wait for the other ranks (also bounds process-group start-up).
+    """Seconds a collective may wait for the other ranks (start-up waits at least 60 s).
     When it expires the run exits 1 with one summary naming the rank(s) that did not arrive and
     where every rank waits; each rank's recent collectives are in RUN_DIR/diagnostics/."""
     debug_collectives: bool = False

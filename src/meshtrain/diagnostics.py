@@ -156,7 +156,8 @@ class RankMonitor:
 
 
 def load_snapshots(run_dir: str | Path, run_id: str | None = None) -> dict[int, dict]:
-    """Every readable ``rank*.json`` under ``RUN_DIR/diagnostics`` (of ``run_id`` if given)."""
+    """Every readable ``rank*.json`` under ``RUN_DIR/diagnostics`` of the latest restart attempt
+    (and of ``run_id``, if given)."""
     snaps: dict[int, dict] = {}
     for path in sorted(diagnostics_dir(run_dir).glob("rank*.json")):
         try:
@@ -166,7 +167,8 @@ def load_snapshots(run_dir: str | Path, run_id: str | None = None) -> dict[int, 
         if run_id and snap.get("run_id") not in (run_id, ""):
             continue
         snaps[int(snap["rank"])] = snap
-    return snaps
+    latest = max((s.get("attempt", 0) for s in snaps.values()), default=0)
+    return {r: s for r, s in snaps.items() if s.get("attempt", 0) == latest}
 
 
 def clear(run_dir: str | Path) -> None:
@@ -195,19 +197,25 @@ def _count(snap: dict, axis: str) -> int:
 
 
 def _waits(snapshots: dict[int, dict]) -> dict[int, tuple[dict, list[int]]]:
-    """For each rank inside a collective: (that collective, the ranks it is waiting for)."""
+    """For each rank inside a collective: (that collective, the ranks it is waiting for).
+
+    A rank is inside its newest collective when that call has not returned, or when members of
+    its group have not issued it yet (NCCL calls return at once; the wait is on the device).
+    """
     waits = {}
     for rank, snap in snapshots.items():
         rec = _newest(snap)
-        if rec is None or rec.get("done") is True:
+        if rec is None:
             continue
         if rec.get("peer") is not None:
-            waits[rank] = (rec, [rec["peer"]])
+            if rec.get("done") is not True:
+                waits[rank] = (rec, [rec["peer"]])
             continue
         group = snap["axes"].get(rec["axis"], {}).get("ranks", [])
         behind = [other for other in group if other != rank and (
             other not in snapshots or _count(snapshots[other], rec["axis"]) < rec["seq"])]
-        waits[rank] = (rec, behind)
+        if behind or rec.get("done") is not True:
+            waits[rank] = (rec, behind)
     return waits
 
 
@@ -268,6 +276,13 @@ def explain_failure(exit_codes: dict[int, int], messages: dict[int, str], run_di
     # The launcher stops the surviving workers with SIGTERM: those are consequences, not causes.
     stopping = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP}
     killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and code not in stopping)
+    if killed and all(exit_codes[r] == -signal.SIGABRT for r in killed):
+        snaps = load_snapshots(run_dir)
+        if any(behind for _, behind in _waits(snaps).values()):
+            ranks = ", ".join(map(str, killed))
+            return 1, (f"worker rank(s) {ranks} aborted (SIGABRT), as NCCL's watchdog does when a "
+                       f"collective exceeds train.collective_timeout_s = {timeout_s:g} s: "
+                       + hang_summary(snaps, world_size, str(run_dir)))
     if killed:
         hint = " (out of memory, or killed from outside?)" if any(
             exit_codes[r] == -signal.SIGKILL for r in killed) else ""

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from meshtrain.parallel.comm import CommLog, CountedComm
 
 AXIS_ORDER = ("pp", "dp", "tp")
+STARTUP_TIMEOUT_S = 60.0
+"""Least time to wait for every worker to join, whatever ``train.collective_timeout_s`` is."""
 
 
 class ParallelMesh:
@@ -190,6 +192,9 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     gloo on CPU, NCCL on CUDA. A world of one needs no process group and gets none.
     ``timeout_s`` (``train.collective_timeout_s``) bounds every collective of every group: a
     rank left waiting longer raises (gloo) or is aborted by NCCL's watchdog, instead of hanging.
+    Joining (and the world group, used only for barriers) waits at least
+    :data:`STARTUP_TIMEOUT_S`, since workers may start seconds apart; the axis groups that carry
+    training's collectives get ``timeout_s`` itself (:class:`ParallelMesh`).
     """
     import datetime
 
@@ -197,7 +202,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     if world <= 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
     extra = {}
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch elastic's agent keeps one store for every restart of the workers and does not

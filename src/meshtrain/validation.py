@@ -28,6 +28,7 @@ from meshtrain.config import (
 IMPLEMENTED_AXES = {"dp", "tp", "pp", "ep"}
 MAX_ZERO_STAGE_IMPLEMENTED = 3
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
+MAX_LAYERS = 100_000  # sanity bound: a larger value is a typo, and splitting it would take minutes
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,11 +82,15 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
     m = config.model
     for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
         _at_least(getattr(m, key), 1, f"model.{key}")
+    if m.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers = {m.n_layers} is beyond any model meshtrain can "
+                          f"build (at most {MAX_LAYERS}).")
     if m.dim % m.n_heads:
         valid = [d for d in _divisors(m.dim) if (m.dim // d) % 2 == 0]
+        hint = (f"valid n_heads for dim {m.dim}: {', '.join(map(str, valid))}" if valid
+                else "choose an even dim, a multiple of n_heads")
         raise ConfigError(
-            f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; "
-            f"valid n_heads for dim {m.dim}: {', '.join(map(str, valid))}."
+            f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; {hint}."
         )
     if m.head_dim % 2:
         raise ConfigError(

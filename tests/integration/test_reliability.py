@@ -7,6 +7,7 @@ The launcher runs in this process (``cli.main``) so that only the workers pay to
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from meshtrain import faults
 from meshtrain.cli import main
-from meshtrain.diagnostics import hang_summary
+from meshtrain.diagnostics import explain_failure, hang_summary
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64", "--set", "train.seq_len=16",
@@ -66,6 +67,22 @@ def test_hang_summary_names_the_rank_that_did_not_arrive():
     # A rank with no file at all is reported as such and counted as not arrived.
     text = hang_summary({0: snaps[0]}, 2, "run")
     assert text.startswith("rank 1 did not arrive") and "rank 1: no diagnostics" in text
+
+
+def test_hang_summary_from_async_calls_and_failure_messages(tmp_path):
+    # NCCL calls return at once (done), yet the rank waits on the device for the late one.
+    snaps = {0: _snap(0, 4, [_rec(4, True)]), 1: _snap(1, 3, [_rec(3, True)])}
+    assert hang_summary(snaps, 2).startswith("rank 1 did not arrive at dp #4")
+    # Launcher side: a signal names the rank; the launcher's own SIGTERMs are not the cause.
+    status, text = explain_failure({0: -15, 1: -9}, {}, tmp_path, 2, 300)
+    assert status == 1 and text.startswith("worker rank 1 was killed by SIGKILL")
+    status, text = explain_failure({0: 2}, {0: "ConfigError: data.source: x is empty."},
+                                   tmp_path, 2, 300)
+    assert status == 2 and text == "data.source: x is empty."
+    assert faults.parse("kill:rank=1:step=5,nan_loss:step=2") == (
+        faults.Fault("kill", 5, rank=1), faults.Fault("nan_loss", 2))
+    with pytest.raises(ValueError, match="needs rank"):
+        faults.parse("kill:step=5")
 
 
 def test_collective_timeout_names_missing_rank_and_exits_1(tmp_path, fault, capfd):
@@ -154,7 +171,8 @@ BAD_INPUTS = {
     "missing config": (lambda d: ["--config", str(d / "nope.toml")], "does not exist"),
     "non-numeric dim": (lambda d: ["--set", "model.dim=abc"], "model.dim = 'abc'"),
     "negative lr": (lambda d: ["--set", "train.lr=-1"], "train.lr = -1.0 must be positive"),
-    "pp above layers": (lambda d: ["--nproc", "4", "--set", "parallel.pp=4"], "layer"),
+    "pp above layers": (lambda d: ["--nproc", "4", "--set", "parallel.pp=4"],
+                        "model.n_layers = 2 is fewer than the 4 pipeline stages"),
     "unknown schedule": (lambda d: ["--set", "parallel.pp_schedule=zigzag"], "zigzag"),
     "run dir is a file": (lambda d: ["--run-dir", str(d / "metrics.jsonl" / "sub")],
                           "not a writable directory"),
@@ -184,6 +202,16 @@ def test_bad_input_exits_2_and_keeps_files(tmp_path, capfd, case):
     assert fragment in err and "Traceback" not in err
     for name, text in kept.items():
         assert (run_dir / name).read_text() == text
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_data_file_exits_2(tmp_path, capfd):
+    data = tmp_path / "secret.txt"
+    data.write_text("x" * 1000)
+    data.chmod(0)
+    status = train(tmp_path / "run", "--steps", "1", "--set", f"data.source={data}")
+    err = capfd.readouterr().err
+    assert status == 2 and "cannot read" in err and "Traceback" not in err
 
 
 def test_hf_tokenizer_larger_than_vocab_exits_2(tmp_path, capfd):

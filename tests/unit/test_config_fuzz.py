@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
 import typing
 
@@ -28,6 +30,7 @@ from meshtrain.config import (
     ConfigError,
     load_config,
 )
+from meshtrain.parallel.pipeline.schedules import default_virtual_stages
 
 FIELDS = {f"{section.name}.{f.name}": typing.get_type_hints(type(getattr(Config(),
                                                                          section.name)))[f.name]
@@ -83,6 +86,16 @@ def test_any_set_overrides_validate_or_raise_config_error(overrides, nproc):
         load_config(None, texts).validate(nproc)
     except ConfigError as error:
         assert str(error).strip()
+    else:
+        return
+    # Refused: the command line must exit 2 with one message and no traceback.
+    args = ["train"] + [a for text in texts for a in ("--set", text)]
+    if nproc is not None:
+        args += ["--nproc", str(nproc)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(args) == 2
+    assert err.getvalue().startswith("meshtrain train:") and "Traceback" not in err.getvalue()
 
 
 @FUZZ
@@ -115,6 +128,7 @@ def valid_configs(draw):
     dp = draw(st.sampled_from([1, 2]))
     microbatches = draw(st.sampled_from([1, 2]))
     lr = draw(st.floats(1e-5, 1e-1))
+    schedule = draw(st.sampled_from(PP_SCHEDULES))
     return [
         f"model.dim={head_dim * n_heads}", f"model.n_heads={n_heads}", f"model.n_kv_heads={kv}",
         f"model.n_layers={draw(st.integers(1, 3))}", f"model.ffn_dim={draw(st.integers(4, 48))}",
@@ -123,7 +137,8 @@ def valid_configs(draw):
         f"parallel.dp={dp}", f"parallel.microbatches={microbatches}",
         f"parallel.zero={draw(st.integers(0, 3))}",
         f"parallel.activation_checkpointing={draw(st.sampled_from(ACTIVATION_CHECKPOINTING_KINDS))}",
-        f"parallel.pp_schedule={draw(st.sampled_from(PP_SCHEDULES))}",
+        f"parallel.pp_schedule={schedule}",
+        f"parallel.virtual_stages={default_virtual_stages(schedule)}",
         f"train.global_batch={dp * microbatches * draw(st.integers(1, 3))}",
         f"train.seq_len={draw(st.integers(4, 24))}", f"train.lr={lr}",
         f"train.min_lr={lr * draw(st.floats(0, 1))}",
@@ -161,7 +176,7 @@ INVALID = {
     "parallel.zero": ["4", "-1"], "parallel.pp_schedule": ["zigzag", ""],
     "parallel.microbatches": ["0", "5", "100000000"], "parallel.dp_bucket_mb": ["0", "nan"],
     "parallel.pp_split": ["1,2", "x"], "train.lr": ["-1", "0", "nan", "inf"],
-    "train.min_lr": ["-1", "1"], "train.steps": ["0"], "train.global_batch": ["0", "7"],
+    "train.min_lr": ["-1", "1"], "train.steps": ["0"], "train.global_batch": ["0", "-4"],
     "train.lr_schedule": ["linear"], "train.decay_fraction": ["0", "2", "nan"],
     "train.adam_beta1": ["1", "-0.1", "nan"], "train.grad_clip": ["-1", "nan"],
     "train.precision": ["fp8"], "train.device": ["tpu"], "train.collective_timeout_s": ["0", "-5",

@@ -182,12 +182,19 @@ class CountedComm:
         return work
 
     def _check_same_call(self, op: str, shape: tuple, dtype: str) -> None:
-        """Debug mode: all-gather what each rank is about to call; raise on the first mismatch."""
+        """Debug mode: all-gather what each rank is about to call; raise on the first mismatch.
+
+        An all-to-all's first dimension may differ between ranks (variable splits): only the
+        other dimensions must agree there."""
         mine = (self.log.seq[self.axis] + 1, op, shape, dtype.removeprefix("torch."), _call_site(),
                 dist.get_rank())
         calls = [None] * self.size
         dist.all_gather_object(calls, mine, group=self.group)
-        if all(call[:4] == calls[0][:4] for call in calls):
+
+        def key(call):
+            return call[:2] + (call[2][1:] if call[1] == "all_to_all" else call[2], call[3])
+
+        if all(key(call) == key(calls[0]) for call in calls):
             return
         lines = "; ".join(f"rank {c[5]} calls #{c[0]} {c[1]} {c[2]} {c[3]} at {c[4]}"
                           for c in calls)

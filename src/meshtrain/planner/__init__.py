@@ -2,7 +2,8 @@
 bubble) that prices a parallel layout, and a search that ranks layouts for a model and cluster.
 
 See ``docs/planner.md``. Entry points: :func:`meshtrain.planner.estimate.estimate` (one layout),
-:func:`meshtrain.planner.search.plan` (the search), :mod:`meshtrain.planner.calibrate`.
+:func:`meshtrain.planner.search.plan` (the search), :mod:`meshtrain.planner.calibrate`,
+:func:`meshtrain.planner.auto.choose_layout` (``train --set parallel.auto=true``).
 """
 
 from meshtrain.planner.estimate import estimate

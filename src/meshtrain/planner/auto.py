@@ -49,7 +49,8 @@ BUILTIN_CPU = HardwareProfile(
     calibrated_processes=2,
     source="built-in CPU figures (one core of a small VM: 40 GFLOP/s fp32 alone, 20 when "
            "sharing; gloo 1 GB/s, 100 us); run meshtrain calibrate for this machine's")
-"""Deterministic CPU figures for ``parallel.auto`` inside a job with no calibration file."""
+"""Deterministic CPU figures for ``parallel.auto`` inside a job with no calibration file (its
+memory is replaced by this node's RAM per process)."""
 
 REPRICE_TOP = 20
 """Candidates re-priced with the pipeline schedule simulator after the closed-form ranking."""
@@ -98,7 +99,11 @@ def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareP
                           f"meshtrain calibrate or set parallel.auto_profile to a profile "
                           f"({', '.join(PROFILES)}) or a calibrate JSON.")
     if in_job:
-        return BUILTIN_CPU, "built-in CPU figures (no calibration file; same on every rank)"
+        from meshtrain.planner.calibrate import _memory_gb
+
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
+        return (dataclasses.replace(BUILTIN_CPU, memory_gb=_memory_gb(max(per_node, 1))),
+                "built-in CPU figures (no calibration file; the same on every rank)")
     return quick_profile(nproc), "a quick measurement of this CPU (no calibration file)"
 
 
@@ -213,8 +218,9 @@ def choose_layout(config: Config, nproc: int | None, in_job: bool = False) -> in
             f"multiple of it.")
     best, candidate = chosen[0]
     config.parallel = dataclasses.replace(candidate.parallel)
-    text = (f"meshtrain: parallel.auto chose {describe(best)} for {nproc} process(es) "
-            f"({threads} thread(s) each), priced with {profile.name} from {origin}: predicted "
+    on_cpu = f" ({threads} thread(s) each)" if profile.solo_tflops else ""
+    text = (f"meshtrain: parallel.auto chose {describe(best)} for {nproc} process(es){on_cpu}, "
+            f"priced with {profile.name} from {origin}: predicted "
             f"{best['step_time_s']:.3g} s/step, {best['tokens_per_s']:,.0f} tokens/s "
             f"({_summary(best)}).")
     if len(chosen) > 1:

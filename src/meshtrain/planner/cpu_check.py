@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
 from meshtrain.config import Config, load_config
 from meshtrain.planner.hardware import Cluster, HardwareProfile
@@ -113,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m meshtrain.planner.cpu_check")
     parser.add_argument("--profile", help="a calibrate JSON (default: calibrate now)")
+    parser.add_argument("--save-profile", help="write the calibrated profile JSON here")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per layout")
     for key, default in (("dim", 128), ("layers", 4), ("seq", 128), ("batch", 8)):
         parser.add_argument(f"--{key}", type=int, default=default)
     args = parser.parse_args(argv)
     profile = load_profile(args.profile) if args.profile else calibrate(2)
+    if args.save_profile:
+        Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     rows = compare(profile, args.steps, dim=args.dim, layers=args.layers, seq=args.seq,
                    batch=args.batch)
     print(format_table(rows))

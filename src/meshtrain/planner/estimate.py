@@ -1,7 +1,9 @@
 """One layout priced end to end: memory per rank, step time and its breakdown, FLOP/s, energy.
 
 Step time = the pipelined forward/backward of the slowest stage (``m`` micro-batches plus the
-schedule's bubble) + the exposed part of data-parallel communication + the optimizer update.
+schedule's bubble) + the exposed part of data-parallel communication + the optimizer update
+(``RuntimeTraits.optimizer_bytes_per_param`` through memory) + a few latency-bound all-reduces
+per axis (loss and gradient norm, ``STEP_SYNCS_PER_AXIS``).
 
 Data-parallel communication per step (bus bytes from :mod:`meshtrain.parallel.comm`), gradients
 on the wire at ``RuntimeTraits.grad_reduce_bytes`` per element, parameters in the training dtype:
@@ -9,8 +11,10 @@ ZeRO-0 one all-reduce; ZeRO-1 a reduce-scatter and a parameter all-gather; ZeRO-
 per micro-batch (meshtrain keeps no full gradient buffer) and an all-gather; ZeRO-3 per micro-batch
 an all-gather in forward, one in backward and a reduce-scatter. Where the runtime overlaps them,
 only what exceeds the compute they hide behind is exposed (reductions behind the backward of the
-micro-batch that produces them, ZeRO-3 gathers behind the previous block's compute); the ZeRO-1/2
-parameter all-gather after the update is exposed. Expert parameters reduce over ``dp / ep`` ranks.
+micro-batch that produces them, ZeRO-3 gathers behind the previous block's compute) — unless the
+profile says communication cannot run beside compute (CPUs, ``comm_overlaps_compute``); the
+ZeRO-1/2 parameter all-gather after the update is exposed. Expert parameters reduce over
+``dp / ep`` ranks.
 
 Model FLOPs are :func:`meshtrain.model.init.flops_per_token` × tokens (the MFU basis); hardware
 FLOPs add what activation checkpointing recomputes.
@@ -58,6 +62,20 @@ def _model_totals(workload: Workload) -> tuple[int, int, float]:
         _MODEL_TOTALS[key] = (counts["total"], counts["active"],
                               flops_per_token(workload.model, workload.seq_len))
     return _MODEL_TOTALS[key]
+
+
+def _fill_drain_speedup(layout: Layout, cluster: Cluster) -> float:
+    """Time factor of the pipeline's fill and drain on a shared CPU. The bubble is made of
+    stretches where only some stages work (1, 2, ..., p-1 of p: half on average); ranks idle in
+    a receive leave the busy ones a larger share of the cores, so those stretches run at the
+    per-process rate of half the processes (one process alone for pp2), not of all. 1 on GPUs,
+    whose rates do not depend on how many ranks compute."""
+    if layout.pp == 1:
+        return 1.0
+    everyone = cluster.process_rates()[0]
+    half = cluster.profile.per_process(max(layout.world_size // 2, 1),
+                                       cluster.threads_per_process)[0]
+    return everyone / half if half > 0 else 1.0
 
 
 def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float, expert: float,
@@ -128,7 +146,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                              use_simulator)
     unit = f + bi + w
     pipelined = pipe.makespan_units * unit if lay.pp > 1 else lay.microbatches * unit
-    bubble = pipelined - lay.microbatches * unit
+    bubble = (pipelined - lay.microbatches * unit) * _fill_drain_speedup(lay, cluster)
+    pipelined = lay.microbatches * unit + bubble
 
     params_by_stage = [stage_params(model, layers, lay, r == 0, r == lay.pp - 1)
                        for r, layers in enumerate(placement)]

@@ -6,7 +6,10 @@ memory, HBM bandwidth, the fraction of peak large matmuls reach, the per-kernel 
 inside a node (NVLink) and the per-GPU bandwidth across nodes (InfiniBand / RoCE), their latencies,
 and the power a GPU draws with its share of the server (for energy). Named profiles come from
 vendor data sheets; ``meshtrain calibrate --out profile.json`` writes a measured one, and a path
-to such a file is accepted wherever a profile name is.
+to such a file is accepted wherever a profile name is. A calibrated CPU profile also carries the
+rates of one process computing alone (``solo_*``) and says that communication takes the cores
+compute needs (``comm_overlaps_compute = False``); :meth:`HardwareProfile.per_process` turns it
+into one rank's rates for a number of processes and threads.
 
 A :class:`Cluster` is a profile × ``gpus`` × ``gpus_per_node``. :meth:`Cluster.collective_time`
 prices one collective for a group laid out with a given stride over the ranks (tp innermost,
@@ -32,7 +35,8 @@ class HardwareProfile:
 
     name: str
     peak_tflops: float
-    """Dense bf16 peak (no sparsity)."""
+    """Dense bf16 peak (no sparsity). Calibrated CPU profiles: the measured fp32 GEMM rate of
+    one thread while ``calibrated_processes`` one-thread processes compute at once."""
     memory_gb: float
     """Device memory in GB (10^9 bytes), as the vendor states it."""
     hbm_gbps: float
