@@ -137,6 +137,15 @@ def test_nonfinite_stop_names_step_and_parameter(tmp_path, fault, capfd):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
 
 
+def test_nonfinite_stop_saves_last_good_state(tmp_path, fault, capfd):
+    fault("nan_loss:step=3")
+    status = train(tmp_path, "--steps", "5", "--set", "train.on_nonfinite=stop",
+                   "--set", "checkpoint.every=10")
+    err = capfd.readouterr().err
+    assert status == 1 and "Saved the last good state (step 2)" in err, err
+    assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").is_file()
+
+
 def test_too_many_nonfinite_steps_in_a_row_stop(tmp_path, fault, capfd):
     fault("nan_loss:step=2,nan_loss:step=3")
     assert train(tmp_path, "--steps", "5", "--set", "train.max_nonfinite_skips=2") == 1

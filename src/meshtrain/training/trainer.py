@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config
+from meshtrain.errors import NonFiniteError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import Transformer, flops_per_token, moe_layers
 from meshtrain.parallel import (
@@ -197,11 +198,21 @@ class Trainer:
         self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
         self.mesh.comm("dp").all_reduce(losses)
         # Loss and norm are global (equal on every rank), so every rank decides alike.
-        # TODO(checkpoint): when on_nonfinite stops the run, save the last good state first (the
-        # weights are still finite here: the bad update was never applied).
-        if self.nonfinite.check(self.step + 1, float(losses[0]), float(losses[1]),
-                                float(grad_norm), lambda: first_nonfinite_gradient(
-                                    self.engine, self.optimizer.shards, self.model)):
+        try:
+            apply_update = self.nonfinite.check(
+                self.step + 1, float(losses[0]), float(losses[1]), float(grad_norm),
+                lambda: first_nonfinite_gradient(self.engine, self.optimizer.shards, self.model))
+        except NonFiniteError as error:
+            # Stopping: the weights are still those of the last good step (the bad update was
+            # never applied), so save them first when checkpointing is on. Every rank gets here
+            # together (the loss and norm are global), so the collective save is safe.
+            if self.config.checkpoint.every:
+                self.optimizer.zero_grad()
+                path = self.save_checkpoint_path()
+                raise NonFiniteError(f"{error} Saved the last good state (step {self.step}) to "
+                                     f"{path}.") from None
+            raise
+        if apply_update:
             self.optimizer.step(lr)
         moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
@@ -256,9 +267,13 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the current step (every rank takes part)."""
+        self.save_checkpoint_path()
+
+    def save_checkpoint_path(self) -> Path:
+        """Write a checkpoint of the current step (every rank takes part); return its path."""
         from meshtrain.checkpoint import state
 
-        state.save(self)
+        return state.save(self)
 
     def fit(self) -> list[dict]:
         """Train to ``train.steps`` (resuming first when asked); rank 0 logs every step and
