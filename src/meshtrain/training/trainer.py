@@ -23,7 +23,7 @@ from meshtrain import faults
 from meshtrain.config import Config
 from meshtrain.errors import NonFiniteError
 from meshtrain.mesh import ParallelMesh
-from meshtrain.model import Transformer, flops_per_token, moe_layers
+from meshtrain.model import flops_per_token, meta_model, moe_layers
 from meshtrain.parallel import (
     ParallelPlan,
     data_parallel_engine,
@@ -68,8 +68,7 @@ class Trainer:
         self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
                               dp_size=mesh.dp, microbatches=par.microbatches)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
-        with torch.device("meta"):  # no rank ever materialises more than its own piece
-            model = Transformer(config.model)
+        model = meta_model(config.model)  # no rank materialises more than its own piece
         self.plan = ParallelPlan.from_config(config)
         self.model = parallelize(model, mesh, self.plan)
         # First vocabulary id of this rank's logits slice (the head is split like the embedding).
