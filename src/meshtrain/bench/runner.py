@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -258,6 +259,9 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         def log(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
     check_options(options)
+    if os.environ.get("MESHTRAIN_REUSE_WORKERS") == "1":
+        log("bench: MESHTRAIN_REUSE_WORKERS=1 (the test suite's worker pool): runs reuse "
+            "processes, so peak memory and warm-up are not per run; unset it to measure")
     suites = resolve_suites(options.suites)
     if options.plot and not any(suite.run is not None for suite in suites):
         raise ConfigError("--plot draws the scaling suite; add --suite scaling.")
