@@ -50,3 +50,15 @@ def test_calibrated_fp32_runs_at_the_measured_rate_and_dp_comm_is_exposed():
     assert result["dp_comm_exposed_s"] == pytest.approx(result["dp_comm_total_s"])
     overlapping = dataclasses.replace(BUILTIN_CPU, comm_overlaps_compute=True)
     assert _estimate(overlapping)["breakdown"]["dp_comm_exposed_s"] == 0.0
+
+
+def test_attention_figures_by_nearest_head_width():
+    profile = dataclasses.replace(BUILTIN_CPU, attention_by_head_dim={"16": [0.1, 3.0],
+                                                                       "64": [0.3, 2.0]})
+    assert profile.attention_figures(24, 2.5) == (0.1, 3.0)
+    assert profile.attention_figures(128, 2.5) == (0.3, 2.0)
+    gpu = PROFILES["h100-80g"]
+    assert gpu.attention_figures(64, 2.5) == (gpu.attention_efficiency, 2.5)
+    fast = dataclasses.replace(BUILTIN_CPU, attention_by_head_dim=None)
+    slow = _estimate(profile, world=1)["breakdown"]["compute_s"]
+    assert slow > _estimate(fast, world=1)["breakdown"]["compute_s"]

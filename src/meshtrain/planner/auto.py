@@ -47,8 +47,10 @@ BUILTIN_CPU = HardwareProfile(
     inter_node_latency_us=100.0, power_w=0.0, reserved_gb=0.0, attention_efficiency=1.0,
     fp32_rate=1.0, comm_overlaps_compute=False, solo_tflops=0.04, solo_hbm_gbps=10.0,
     calibrated_processes=2,
+    attention_by_head_dim={"16": [0.15, 3.0], "32": [0.2, 3.0], "64": [0.23, 3.0]},
     source="built-in CPU figures (one core of a small VM: 40 GFLOP/s fp32 alone, 20 when "
-           "sharing; gloo 1 GB/s, 100 us); run meshtrain calibrate for this machine's")
+           "sharing; attention at 15-23% of that; gloo 1 GB/s, 100 us); run meshtrain "
+           "calibrate for this machine's")
 """Deterministic CPU figures for ``parallel.auto`` inside a job with no calibration file (its
 memory is replaced by this node's RAM per process)."""
 

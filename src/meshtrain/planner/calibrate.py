@@ -4,12 +4,16 @@ Runs ``nproc`` local processes (:func:`meshtrain.distributed_run.run_distributed
 one intra-op thread each, as ``meshtrain verify`` and the tests run workers) and measures, on
 rank 0's view:
 
-- the rate of square fp32 GEMMs (best of a few sizes) — the profile's ``peak_tflops`` with
-  ``matmul_efficiency = fp32_rate = 1``;
-- streaming memory bandwidth: ``dst.copy_(src)`` into a preallocated buffer (read + write), at
-  the largest size (main memory, not cache) — what the cost model's element-wise and optimizer
-  passes move their bytes at;
+- the rate of square fp32 GEMMs (best of a few sizes) with rank 0 computing alone
+  (``solo_tflops``) and with every rank computing at once (``peak_tflops``, per process), in
+  ``ROUNDS`` alternating rounds whose median is kept — on a shared machine a burst of load
+  elsewhere then hits both alike; ``matmul_efficiency = fp32_rate = 1``;
+- streaming memory bandwidth the same way: ``dst.copy_(src)`` into a preallocated buffer
+  (read + write) of ``COPY_BYTES`` (main memory, not cache) — what the cost model's
+  element-wise and optimizer passes move their bytes at;
 - the fixed cost of one tiny eager op (dispatch, autograd-free): ``kernel_overhead_us``;
+- fused causal attention (SDPA) forward and backward at a few head widths, relative to the solo
+  GEMM rate (``attention_by_head_dim``);
 - all-reduce, all-gather, reduce-scatter, all-to-all and send/recv time by message size. Each
   collective's times are fitted to ``latency + bus_bytes / bandwidth`` (bus bytes as
   :func:`meshtrain.parallel.comm.bus_bytes` counts them, the nccl-tests convention the cost
@@ -20,8 +24,8 @@ rank 0's view:
 
 Since every process shares the machine's cores, the profile says ``comm_overlaps_compute =
 False``: gloo's reductions and copies take the cores that compute. All processes share one
-machine, so its "node" is the whole machine. :func:`quick_profile` is a one-second in-process
-variant (GEMM, copy and op overhead measured; gloo figures built in) for ``parallel.auto``.
+machine, so its "node" is the whole machine. :func:`quick_profile` is a few-second in-process
+variant (compute measured, gloo figures built in) for ``parallel.auto``.
 """
 
 from __future__ import annotations
@@ -98,6 +102,54 @@ def _measure_compute(matmul_sizes: list[int], copy_bytes: list[int], window_s: f
     return out
 
 
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
+"""Head widths at which calibrate times fused causal attention."""
+
+
+def _measure_attention(window_s: float, samples: int) -> dict:
+    """Fused causal attention (SDPA, fp32; batch 4, 8 heads, 128 positions) forward and
+    forward + backward at each head width: forward TFLOP/s counting the causal half square
+    (as the cost model does) and the backward / forward time ratio."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for d in ATTENTION_HEAD_DIMS:
+        q, k, v = (torch.randn(4, 8, 128, d, requires_grad=True) for _ in range(3))
+
+        def forward(q=q, k=k, v=v):
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        fwd = _median_time(forward, window_s, samples)
+        total = _median_time(both, window_s, samples)
+        out[str(d)] = {"tflops": 0.5 * 4 * 4 * 8 * 128 * 128 * d / fwd / 1e12,
+                       "backward_ratio": max(total - fwd, 0.0) / fwd}
+    return out
+
+
+COPY_BYTES = 2**25
+"""Copy size for the memory bandwidth: source and destination together exceed typical L3."""
+ROUNDS = 5
+"""Alternating solo / concurrent compute measurements; each figure is the median over rounds."""
+
+
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """Per GEMM size and copy size, the median rate over the rounds; the median op overhead."""
+    first = rounds[0]
+    return {
+        "matmul": [{"n": row["n"], "tflops": statistics.median(
+            r["matmul"][i]["tflops"] for r in rounds)} for i, row in enumerate(first["matmul"])],
+        "copy": [{"bytes": row["bytes"], "gbps": statistics.median(
+            r["copy"][i]["gbps"] for r in rounds)} for i, row in enumerate(first["copy"])],
+        "op_overhead_us": statistics.median(r["op_overhead_us"] for r in rounds),
+        "rounds": len(rounds),
+    }
+
+
 def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> dict:
     """Worker body: every rank runs the same collectives; rank 0's timings are returned."""
     import torch
@@ -107,11 +159,18 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict = {op: [] for op in COLLECTIVES}
-    copy_bytes = [max(sizes)]
-    if rank == 0:  # alone: the others wait at the barrier
-        out["solo"] = _measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 3)
-    dist.barrier()
-    out["concurrent"] = _measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 3)
+    copy_bytes = [COPY_BYTES]
+    solo, concurrent = [], []
+    for _ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
+        if rank == 0:  # alone: the others wait at the barrier
+            solo.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
+        dist.barrier()
+        concurrent.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
+        dist.barrier()
+    if rank == 0:
+        out["solo"] = _median_of_rounds(solo)
+        out["attention"] = _measure_attention(0.05 * repeats, 3)
+    out["concurrent"] = _median_of_rounds(concurrent)
     dist.barrier()
     for nbytes in sizes:
         elements = max(world, nbytes // 4 // world * world)
@@ -171,14 +230,18 @@ def _memory_gb(nproc: int) -> float:
 
 def _cpu_profile(name: str, solo: dict, concurrent: dict, all_reduce: tuple[float, float],
                  send: tuple[float, float], nproc: int, power_w: float, source: str,
-                 measured: dict | None) -> HardwareProfile:
+                 measured: dict) -> HardwareProfile:
     """A CPU profile: measured fp32 GEMM rates as the peak, streaming copy as memory bandwidth,
     each per thread with ``nproc`` threads busy and alone (``solo_*``)."""
     bandwidth, latency = all_reduce
     steps = 2 * math.ceil(math.log2(max(nproc, 2)))
     send_bw, send_latency = send
+    solo_gemm = max(r["tflops"] for r in solo["matmul"])
+    attention = {d: [a["tflops"] / solo_gemm, a["backward_ratio"]]
+                 for d, a in measured.get("attention", {}).items()}
     return HardwareProfile(
         name=name, peak_tflops=max(r["tflops"] for r in concurrent["matmul"]),
+        attention_by_head_dim=attention or None,
         memory_gb=_memory_gb(nproc), hbm_gbps=concurrent["copy"][-1]["gbps"],
         solo_tflops=max(r["tflops"] for r in solo["matmul"]),
         solo_hbm_gbps=solo["copy"][-1]["gbps"], calibrated_processes=nproc,
@@ -216,13 +279,14 @@ def quick_profile(nproc: int) -> HardwareProfile:
     busy = max(1, min(nproc, os.cpu_count() or 1))
     try:
         torch.set_num_threads(1)
-        solo = _measure_compute([256, 512], [2**24], 0.1, 3)
+        solo = _measure_compute([256, 512], [COPY_BYTES], 0.1, 3)
+        attention = _measure_attention(0.02, 3)
         # k Python threads, each a single-threaded GEMM / copy (torch releases the GIL): the
         # share each of k one-thread workers gets.
         results: list[dict] = [{} for _ in range(busy)]
 
         def measure(i: int) -> None:
-            results[i] = _measure_compute([512], [2**24], 0.1, 3)
+            results[i] = _measure_compute([512], [COPY_BYTES], 0.1, 3)
 
         pool = [threading.Thread(target=measure, args=(i,)) for i in range(busy)]
         for thread in pool:
@@ -237,4 +301,5 @@ def quick_profile(nproc: int) -> HardwareProfile:
                         (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US * steps),
                         (QUICK_GLOO_GBPS, QUICK_GLOO_LATENCY_US), busy, 0.0,
                         f"quick in-process measurement on {os.cpu_count()} cores (GEMM, copy, op "
-                        f"overhead); built-in gloo figures", {"solo": solo, "concurrent": together})
+                        f"overhead); built-in gloo figures",
+                        {"solo": solo, "concurrent": together, "attention": attention})

@@ -26,7 +26,7 @@ from meshtrain.model.init import count_parameters, flops_per_token
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, rank_memory, stage_params
 from meshtrain.planner.pipeline_model import pipeline_estimate
-from meshtrain.planner.timing import BlockCost, block_cost, head_cost
+from meshtrain.planner.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
 from meshtrain.planner.workload import Layout, Workload, check_layout, stage_layers
 
 STEP_SYNCS_PER_AXIS = 3
@@ -36,8 +36,10 @@ reductions). Seen in :meth:`meshtrain.training.trainer.Trainer.train_step`."""
 
 
 def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: list[int],
-                last: bool, cache: dict[int, BlockCost]) -> BlockCost:
+                last: bool, cache: dict[int, BlockCost], first: bool = False) -> BlockCost:
     total = BlockCost()
+    if first:
+        total.tp_comm += embedding_tp_cost(workload, layout, cluster)
     model = workload.model
     moe = sum(1 for layer in layers if model.is_moe_layer(layer))
     for key, count in ((0, len(layers) - moe), (1, moe)):
@@ -124,7 +126,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     model, lay = workload.model, layout
     placement = stage_layers(model.n_layers, lay.pp, lay.chunks_per_rank)
     cache: dict[int, BlockCost] = {}
-    costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache)
+    costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache, r == 0)
              for r, layers in enumerate(placement)]
     slowest = max(range(lay.pp), key=lambda r: costs[r].compute + costs[r].tp_comm
                   + costs[r].ep_comm)

@@ -57,6 +57,10 @@ class HardwareProfile:
     """Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation)."""
     attention_efficiency: float = 0.75
     """Fused (flash) attention throughput relative to large GEMMs."""
+    attention_by_head_dim: dict | None = None
+    """Calibrated profiles: ``{head_dim: [efficiency, backward / forward time]}`` of the fused
+    causal attention measured at a few head widths (narrow heads run far below the GEMM rate on
+    CPUs); the nearest width replaces ``attention_efficiency`` and the FlashAttention-2 ratio."""
     fp32_rate: float = 0.5
     """fp32 GEMM throughput as a fraction of ``peak_tflops`` (0.5 on GPUs without TF32; 1 for a
     calibrated CPU profile, whose ``peak_tflops`` is the measured fp32 rate)."""
@@ -80,6 +84,14 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (what ``calibrate --out`` writes)."""
         return dataclasses.asdict(self)
+
+    def attention_figures(self, head_dim: int, backward_ratio: float) -> tuple[float, float]:
+        """(efficiency, backward / forward) of fused attention for heads ``head_dim`` wide."""
+        if not self.attention_by_head_dim:
+            return self.attention_efficiency, backward_ratio
+        nearest = min(self.attention_by_head_dim, key=lambda d: abs(int(d) - head_dim))
+        efficiency, ratio = self.attention_by_head_dim[nearest]
+        return efficiency, ratio
 
     def per_process(self, processes: int, threads: int = 1) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) one of ``processes`` processes with ``threads`` threads

@@ -5,14 +5,17 @@ where ``e`` is the profile's large-GEMM efficiency and ``t0`` its per-kernel ove
 per-rank matmuls (high tp, small micro-batches, narrow models) run below peak, as they do. The
 backward of a linear layer is two GEMMs of the same size (input gradient ``b``, weight gradient
 ``w``). Attention's ``QK^T`` and ``AV`` run fused (FlashAttention: causal, so half the square,
-at ``attention_efficiency`` of the GEMM rate, backward 2.5× forward) or, for runtimes without it,
+at ``attention_efficiency`` of the GEMM rate, backward 2.5× forward; a calibrated profile gives
+both by head width) or, for runtimes without it,
 as batched GEMMs plus a softmax that streams the ``s × s`` scores through HBM. Element-wise work
 (norms, rotary, activation function, residual adds) is memory-bound: it moves a few times the
 block's saved activations through HBM (``RuntimeTraits.elementwise_traffic``).
 
 Tensor-parallel communication per block and micro-batch: two all-reduces forward and two backward
 (with sequence parallelism, all-gather + reduce-scatter pairs of the same bus volume), two more
-when full checkpointing recomputes the forward; not overlapped. Expert parallelism: a dispatch and
+when full checkpointing recomputes the forward; not overlapped. Once per micro-batch also the
+vocab-parallel embedding's forward all-reduce (first stage), the head input's backward
+all-reduce and the loss's two small ones (last stage). Expert parallelism: a dispatch and
 a combine all-to-all forward, the same backward.
 """
 
@@ -66,7 +69,6 @@ class GemmClock:
         self.rate = peak * 1e12 * p.matmul_efficiency * (1.0 if dtype_bytes == 2 else p.fp32_rate)
         self.hbm = hbm * 1e9
         self.overhead = p.kernel_overhead_us * 1e-6
-        self.attention_rate = self.rate * p.attention_efficiency
         self.dtype_bytes = dtype_bytes
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
@@ -120,8 +122,10 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
 
     attention_flops = 4.0 * b * s * s * heads * model.head_dim  # QK^T and AV, full square
     if traits.flash_attention:
-        attention_fwd = 0.5 * attention_flops / clock.attention_rate + clock.overhead
-        attention_bwd = FLASH_BACKWARD_RATIO * attention_fwd
+        efficiency, backward = cluster.profile.attention_figures(model.head_dim,
+                                                                 FLASH_BACKWARD_RATIO)
+        attention_fwd = 0.5 * attention_flops / (clock.rate * efficiency) + clock.overhead
+        attention_bwd = backward * attention_fwd
     else:
         scores = b * heads * s * s * workload.act_bytes
         attention_fwd = (2 * clock.gemm(s, s, model.head_dim, b * heads)
@@ -164,6 +168,22 @@ def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost
     loss = clock.stream(3 * tokens * vocab * 4, kernels=3)  # fp32 softmax / cross-entropy
     cost = BlockCost(forward=one + loss, backward_input=one + loss, backward_weight=one,
                      flops=3 * 2.0 * tokens * vocab * model.dim)
-    if layout.tp > 1:  # vocab-parallel loss: max, sum-exp, target-logit all-reduces
-        cost.tp_comm = 3 * cluster.collective_time("all_reduce", tokens * 4, layout.tp, 1)
+    if layout.tp > 1:
+        # The head's input enters the tp region (an all-reduce of its gradient in backward);
+        # the vocab-parallel loss all-reduces the token max, then sum-exp with target logit.
+        # (With sequence parallelism an all-gather and a reduce-scatter: the same bus bytes.)
+        hidden = tokens * model.dim * workload.act_bytes
+        cost.tp_comm = (cluster.collective_time("all_reduce", hidden, layout.tp, 1)
+                        + cluster.collective_time("all_reduce", tokens * 4, layout.tp, 1)
+                        + cluster.collective_time("all_reduce", tokens * 8, layout.tp, 1))
     return cost
+
+
+def embedding_tp_cost(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The vocab-parallel embedding's forward all-reduce (reduce-scatter with sequence
+    parallelism, same bus bytes per rank) on the first stage, one micro-batch."""
+    if layout.tp == 1:
+        return 0.0
+    tokens = layout.micro_batch_size(workload) * workload.seq_len
+    return cluster.collective_time("all_reduce", tokens * workload.model.dim
+                                   * workload.act_bytes, layout.tp, 1)
