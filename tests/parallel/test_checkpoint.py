@@ -212,3 +212,20 @@ def test_expert_parallel_round_trip(tmp_path):
     rest = resume_and_finish(_cfg(tmp_path / "run", *moe, "checkpoint.resume=auto",
                                   nproc=1).to_dict())
     assert first + rest == pytest.approx(reference, abs=LOSS_TOLERANCE_FP32)
+
+
+def test_init_from_weights_at_any_layout(tmp_path):
+    """checkpoint.init_from loads full weights into any layout: tp2 and one process start from
+    the same model (same first loss), which is not the fresh initialisation."""
+    trained = _cfg(tmp_path / "donor", "train.steps=3", nproc=1)
+    uninterrupted(trained.to_dict())
+    weights = str(tmp_path / "donor" / "final")
+    one = uninterrupted(_cfg(tmp_path / "one", "train.steps=1",
+                             f"checkpoint.init_from={weights}", nproc=1).to_dict())
+    tp2 = run_distributed(2, uninterrupted, _cfg(tmp_path / "tp2", "train.steps=1",
+                                                 "parallel.tp=2",
+                                                 f"checkpoint.init_from={weights}",
+                                                 nproc=2).to_dict())[0]
+    fresh = uninterrupted(_cfg(tmp_path / "fresh", "train.steps=1", nproc=1).to_dict())
+    assert tp2 == pytest.approx(one, abs=LOSS_TOLERANCE_FP32)
+    assert abs(one[0] - fresh[0]) > 0.1
