@@ -46,51 +46,14 @@ def _reduce_scatter_seq(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        ctx.comm.all_reduce(grad)
-        return grad, None
+def _identity(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        x = x.contiguous().clone()
-        comm.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.comm), None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.comm), None
+def _all_reduce(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
+    x = x.contiguous().clone()
+    comm.all_reduce(x)
+    return x
 
 
 def _my_chunk(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
@@ -99,54 +62,50 @@ def _my_chunk(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     return x[:, rank * chunk:(rank + 1) * chunk].contiguous()
 
 
-class _GatherSequenceForReplicated(torch.autograd.Function):
+class _ForwardBackwardPair(torch.autograd.Function):
+    """``forward_op`` in forward, ``backward_op`` on the gradient: every function below is one
+    such pair (e.g. Megatron's ``f`` = identity / all-reduce)."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather_seq(x, comm)
+    def forward(ctx, x, comm, forward_op, backward_op):
+        ctx.comm, ctx.backward_op = comm, backward_op
+        return forward_op(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _my_chunk(grad, ctx.comm), None
+        return ctx.backward_op(grad, ctx.comm), None, None, None
 
 
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _my_chunk(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.comm), None
+def _pair(x: torch.Tensor, comm: CountedComm, forward_op, backward_op) -> torch.Tensor:
+    return _ForwardBackwardPair.apply(x, comm, forward_op, backward_op) if comm.active else x
 
 
 def copy_to_tp_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Megatron ``f``: identity forward, all-reduce of the gradient backward."""
-    return _CopyToRegion.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _identity, _all_reduce)
 
 
 def reduce_from_tp_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Megatron ``g``: all-reduce forward, identity backward."""
-    return _ReduceFromRegion.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _all_reduce, _identity)
 
 
 def gather_from_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Sequence parallel: all-gather the sequence forward, reduce-scatter backward."""
-    return _GatherSequence.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _all_gather_seq, _reduce_scatter_seq)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Sequence parallel: reduce-scatter over the sequence forward, all-gather backward."""
-    return _ReduceScatterSequence.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _reduce_scatter_seq, _all_gather_seq)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """Keep this rank's sequence chunk of a replicated tensor; all-gather backward."""
-    return _ScatterSequence.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _my_chunk, _all_gather_seq)
 
 
 def gather_sequence_for_replicated(x: torch.Tensor, comm: CountedComm) -> torch.Tensor:
     """All-gather the sequence forward; backward keeps this rank's chunk of the (full, identical
     on every tp rank) gradient. For modules computed redundantly on every tp rank."""
-    return _GatherSequenceForReplicated.apply(x, comm) if comm.active else x
+    return _pair(x, comm, _all_gather_seq, _my_chunk)
