@@ -20,7 +20,9 @@ activation dtype. Without sequence parallelism the norm inputs and the inputs of
 of each sub-block are replicated over tp; with it everything is divided by tp. Fused attention
 keeps no ``s × s`` scores; unfused attention adds ``2 a s / h`` (the softmax output). Full
 checkpointing keeps only each block's input (plus one block's working set while it recomputes);
-selective recomputes the attention core and the MLP activation function. A rank holds its
+selective recomputes the attention core and the MLP activation function. A MoE layer runs whole
+on every tp rank (as the runtime replicates it over tp), so its parameters and activations are
+not divided by tp. A rank holds its
 stage's activations times the schedule's peak in-flight micro-batches
 (:mod:`meshtrain.planner.pipeline_model`).
 """
@@ -63,7 +65,9 @@ def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[flo
     attention = _attention_params(model) / tp + 2 * model.dim
     if not model.is_moe_layer(layer):
         return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
-    expert = _mlp_params(model, model.expert_ffn_dim) / tp
+    # The MoE layer is replicated over tp at run time (meshtrain.parallel.tensor.apply, style
+    # ``replicated``): router, shared and routed experts are whole on every tp rank.
+    expert = _mlp_params(model, model.expert_ffn_dim)
     dense = attention + model.dim * model.moe_experts + model.moe_shared_experts * expert
     return dense, model.moe_experts * expert / ep
 
@@ -101,14 +105,17 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         parallel += 2.0 * model.n_heads * seq_len / h  # softmax probabilities
     per_hidden = {("swiglu", "none"): 8.0, ("swiglu", "selective"): 6.0}.get(
         (model.mlp, mode), 4.0)
+    whole = 0.0  # saved by every tp rank in full, with or without sequence parallelism
     if model.is_moe_layer(layer):
+        # The MoE layer runs whole on every tp rank (its input sequence gathered under sp).
         k = model.moe_top_k
         f = model.expert_ffn_dim
-        parallel += k * per_hidden * f / h + model.moe_shared_experts * per_hidden * f / h
-        replicated += 4.0 * k + 4.0 * model.moe_experts / h  # dispatched + combined, fp32 scores
+        whole += k * per_hidden * f / h + model.moe_shared_experts * per_hidden * f / h
+        whole += 4.0 * k + 4.0 * model.moe_experts / h  # dispatched + combined, fp32 scores
+        whole += 2.0 if sp else 0.0  # the gathered input (without sp: ``replicated`` has it)
     else:
         parallel += per_hidden * model.ffn_dim / h
-    return replicated / (t if sp else 1) + parallel / t
+    return replicated / (t if sp else 1) + parallel / t + whole
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,

@@ -92,7 +92,7 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
     if not model.is_moe_layer(layer):
         f = model.ffn_dim / t
         return shapes + [(tokens, up * f, h, 1), (tokens, h, f, 1)]
-    f = model.expert_ffn_dim / t
+    f = model.expert_ffn_dim  # the MoE layer is replicated over tp (see memory._layer_params)
     local = model.moe_experts / layout.ep
     per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts
     shapes += [(tokens, model.moe_experts, h, 1), (per_expert, up * f, h, local),
@@ -148,11 +148,14 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
 
     if lay.tp > 1:
         message = tokens * model.dim * workload.act_bytes
-        collectives = 4 + (2 if mode == "full" else 0)
+        # Attention and MLP each reduce once forward and once backward; a replicated MoE layer
+        # reduces nothing (without sp), with sp it gathers its input forward and backward.
+        moe_plain = model.is_moe_layer(layer) and not lay.sequence_parallel
+        collectives = (2 if moe_plain else 4) + (2 if mode == "full" else 0)
         cost.tp_comm = collectives * cluster.collective_time("all_reduce", message, lay.tp, 1)
     if lay.ep > 1 and model.is_moe_layer(layer):
+        # Every tp rank routes the whole micro-batch (the MoE layer is replicated over tp).
         routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
-        routed /= lay.tp if lay.sequence_parallel else 1
         collectives = 4 + (2 if mode == "full" else 0)
         cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep, lay.tp)
     return cost
