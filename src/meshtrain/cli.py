@@ -50,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="meshtrain vs PyTorch-native peers, side by side")
     bench.add_argument("--suite", dest="suites", action="append", default=[], metavar="NAME",
                        help="suite to run (repeatable or comma-separated; default: all)")
-    bench.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    bench.add_argument("--steps", type=int, default=10, help="measured steps per run")
     bench.add_argument("--warmup", type=int, default=2, help="discarded steps per run")
-    bench.add_argument("--repeats", type=int, default=3, help="alternating runs per side")
+    bench.add_argument("--repeats", type=int, default=5,
+                       help="alternating runs per side (the medians are over these)")
     bench.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     bench.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")

@@ -58,6 +58,8 @@ def _check_result(result: dict, suite: str, world: int) -> None:
         result["meshtrain_tokens_per_s"] / result["peer_tokens_per_s"])
     assert result["cpu_ratio"] == pytest.approx(
         result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"])
+    # One run per side: the paired ratio is that pair's quotient, the ratio of the medians.
+    assert result["paired_ratio"] == pytest.approx(result["ratio"])
     assert (result["steps"], result["warmup"], result["repeats"]) == (2, 0, 1)
     assert result["tokens_per_step"] == 4 * 32
     assert result["threads_per_process"] == 1
@@ -149,8 +151,9 @@ def test_registry_refuses_a_duplicate_name():
 def test_format_table_shows_every_suite():
     row = {"suite": "single", "world_size": 1, "peer": "peer X", "meshtrain_tokens_per_s": 900.0,
            "peer_tokens_per_s": 1000.0, "ratio": 0.9, "cpu_ratio": 0.95,
+           "paired_ratio": 0.925,
            "meshtrain_peak_bytes": 2 << 20, "peer_peak_bytes": 3 << 20, "repeats": 3,
            "steps": 20, "warmup": 2, "threads_per_process": 1}
     table = format_table([row, {**row, "suite": "dp", "world_size": 2}])
     assert "single" in table and "dp" in table and "0.900" in table and "2/3" in table
-    assert "0.950" in table
+    assert "0.950" in table and "0.925" in table

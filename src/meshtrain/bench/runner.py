@@ -92,12 +92,14 @@ class BenchOptions:
 
     suites: list[str] = field(default_factory=list)
     """Suite names; empty = every registered suite."""
-    steps: int = 20
+    steps: int = 10
     """Measured steps per run (after the warm-up)."""
     warmup: int = 2
     """Steps run and discarded at the start of every run."""
-    repeats: int = 3
-    """Runs of each side; the reported throughput is their median."""
+    repeats: int = 5
+    """Runs of each side; the reported throughput is their median. More, shorter runs beat
+    fewer, longer ones on a shared machine: its slow spells last seconds to minutes, so they
+    shift whole runs, and the median over runs is what discards them."""
     overrides: list[str] = field(default_factory=list)
     """``--set section.key=value`` changes to :data:`BENCH_DEFAULTS`."""
     timeout_s: float = 900.0
@@ -234,6 +236,10 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
         result[f"{side}_last_loss"] = rs[0]["losses"][-1]
     result["ratio"] = medians["meshtrain"] / medians["peer"]
     result["cpu_ratio"] = result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"]
+    # Run i of each side ran back to back, so their quotient shares the machine's state then.
+    result["paired_ratio"] = statistics.median(
+        a["tokens_per_s"] / b["tokens_per_s"]
+        for a, b in zip(runs["meshtrain"], runs["peer"], strict=True))
     t = config.train
     result.update(
         steps=options.steps, warmup=options.warmup, repeats=options.repeats,
@@ -289,17 +295,18 @@ def format_pairs(results: list[dict]) -> str:
     """The table of the meshtrain-vs-peer suites."""
     mib = 1024 * 1024
     header = (f"{'suite':<8} {'procs':>5} {'meshtrain tok/s':>16} {'peer tok/s':>11} "
-              f"{'ratio':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17}  peer")
+              f"{'ratio':>6} {'paired':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17}  peer")
     lines = [header, "-" * len(header)]
     for r in results:
         peaks = f"{r['meshtrain_peak_bytes'] / mib:.0f}/{r['peer_peak_bytes'] / mib:.0f}"
         lines.append(f"{r['suite']:<8} {r['world_size']:>5} {r['meshtrain_tokens_per_s']:>16,.0f} "
                      f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} "
+                     f"{r.get('paired_ratio', float('nan')):>6.3f} "
                      f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17}  "
                      f"{r['peer']}")
     r = results[0]
     lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
                  f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
-                 f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); cpu ratio: "
-                 f"the same per CPU-second used")
+                 f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); paired: "
+                 f"median of run-by-run ratios; cpu ratio: the same per CPU-second used")
     return "\n".join(lines)
