@@ -110,6 +110,10 @@ class ParallelConfig:
     """Gradient bucket size for data-parallel reduction, in MiB."""
     check_replicas_every: int = 0
     """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
+    ep_rebalance_every: int = 0
+    """Every K steps, re-place hot experts across the ep ranks from the load measured since the
+    last time (moving their parameters and optimizer state) so the busiest rank's token count
+    falls; 0 = off. Needs ``ep > 1``. See :mod:`meshtrain.parallel.expert.placement`."""
     auto: bool = False
     """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
     and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;

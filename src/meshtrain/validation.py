@@ -153,6 +153,13 @@ def validate_parallel(config: Config) -> None:
             f"{MAX_ZERO_STAGE_IMPLEMENTED}; valid: "
             f"{', '.join(map(str, range(MAX_ZERO_STAGE_IMPLEMENTED + 1)))}."
         )
+    _at_least(par.ep_rebalance_every, 0, "parallel.ep_rebalance_every")
+    if par.ep_rebalance_every > 0 and par.ep <= 1:
+        raise ConfigError(
+            f"parallel.ep_rebalance_every = {par.ep_rebalance_every} needs parallel.ep > 1: it "
+            f"moves experts between expert-parallel ranks. Set parallel.ep > 1 (an MoE model), "
+            f"or parallel.ep_rebalance_every = 0."
+        )
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
     dp = max(par.dp, 1)

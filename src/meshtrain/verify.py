@@ -32,6 +32,7 @@ def reference_config(config: Config) -> Config:
     par = ref.parallel
     par.microbatches = max(config.parallel.dp, 1) * config.parallel.microbatches
     par.dp = par.tp = par.pp = par.ep = 1
+    par.ep_rebalance_every = 0  # placement moves experts between ep ranks: none here
     par.zero = 0
     par.sequence_parallel = False
     par.virtual_stages = 1

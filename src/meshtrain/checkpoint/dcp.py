@@ -10,7 +10,10 @@ chunks it owns:
   boxes (a partial row, whole rows, a partial row — recursively per dimension);
 - the box is then moved to full-tensor coordinates by the piece's offset (tensor parallelism's
   split dimension, expert parallelism's first expert), recorded on the parameter as
-  ``_meshtrain_global_offset``.
+  ``_meshtrain_global_offset``. Expert-parallel parameters whose experts were re-placed
+  (:mod:`meshtrain.parallel.expert.placement`) hold experts in any order: their boxes are cut
+  into runs of consecutive experts and each run goes to its experts' rows, so checkpoints stay in
+  canonical expert order whatever the placement.
 
 Copies held by several ranks (replicas over dp without ZeRO, over tp for norms) produce identical
 write items that DCP's planner de-duplicates. Loading asks DCP for exactly the boxes the *new*
@@ -46,6 +49,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_read_item_for_byteio,
     create_read_items_for_chunk_list,
 )
+
+from meshtrain.parallel.expert.placement import expert_rows
 
 
 @dataclass
@@ -111,15 +116,34 @@ def optimizer_chunks(optimizer) -> list[Chunk]:
             full = tuple(getattr(param, "_meshtrain_full_shape", None) or slot.shape)
             shift = getattr(param, "_meshtrain_global_offset", None) or (0,) * len(full)
             first = base + start - slot.offset  # flat position inside the parameter
-            for offsets, sizes in flat_range_boxes(slot.shape, first, first + length):
-                at = start + _flat_index(offsets, slot.shape) - first
-                n = math.prod(sizes)
-                where = tuple(o + s for o, s in zip(offsets, shift, strict=True))
-                for prefix, source in (("model", shard.master), ("optim.exp_avg", exp_avg),
-                                       ("optim.exp_avg_sq", exp_avg_sq)):
-                    chunks.append(Chunk(f"{prefix}.{slot.name}", full, where,
-                                        source[at:at + n].view(sizes)))
+            rows = expert_rows(param)
+            for box in flat_range_boxes(slot.shape, first, first + length):
+                for offsets, sizes, where in _global_boxes(*box, shift, rows):
+                    at = start + _flat_index(offsets, slot.shape) - first
+                    n = math.prod(sizes)
+                    for prefix, source in (("model", shard.master), ("optim.exp_avg", exp_avg),
+                                           ("optim.exp_avg_sq", exp_avg_sq)):
+                        chunks.append(Chunk(f"{prefix}.{slot.name}", full, where,
+                                            source[at:at + n].view(sizes)))
     return chunks
+
+
+def _global_boxes(offsets: tuple[int, ...], sizes: tuple[int, ...], shift: Sequence[int],
+                  rows: list[int] | None):
+    """``(offsets, sizes, offsets in the full tensor)`` of a local box: shifted by the piece's
+    offset, or, for re-placed experts (``rows``: global expert of each local row), split into
+    runs of consecutive experts along dim 0."""
+    if rows is None:
+        yield offsets, sizes, tuple(o + s for o, s in zip(offsets, shift, strict=True))
+        return
+    rest = tuple(o + s for o, s in zip(offsets[1:], shift[1:], strict=True))
+    row, end = offsets[0], offsets[0] + sizes[0]
+    while row < end:
+        run = 1
+        while row + run < end and rows[row + run] == rows[row] + run:
+            run += 1
+        yield (row, *offsets[1:]), (run, *sizes[1:]), (rows[row], *rest)
+        row += run
 
 
 def buffer_chunks(model: torch.nn.Module) -> list[Chunk]:

@@ -2,9 +2,10 @@
 
 What a checkpoint holds: every parameter's fp32 master value and Adam moments (layout-free, see
 :mod:`meshtrain.checkpoint.dcp`), persistent buffers (MoE expert biases), the optimizer step,
-the data sampler position, the torch RNG state, and the step. The learning-rate schedule is a
-function of the step, and the mesh's random streams are functions of (seed, stream, coordinates),
-so neither needs state of its own.
+the data sampler position, the torch RNG state, the step, and under expert parallelism the
+expert placement (:meth:`~meshtrain.parallel.expert.placement.ExpertPlacer.state_dict`). The
+learning-rate schedule is a function of the step, and the mesh's random streams are functions of
+(seed, stream, coordinates), so neither needs state of its own.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def save(trainer) -> Path:
     meta = {"step": trainer.step, "optimizer_step": trainer.optimizer.step_count,
             "data": trainer.data.state_dict(), "rng": manager.encode_rng(),
             "config": trainer.config.to_dict()}
+    placer = getattr(trainer, "expert_placer", None)
+    if placer is not None:  # which expert sits where; the tensors are in canonical order
+        meta["expert_placement"] = placer.state_dict()
     chunks = optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(temp)),
              planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()}),
@@ -84,6 +88,9 @@ def load(trainer, directory: Path) -> dict:
     trainer.data.load_state_dict(meta["data"])
     manager.decode_rng(meta["rng"])
     trainer.engine.after_step(trainer.optimizer.shards)  # parameters from the loaded masters
+    placer = getattr(trainer, "expert_placer", None)
+    if placer is not None:  # back to the saved expert placement (same ep), else identity
+        placer.load_state_dict(meta.get("expert_placement"))
     return meta
 
 

@@ -47,6 +47,10 @@ def gather_full_state_dict(model: nn.Module, engine, mesh) -> dict[str, torch.Te
             dim = getattr(params.get(name), "_meshtrain_ep_dim", None)
             if dim is not None:
                 values[name] = _gather_along(values[name], mesh.comm("ep"), dim)
+                placement = getattr(params[name], "_meshtrain_expert_placement", None)
+                if placement is not None and not placement.identity:
+                    slot_of = torch.argsort(torch.tensor(placement.slots))
+                    values[name] = values[name].index_select(dim, slot_of.to(values[name].device))
     if mesh.dp_rank != 0:
         return None
     for name in names:

@@ -11,6 +11,11 @@ the micro-batches in. At the end of the step :class:`MoEStepStats`:
    Tensor-parallel ranks route identical tokens, so tp is *not* reduced (no double counting);
 3. nudges each local layer's ``expert_bias`` from its global load (``moe_balance = "bias"``);
 4. all-reduces over ``pp`` so the logging rank sees every stage's layers, and summarises them.
+   The ``[moe layers, experts]`` global loads stay in :attr:`MoEStepStats.last_loads` (every rank
+   holds all layers), from which dynamic expert placement
+   (:class:`~meshtrain.parallel.expert.placement.ExpertPlacer`) adds the per-ep-rank load
+   (``ep_max_rank_tokens``, ``ep_mean_rank_tokens``, per layer ``ep_rank_tokens``) and
+   ``ep_experts_moved`` to the summary under expert parallelism.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class MoEStepStats:
             if isinstance(module, MoE):
                 layer_id = int(name.split(".")[name.split(".").index("layers") + 1])
                 self.local.append((row_of[layer_id], module))
+        self.last_loads: torch.Tensor | None = None
+        """The last step's global tokens per expert, ``[moe layers, experts]`` (all stages)."""
 
     @property
     def active(self) -> bool:
@@ -64,6 +71,7 @@ class MoEStepStats:
             for row, layer in self.local:
                 layer.update_bias(table[row, :experts])
         self.mesh.comm("pp").all_reduce(table)
+        self.last_loads = table[:, :experts]
         return summarize_loads(table, self.layer_ids)
 
 

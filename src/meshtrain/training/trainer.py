@@ -30,6 +30,7 @@ from meshtrain.parallel import (
     parallelize,
     pipeline_stages,
 )
+from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training.data import TrainData
@@ -77,6 +78,8 @@ class Trainer:
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
+        self.expert_placer = ExpertPlacer.build(self.model, self.engine, self.optimizer, mesh,
+                                                config)  # None unless ep > 1
         self.nonfinite = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_skips,
                                         verbose=mesh.is_logging_rank)
         self.restarts = faults.restart_attempt()  # torch elastic's restart count (0 = first run)
@@ -215,6 +218,9 @@ class Trainer:
             self.optimizer.step(lr)
         moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
+        if moe_summary is not None and self.expert_placer is not None:
+            # ep-rank loads; every ep_rebalance_every steps re-place experts (gradients are zero)
+            self.expert_placer.end_step(moe_summary, self.moe_stats.last_loads, self.step + 1)
         every = self.config.parallel.check_replicas_every
         if every and (self.step + 1) % every == 0:
             self.engine.check_replicas_in_sync()

@@ -10,6 +10,12 @@ process and checkpoints see where the slice sits. Expert parameters are marked
 ``_meshtrain_dp_axis = "edp"`` (the data-parallel engine reduces, and under ZeRO shards, them over
 the ranks holding the same experts) and ``_meshtrain_ep_dim = 0``.
 
+Which expert sits in which slot can change during training (dynamic expert placement,
+:mod:`meshtrain.parallel.expert.placement`): the module's :class:`LayerPlacement` (shared with its
+parameters as ``_meshtrain_expert_placement``) maps slots to experts, and :meth:`forward`
+reorders its rows into slot order around the all-to-alls. The contiguous split is the identity
+placement, which skips the reordering.
+
 The router, the expert bias, the shared experts and everything else stay replicated over ep and
 reduce over the whole dp group. Under tensor parallelism the experts are replicated over tp: each
 tp rank runs the same all-to-alls within its own ep group (see
@@ -21,9 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.model.moe import GroupedExperts, moe_layers
+from meshtrain.model.moe import GroupedExperts, _recomputing_in_backward, moe_layers
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.expert.dispatch import combine, dispatch, plan_dispatch
+from meshtrain.parallel.expert.placement import LayerPlacement
 from meshtrain.parallel.tensor.layers import mark_replicated, mark_sharded
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -43,6 +50,8 @@ class ExpertParallelExperts(GroupedExperts):
         self.comm = comm
         self.total_experts = total
         self.first_expert = lo = ep_rank * local
+        self.placement = placement = LayerPlacement(total, ep_size, ep_rank)
+        self.rows_received = 0
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name, None)
             if full is None:
@@ -50,12 +59,14 @@ class ExpertParallelExperts(GroupedExperts):
             param = nn.Parameter(torch.empty((local, *full.shape[1:]), dtype=full.dtype,
                                              device=full.device))
             setattr(self, name, param)
-            mark_sharded(param, tuple(full.shape), lambda w, lo=lo: w[lo:lo + local], None,
-                         (lo,) + (0,) * (full.ndim - 1))
+            mark_sharded(param, tuple(full.shape),
+                         lambda w: w[torch.tensor(placement.local_experts(), device=w.device)],
+                         None, (lo,) + (0,) * (full.ndim - 1))
             if getattr(full, "_meshtrain_tp_replicated", False):
                 mark_replicated(param, partial_grad=False)
             param._meshtrain_dp_axis = "edp"
             param._meshtrain_ep_dim = 0
+            param._meshtrain_expert_placement = placement
             if not full.is_meta:
                 with torch.no_grad():
                     param.copy_(full[lo:lo + local])
@@ -63,9 +74,34 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x`` [N, dim]: this rank's assignments sorted by global expert (``counts[e]`` rows
         for expert ``e``, all ``E`` of them). Returns their expert outputs in the same order."""
-        plan = plan_dispatch(torch.tensor(counts, dtype=torch.long, device=x.device), self.comm)
+        if self.placement.identity:
+            return self._dispatch_and_run(x, counts)
+        # Slot order: slot s takes expert slots[s]'s rows (same rows, same order within it).
+        slots = torch.tensor(self.placement.slots, device=x.device)
+        per_expert = torch.tensor(counts, dtype=torch.long, device=x.device)
+        per_slot = per_expert[slots]
+        expert_start = torch.cumsum(per_expert, 0) - per_expert
+        slot_start = torch.cumsum(per_slot, 0) - per_slot
+        rows = torch.arange(x.shape[0], device=x.device)
+        index = rows + (expert_start[slots] - slot_start).repeat_interleave(per_slot)
+        out = self._dispatch_and_run(x[index], per_slot.tolist())
+        inverse = torch.empty_like(index)
+        inverse[index] = rows
+        return out[inverse]
+
+    def _dispatch_and_run(self, x: torch.Tensor, slot_counts: list[int]) -> torch.Tensor:
+        """Dispatch rows grouped by slot (``slot_counts``), run the local experts, combine."""
+        plan = plan_dispatch(torch.tensor(slot_counts, dtype=torch.long, device=x.device),
+                             self.comm)
+        if not _recomputing_in_backward():
+            self.rows_received += sum(plan.local_counts)
         grouped = dispatch(x, plan, self.comm)
         return combine(super().forward(grouped, plan.local_counts), plan, self.comm)
+
+    def pop_rows_received(self) -> int:
+        """Rows (token assignments) this rank's experts computed since the last call."""
+        rows, self.rows_received = self.rows_received, 0
+        return rows
 
 
 def apply_expert_parallel(model: nn.Module, comm: CountedComm, ep_rank: int) -> int:
