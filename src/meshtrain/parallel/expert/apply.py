@@ -49,7 +49,7 @@ class ExpertParallelExperts(GroupedExperts):
             super().__init__(local, dim, hidden, experts.act.mlp)
         self.comm = comm
         self.total_experts = total
-        self.first_expert = lo = ep_rank * local
+        self.first_expert = lo = ep_rank * local  # under the identity (initial) placement
         self.placement = placement = LayerPlacement(total, ep_size, ep_rank)
         self.rows_received = 0
         for name in EXPERT_WEIGHTS:

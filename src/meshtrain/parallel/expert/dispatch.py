@@ -4,7 +4,9 @@ The MoE layer (:meth:`meshtrain.model.moe.MoE.compute_experts`) hands its expert
 assignments of this rank's tokens already **sorted by global expert** and capped at capacity,
 with ``counts[e]`` rows for expert ``e``. Experts are laid out contiguously over the ep ranks
 (rank ``r`` holds experts ``[r * E/ep, (r + 1) * E/ep)``), so the sorted rows are also grouped by
-destination rank. One step of expert parallelism is then:
+destination rank. (With dynamic expert placement, :mod:`meshtrain.parallel.expert.placement`,
+the experts module first reorders the rows by *slot*, and "expert" below means slot.)
+One step of expert parallelism is then:
 
 1. **counts exchange**: an all-to-all of the ``E`` per-expert counts (int64, equal splits of
    ``E/ep``) tells every rank how many rows it will receive for each local expert from each peer;
