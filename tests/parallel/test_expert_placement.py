@@ -190,12 +190,14 @@ def test_skewed_router_rebalance_lowers_busiest_rank_and_matches_one_process():
     dp2 ep2 tp2, and dp4 ep2 ZeRO-2 with forced general permutations (experts change rank *and*
     local index, across ZeRO shards)."""
     every2 = ("parallel.ep_rebalance_every=2",)
-    skewed = tiny_config(*MOE, *SKEW, *every2, "parallel.ep=2", "parallel.zero=1", nproc=4)
+    skewed = tiny_config(*MOE, *SKEW, *every2, "parallel.ep=2", "parallel.zero=1",
+                         "parallel.check_replicas_every=1", nproc=4)
     piped = tiny_config(*MOE, *SKEW, *every2, "parallel.ep=2", "parallel.pp=2",
                         "parallel.zero=1", "parallel.microbatches=2", "model.n_layers=4",
                         nproc=4)
     forced_cfg = tiny_config(*MOE, "model.moe_balance=bias", "model.moe_bias_rate=0.01",
-                             "parallel.ep=2", "parallel.zero=2", nproc=4)
+                             "parallel.ep=2", "parallel.zero=2",
+                             "parallel.check_replicas_every=1", nproc=4)  # replicas agree
     forced = {1: {0: [1, 3, 0, 2], 1: [2, 3, 0, 1]}, 2: {0: [3, 2, 1, 0]}}
     tensor = tiny_config(*MOE, *SKEW, *every2, "parallel.ep=2", "parallel.tp=2",
                          "parallel.zero=1", nproc=4)  # ep=2 over dp=2, experts tp-replicated
