@@ -62,3 +62,22 @@ def test_attention_figures_by_nearest_head_width():
     fast = dataclasses.replace(BUILTIN_CPU, attention_by_head_dim=None)
     slow = _estimate(profile, world=1)["breakdown"]["compute_s"]
     assert slow > _estimate(fast, world=1)["breakdown"]["compute_s"]
+
+
+@pytest.mark.parametrize("speed", [0.5, 1.0, 1.6])
+def test_fit_to_block_reproduces_the_measured_block_and_its_slowdown(speed):
+    """Fitting to a measured reference block makes the cost model predict exactly that block's
+    solo time, and the concurrent rates the solo ones over the measured slowdown."""
+    from meshtrain.planner.calibrate_block import fit_to_block, predicted_block_seconds
+
+    base = dataclasses.replace(BUILTIN_CPU, matmul_efficiency=1.0)
+    solo_s = predicted_block_seconds(base) / speed  # a machine `speed` times the kernel model
+    fitted = fit_to_block(base, solo_s, 1.25 * solo_s)
+    assert predicted_block_seconds(fitted) == pytest.approx(solo_s, rel=0.02)
+    assert fitted.matmul_efficiency != pytest.approx(1.0) or speed == 1.0
+    assert fitted.peak_tflops == pytest.approx(base.solo_tflops / 1.25)
+    assert fitted.hbm_gbps == pytest.approx(base.solo_hbm_gbps / 1.25)
+    block = fitted.measured["reference_block"]
+    assert block["slowdown"] == pytest.approx(1.25) and block["solo_s"] == solo_s
+    # A faster-than-solo concurrent reading (noise) is not a speed-up.
+    assert fit_to_block(base, solo_s, 0.9 * solo_s).peak_tflops == pytest.approx(base.solo_tflops)

@@ -14,13 +14,18 @@ rank 0's view:
 - the fixed cost of one tiny eager op (dispatch, autograd-free): ``kernel_overhead_us``;
 - fused causal attention (SDPA) forward and backward at a few head widths, relative to the solo
   GEMM rate (``attention_by_head_dim``);
-- all-reduce, all-gather, reduce-scatter, all-to-all and send/recv time by message size. Each
+- all-reduce, all-gather, reduce-scatter, all-to-all and send/recv time by message size, each
+  call after a millisecond of compute on every rank (as in a training step; see
+  :func:`_time_in_step`). Each
   collective's times are fitted to ``latency + bus_bytes / bandwidth`` (bus bytes as
   :func:`meshtrain.parallel.comm.bus_bytes` counts them, the nccl-tests convention the cost
   model uses). The all-reduce fit gives the profile's bandwidth and its per-step latency (the
   fitted latency divided by the ``2 ceil(log2 n)`` steps :meth:`Cluster.collective_time`
   charges), so the cost model reproduces the measured small-message time; send/recv gives the
-  "inter-node" figures.
+  "inter-node" figures;
+- one reference transformer block forward + backward, alone and with every rank busy, to which
+  the GEMM efficiency and the concurrent rates are then fitted
+  (:mod:`meshtrain.planner.calibrate_block`).
 
 Since every process shares the machine's cores, the profile says ``comm_overlaps_compute =
 False``: gloo's reductions and copies take the cores that compute. All processes share one
@@ -37,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from meshtrain.planner.calibrate_block import fit_to_block, reference_block_step
 from meshtrain.planner.hardware import HardwareProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -57,12 +63,19 @@ def default_profile_path() -> Path:
     return Path(cache) / "meshtrain" / "profile.json"
 
 
-def _time(fn, repeats: int) -> float:
+def _time_in_step(fn, repeats: int, compute) -> float:
+    """Median seconds of ``fn`` when every rank runs ``compute`` (about a millisecond of
+    GEMMs) before each call, as a training step's collectives sit between kernels. Back-to-back
+    calls measure a warm, lock-stepped loop; between compute each call also pays the wake-up of
+    a waiting process and the ranks' drift (on this VM ~2x the back-to-back time at 0.5 MB)."""
     fn()  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
+    times = []
+    for _ in range(max(repeats, 3)):
+        compute()
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _median_time(fn, window_s: float, samples: int) -> float:
@@ -161,17 +174,30 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
     out: dict = {op: [] for op in COLLECTIVES}
     copy_bytes = [COPY_BYTES]
     solo, concurrent = [], []
+    block = reference_block_step()
+    block_solo, block_concurrent = [], []
     for _ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
         if rank == 0:  # alone: the others wait at the barrier
             solo.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
+            block_solo.append(_median_time(block, 0.1 * repeats, 1))
         dist.barrier()
         concurrent.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
+        dist.barrier()
+        block_concurrent.append(_median_time(block, 0.1 * repeats, 1))
         dist.barrier()
     if rank == 0:
         out["solo"] = _median_of_rounds(solo)
         out["attention"] = _measure_attention(0.05 * repeats, 3)
+        out["block_s"] = {"solo": statistics.median(block_solo),
+                          "concurrent": statistics.median(block_concurrent)}
     out["concurrent"] = _median_of_rounds(concurrent)
     dist.barrier()
+    square = torch.randn(256, 256)
+
+    def compute(square=square):
+        for _ in range(25):  # ~1 ms at this VM's GEMM rate
+            torch.mm(square, square)
+
     for nbytes in sizes:
         elements = max(world, nbytes // 4 // world * world)
         full = torch.ones(elements)
@@ -193,7 +219,7 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
         for op, fn in ops.items():
             dist.barrier()
             try:
-                seconds = _time(fn, repeats * (4 if nbytes <= 2**16 else 1))
+                seconds = _time_in_step(fn, repeats * (4 if nbytes <= 2**16 else 2), compute)
             except RuntimeError as error:  # a backend without this collective
                 out[op].append({"bytes": elements * 4, "error": str(error).splitlines()[0]})
                 continue
@@ -261,11 +287,14 @@ def calibrate(nproc: int = 2, sizes: list[int] | None = None,
     sizes = sorted(sizes or [2**12, 2**16, 2**20, 2**24])
     matmul_sizes = matmul_sizes or [256, 512, 1024]
     measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
-    return _cpu_profile(name, measured["solo"], measured["concurrent"],
-                        fit_latency_bandwidth(measured["all_reduce"]),
-                        fit_latency_bandwidth(measured["send"]), nproc, power_w,
-                        f"meshtrain calibrate, {nproc} gloo processes on one machine "
-                        f"({os.cpu_count()} cores), one thread each", measured)
+    kernels = _cpu_profile(name, measured["solo"], measured["concurrent"],
+                           fit_latency_bandwidth(measured["all_reduce"]),
+                           fit_latency_bandwidth(measured["send"]), nproc, power_w,
+                           f"meshtrain calibrate, {nproc} gloo processes on one machine "
+                           f"({os.cpu_count()} cores), one thread each; fitted to a "
+                           f"reference block", measured)
+    block = measured["block_s"]
+    return fit_to_block(kernels, block["solo"], block["concurrent"])
 
 
 def quick_profile(nproc: int) -> HardwareProfile:

@@ -84,17 +84,27 @@ def predict(config: Config, world: int, profile: HardwareProfile) -> dict:
                     Cluster(profile, world, max(world, 1)))
 
 
-def compare(profile: HardwareProfile, steps: int = 4, **shape) -> list[dict]:
-    """One row per layout: ``layout, predicted_s, measured_s, error, times, breakdown``."""
+def compare(profile: HardwareProfile, steps: int = 4, rounds: int = 1, **shape) -> list[dict]:
+    """One row per layout: ``layout, predicted_s, measured_s, error, times, breakdown``.
+
+    With ``rounds > 1`` the layouts run in turn ``rounds`` times (``A B C D A B C D ...``) and
+    ``measured_s`` is the median of the rounds' medians: this VM's speed drifts by ±25 % over
+    tens of seconds, so a single run per layout mostly measures when it ran.
+    """
+    configs = {name: (small_config(extra, world, **shape), world)
+               for name, (extra, world) in LAYOUTS.items()}
+    times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    for _ in range(max(rounds, 1)):
+        for name, (config, world) in configs.items():
+            times[name].append(measure(config, world, steps))
     rows = []
-    for name, (extra, world) in LAYOUTS.items():
-        config = small_config(extra, world, **shape)
+    for name, (config, world) in configs.items():
         predicted = predict(config, world, profile)
-        times = measure(config, world, steps)
-        measured = statistics.median(times)
+        measured = statistics.median(statistics.median(t) for t in times[name])
         rows.append({"layout": name, "predicted_s": predicted["step_time_s"],
                      "measured_s": measured, "error": predicted["step_time_s"] / measured - 1,
-                     "times": times, "breakdown": predicted["breakdown"]})
+                     "times": [t for run in times[name] for t in run],
+                     "breakdown": predicted["breakdown"]})
     return rows
 
 
@@ -116,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshtrain.planner.cpu_check")
     parser.add_argument("--profile", help="a calibrate JSON (default: calibrate now)")
     parser.add_argument("--save-profile", help="write the calibrated profile JSON here")
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per layout")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per layout run")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of every layout, in turn (the median over rounds is kept)")
     for key, default in (("dim", 128), ("layers", 4), ("seq", 128), ("batch", 8)):
         parser.add_argument(f"--{key}", type=int, default=default)
     args = parser.parse_args(argv)
     profile = load_profile(args.profile) if args.profile else calibrate(2)
     if args.save_profile:
         Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
-    rows = compare(profile, args.steps, dim=args.dim, layers=args.layers, seq=args.seq,
+    rows = compare(profile, args.steps, args.rounds, dim=args.dim, layers=args.layers, seq=args.seq,
                    batch=args.batch)
     print(format_table(rows))
     for r in rows:

@@ -1,0 +1,104 @@
+"""Calibrate the CPU cost model on one reference transformer block.
+
+The kernel rates ``meshtrain calibrate`` measures (square GEMMs, a streaming copy, SDPA) price
+each piece of a block; the block as a whole runs at a different rate, for two reasons measured
+here rather than guessed:
+
+- **Solo:** a block's GEMMs are thin (``tokens × dim`` times ``dim × width``), interleaved with
+  element-wise kernels and the allocator; the cost model, priced from the square-GEMM rate,
+  mispredicts a real block's time by a machine-dependent factor. One block of
+  :data:`REFERENCE_SHAPE` is timed forward + backward with one process alone, and
+  ``matmul_efficiency`` (which scales both the GEMM and the attention rate of the cost model)
+  is set so that the model's prediction for that block equals the measurement. The
+  element-wise part stays priced by the copy bandwidth.
+- **Shared:** with every process busy, each one's GEMM rate can fall by half (on this kind of
+  2-vCPU VM the two vCPUs share one core's vector units), but a training step is not all GEMMs,
+  and two steps are not in phase, so they slow each other down less than two GEMM loops do. The
+  same block timed on every process at once gives the slowdown a training step sees, and the
+  profile's concurrent rates (``peak_tflops``, ``hbm_gbps``) become the solo ones divided by it.
+  The pure-GEMM figures stay in ``measured`` for reference.
+
+The reference shape is deliberately none of the shapes the planner's CPU check
+(:mod:`meshtrain.planner.cpu_check`) compares against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+REFERENCE_SHAPE = {"dim": 192, "n_heads": 12, "n_kv_heads": 6, "ffn_dim": 528, "seq_len": 128,
+                   "batch": 12}
+"""The calibration block: 16-wide heads (as the CPU check's models), SwiGLU 2.75 × dim."""
+
+
+def _reference_config():
+    from meshtrain.config import load_config
+
+    s = REFERENCE_SHAPE
+    return load_config(None, [
+        f"model.dim={s['dim']}", "model.n_layers=1", f"model.n_heads={s['n_heads']}",
+        f"model.n_kv_heads={s['n_kv_heads']}", f"model.ffn_dim={s['ffn_dim']}",
+        "model.vocab_size=264", f"train.seq_len={s['seq_len']}",
+        f"train.global_batch={s['batch']}"])
+
+
+def reference_block_step():
+    """A function running one forward + backward of the reference block (fp32, this thread)."""
+    import torch
+
+    from meshtrain.model.transformer import TransformerBlock
+
+    config = _reference_config()
+    generator = torch.Generator().manual_seed(0)
+    block = TransformerBlock(0, config.model)
+    with torch.no_grad():
+        for param in block.parameters():
+            if param.ndim > 1:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    s = REFERENCE_SHAPE
+    x = torch.randn(s["batch"], s["seq_len"], s["dim"], generator=generator, requires_grad=True)
+
+    def step() -> None:
+        block(x).square().mean().backward()
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+
+    return step
+
+
+def predicted_block_seconds(profile) -> float:
+    """The cost model's forward + backward seconds of the reference block on one process."""
+    from meshtrain.planner.hardware import Cluster
+    from meshtrain.planner.timing import block_cost
+    from meshtrain.planner.workload import Layout, Workload
+
+    config = _reference_config()
+    return block_cost(Workload.from_config(config), Layout.from_config(config),
+                      Cluster(profile, 1, 1), 0).compute
+
+
+def fit_to_block(profile, solo_s: float, concurrent_s: float):
+    """``profile`` with ``matmul_efficiency`` fitted to the measured solo block time and its
+    concurrent rates set to the solo ones over the measured block slowdown (module docstring).
+
+    The model's block time is ``compute / efficiency + elementwise``; evaluating it at two
+    efficiencies separates the two parts. A measurement the element-wise part alone exceeds
+    (nonsense from a disturbed run) leaves the efficiency at 1.
+    """
+    one = predicted_block_seconds(dataclasses.replace(profile, matmul_efficiency=1.0))
+    half = predicted_block_seconds(dataclasses.replace(profile, matmul_efficiency=0.5))
+    compute = half - one  # seconds of GEMM + attention at efficiency 1
+    rest = one - compute
+    efficiency = compute / (solo_s - rest) if solo_s > rest and compute > 0 else 1.0
+    slowdown = max(concurrent_s / solo_s, 1.0) if solo_s > 0 else 1.0
+    measured = dict(profile.measured or {})
+    measured["reference_block"] = {
+        "shape": REFERENCE_SHAPE, "solo_s": solo_s, "concurrent_s": concurrent_s,
+        "slowdown": slowdown, "predicted_s_at_efficiency_1": one,
+        "matmul_efficiency": efficiency,
+        "gemm_only_peak_tflops": profile.peak_tflops, "gemm_only_hbm_gbps": profile.hbm_gbps}
+    solo_tflops = profile.solo_tflops or profile.peak_tflops
+    solo_hbm = profile.solo_hbm_gbps or profile.hbm_gbps
+    return dataclasses.replace(
+        profile, matmul_efficiency=efficiency, peak_tflops=solo_tflops / slowdown,
+        hbm_gbps=solo_hbm / slowdown, measured=measured)
