@@ -173,6 +173,9 @@ class TrainConfig:
     max_nonfinite_skips in a row) or ``stop`` the run at once (exit 1)."""
     max_nonfinite_skips: int = 3
     """With on_nonfinite = "skip": stop when this many steps in a row were non-finite."""
+    compile: bool = False
+    """Compile each transformer block's forward with ``torch.compile`` (dense models; dp,
+    ZeRO, pp; see :mod:`meshtrain.parallel.compile`). The first step pays the compilation."""
     max_restarts: int = 0
     """Restart every worker up to this many times after a failure; a restarted run resumes from
     the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""

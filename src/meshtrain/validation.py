@@ -295,6 +295,8 @@ def validate_train(config: Config) -> None:
     _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
     _at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
     _at_least(t.max_restarts, 0, "train.max_restarts")
+    if t.compile:
+        _check_compile(config)
     if t.device == "cuda":
         import torch
 
@@ -307,6 +309,23 @@ def validate_train(config: Config) -> None:
         except ImportError:
             raise ConfigError("train.tensorboard = true needs the tensorboard package "
                               "(pip install tensorboard).") from None
+
+
+def _check_compile(config: Config) -> None:
+    """``train.compile`` covers dense blocks under dp, ZeRO and pp (meshtrain.parallel.compile)."""
+    par, m = config.parallel, config.model
+    problems = []
+    if par.tp > 1:
+        problems.append(f"parallel.tp = {par.tp} (valid: 1)")
+    if par.ep > 1 or m.moe_experts:
+        problems.append(f"model.moe_experts = {m.moe_experts}, parallel.ep = {par.ep} "
+                        "(valid: a dense model, ep = 1)")
+    if par.activation_checkpointing == "selective":
+        problems.append('parallel.activation_checkpointing = "selective" (valid: "none", "full")')
+    if problems:
+        raise ConfigError("train.compile = true compiles dense transformer blocks under data, "
+                          "ZeRO and pipeline parallelism only; this run has "
+                          + "; ".join(problems) + ". Set train.compile = false or change those.")
 
 
 def validate_data_and_checkpoint(config: Config) -> None:

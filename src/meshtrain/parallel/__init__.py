@@ -56,6 +56,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     if any(p.is_meta for p in model.parameters()):
         _materialize(model, mesh.device, plan)
     apply_activation_checkpointing(model, plan.activation_checkpointing)
+    if plan.compile_blocks:
+        from meshtrain.parallel.compile import compile_blocks
+
+        compile_blocks(model)  # after checkpointing: the compiled graph holds the checkpoint
     from meshtrain.parallel.data import apply_data_parallel
 
     model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb)

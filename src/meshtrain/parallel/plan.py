@@ -55,6 +55,8 @@ class ParallelPlan:
     """Seed of the name-seeded initialisation, for a model built on the meta device."""
     param_dtype: str = "fp32"
     """dtype the parameters are materialised in (``fp32`` or ``bf16``)."""
+    compile_blocks: bool = False
+    """``torch.compile`` each block's forward (``train.compile``)."""
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelPlan:
@@ -66,7 +68,8 @@ class ParallelPlan:
                    pp_split=par.pp_split,
                    activation_checkpointing=par.activation_checkpointing,
                    dp_bucket_mb=par.dp_bucket_mb, init_seed=config.train.seed,
-                   param_dtype=config.train.precision)
+                   param_dtype=config.train.precision,
+                   compile_blocks=config.train.compile)
 
     @property
     def world_size(self) -> int:
