@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from meshtrain.config import Config, load_config
@@ -84,22 +85,31 @@ def predict(config: Config, world: int, profile: HardwareProfile) -> dict:
                     Cluster(profile, world, max(world, 1)))
 
 
-def compare(profile: HardwareProfile, steps: int = 4, rounds: int = 1, **shape) -> list[dict]:
+def compare(profile: HardwareProfile | Callable[[], HardwareProfile], steps: int = 4,
+            rounds: int = 1, **shape) -> list[dict]:
     """One row per layout: ``layout, predicted_s, measured_s, error, times, breakdown``.
 
     With ``rounds > 1`` the layouts run in turn ``rounds`` times (``A B C D A B C D ...``) and
     ``measured_s`` is the median of the rounds' medians: this VM's speed drifts by ±25 % over
-    tens of seconds, so a single run per layout mostly measures when it ran.
+    tens of seconds, so a single run per layout mostly measures when it ran. ``profile`` may be
+    a function (e.g. ``lambda: calibrate(2)``): it is then called at the start of every round
+    and ``predicted_s`` is the median of the rounds' predictions, so calibration samples the
+    machine as often, and at the same moments, as the measurement does.
     """
     configs = {name: (small_config(extra, world, **shape), world)
                for name, (extra, world) in LAYOUTS.items()}
     times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    predictions: dict[str, list[dict]] = {name: [] for name in configs}
+    fixed = None if callable(profile) else profile
     for _ in range(max(rounds, 1)):
+        current = fixed or profile()
         for name, (config, world) in configs.items():
+            predictions[name].append(predict(config, world, current))
             times[name].append(measure(config, world, steps))
     rows = []
-    for name, (config, world) in configs.items():
-        predicted = predict(config, world, profile)
+    for name in configs:
+        ranked = sorted(predictions[name], key=lambda p: p["step_time_s"])
+        predicted = ranked[(len(ranked) - 1) // 2]  # the median round's prediction
         measured = statistics.median(statistics.median(t) for t in times[name])
         rows.append({"layout": name, "predicted_s": predicted["step_time_s"],
                      "measured_s": measured, "error": predicted["step_time_s"] / measured - 1,
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshtrain.planner.hardware import load_profile
 
     parser = argparse.ArgumentParser(prog="python -m meshtrain.planner.cpu_check")
-    parser.add_argument("--profile", help="a calibrate JSON (default: calibrate now)")
+    parser.add_argument("--profile", help="a calibrate JSON (default: calibrate at the start of "
+                                           "every round)")
     parser.add_argument("--save-profile", help="write the calibrated profile JSON here")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per layout run")
     parser.add_argument("--rounds", type=int, default=3,
@@ -132,11 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     for key, default in (("dim", 128), ("layers", 4), ("seq", 128), ("batch", 8)):
         parser.add_argument(f"--{key}", type=int, default=default)
     args = parser.parse_args(argv)
-    profile = load_profile(args.profile) if args.profile else calibrate(2)
-    if args.save_profile:
-        Path(args.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    profiles: list[HardwareProfile] = []
+
+    def calibrate_now() -> HardwareProfile:
+        profiles.append(calibrate(2))
+        return profiles[-1]
+
+    profile = load_profile(args.profile) if args.profile else calibrate_now
     rows = compare(profile, args.steps, args.rounds, dim=args.dim, layers=args.layers, seq=args.seq,
                    batch=args.batch)
+    if args.save_profile and profiles:  # the last round's calibration
+        Path(args.save_profile).write_text(json.dumps(profiles[-1].to_dict(), indent=2) + "\n")
     print(format_table(rows))
     for r in rows:
         print(r["layout"], [round(t, 4) for t in r["times"]],
