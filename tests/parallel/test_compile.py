@@ -21,13 +21,15 @@ def _assert_same(records: list[dict], reference: list[dict]) -> None:
     assert report["ok"], report
 
 
-def test_compiled_blocks_match_eager_on_one_process_and_under_zero3():
+def test_compiled_blocks_match_eager_on_one_process_zero3_checkpointing_and_pp():
     eager = run_layout(tiny_config(), 1, STEPS)
     _assert_same(run_layout(tiny_config("train.compile=true"), 1, STEPS), eager)
     # ZeRO-3's gather / free hooks stay outside the compiled forward; full checkpointing
-    # recomputes the compiled forward.
+    # recomputes the compiled forward; pipeline stages compile only the blocks they hold.
     cases = [tiny_config("train.compile=true", "parallel.zero=3", nproc=2),
              tiny_config("train.compile=true", "parallel.activation_checkpointing=full",
+                         nproc=2),
+             tiny_config("train.compile=true", "parallel.pp=2", "parallel.microbatches=2",
                          nproc=2)]
     results = run_distributed(2, train_many, [c.to_dict() for c in cases], STEPS,
                               timeout=900)[0]
