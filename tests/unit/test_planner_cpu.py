@@ -81,3 +81,21 @@ def test_fit_to_block_reproduces_the_measured_block_and_its_slowdown(speed):
     assert block["slowdown"] == pytest.approx(1.25) and block["solo_s"] == solo_s
     # A faster-than-solo concurrent reading (noise) is not a speed-up.
     assert fit_to_block(base, solo_s, 0.9 * solo_s).peak_tflops == pytest.approx(base.solo_tflops)
+
+
+def test_two_block_sizes_recover_the_efficiency_and_the_per_kernel_overhead():
+    """Block times made by the model itself at a known efficiency and per-kernel overhead are
+    fitted back to those values (the small block separates overhead from rate)."""
+    from meshtrain.planner.calibrate_block import (
+        SMALL_BATCH,
+        fit_to_block,
+        predicted_block_seconds,
+    )
+
+    truth = dataclasses.replace(BUILTIN_CPU, matmul_efficiency=0.7, kernel_overhead_us=15.0)
+    large, small = predicted_block_seconds(truth), predicted_block_seconds(truth, SMALL_BATCH)
+    fitted = fit_to_block(dataclasses.replace(BUILTIN_CPU, kernel_overhead_us=2.0), large, large,
+                          small)
+    assert fitted.matmul_efficiency == pytest.approx(0.7, rel=0.03)
+    assert fitted.kernel_overhead_us == pytest.approx(15.0, rel=0.03)
+    assert predicted_block_seconds(fitted, SMALL_BATCH) == pytest.approx(small, rel=0.02)

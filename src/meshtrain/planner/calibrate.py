@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshtrain.planner.calibrate_block import fit_to_block, reference_block_step
+from meshtrain.planner.calibrate_block import SMALL_BATCH, fit_to_block, reference_block_step
 from meshtrain.planner.hardware import HardwareProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -174,12 +174,13 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
     out: dict = {op: [] for op in COLLECTIVES}
     copy_bytes = [COPY_BYTES]
     solo, concurrent = [], []
-    block = reference_block_step()
-    block_solo, block_concurrent = [], []
+    block, small_block = reference_block_step(), reference_block_step(SMALL_BATCH)
+    block_solo, block_concurrent, small_solo = [], [], []
     for _ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
         if rank == 0:  # alone: the others wait at the barrier
             solo.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
             block_solo.append(_median_time(block, 0.1 * repeats, 1))
+            small_solo.append(_median_time(small_block, 0.1 * repeats, 1))
         dist.barrier()
         concurrent.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
         dist.barrier()
@@ -189,7 +190,8 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
         out["solo"] = _median_of_rounds(solo)
         out["attention"] = _measure_attention(0.05 * repeats, 3)
         out["block_s"] = {"solo": statistics.median(block_solo),
-                          "concurrent": statistics.median(block_concurrent)}
+                          "concurrent": statistics.median(block_concurrent),
+                          "small_solo": statistics.median(small_solo)}
     out["concurrent"] = _median_of_rounds(concurrent)
     dist.barrier()
     square = torch.randn(256, 256)
@@ -294,7 +296,7 @@ def calibrate(nproc: int = 2, sizes: list[int] | None = None,
                            f"({os.cpu_count()} cores), one thread each; fitted to a "
                            f"reference block", measured)
     block = measured["block_s"]
-    return fit_to_block(kernels, block["solo"], block["concurrent"])
+    return fit_to_block(kernels, block["solo"], block["concurrent"], block["small_solo"])
 
 
 def quick_profile(nproc: int) -> HardwareProfile:
