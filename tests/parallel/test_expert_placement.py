@@ -146,9 +146,9 @@ def _trainer(config_dict: dict, skew: bool):
 
 
 def _rows_received(trainer) -> dict[str, int]:
-    from meshtrain.parallel.expert.placement import _layer_id
+    from meshtrain.model.moe import layer_index
 
-    return {str(_layer_id(name)): module.pop_rows_received()
+    return {str(layer_index(name)): module.pop_rows_received()
             for name, module in trainer.model.named_modules()
             if isinstance(module, ExpertParallelExperts)}
 

@@ -230,7 +230,7 @@ class MoE(nn.Module):
             "dropped": dropped,
             "aux_loss": stats["aux_loss"],
         }
-        if not _recomputing_in_backward():
+        if not recomputing_in_backward():
             self._accumulate(self.last_stats)
         return out.view_as(x)
 
@@ -270,11 +270,17 @@ class MoE(nn.Module):
         self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
 
 
-def _recomputing_in_backward() -> bool:
+def recomputing_in_backward() -> bool:
     """True while autograd runs a backward pass, i.e. when a forward is an activation-checkpoint
     recomputation (its routing repeats one already counted)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def layer_index(module_name: str) -> int:
+    """The block number in a module name such as ``layers.3.moe.experts`` (``3``)."""
+    parts = module_name.split(".")
+    return int(parts[parts.index("layers") + 1])
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

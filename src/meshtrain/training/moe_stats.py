@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from meshtrain.config import ModelConfig
-from meshtrain.model.moe import MoE
+from meshtrain.model.moe import MoE, layer_index
 
 
 class MoEStepStats:
@@ -41,7 +41,7 @@ class MoEStepStats:
         self.local: list[tuple[int, MoE]] = []
         for name, module in model.named_modules():
             if isinstance(module, MoE):
-                layer_id = int(name.split(".")[name.split(".").index("layers") + 1])
+                layer_id = layer_index(name)
                 self.local.append((row_of[layer_id], module))
         self.last_loads: torch.Tensor | None = None
         """The last step's global tokens per expert, ``[moe layers, experts]`` (all stages)."""

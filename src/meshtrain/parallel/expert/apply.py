@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.model.moe import GroupedExperts, _recomputing_in_backward, moe_layers
+from meshtrain.model.moe import GroupedExperts, moe_layers, recomputing_in_backward
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.expert.dispatch import combine, dispatch, plan_dispatch
 from meshtrain.parallel.expert.placement import LayerPlacement
@@ -49,7 +49,7 @@ class ExpertParallelExperts(GroupedExperts):
             super().__init__(local, dim, hidden, experts.act.mlp)
         self.comm = comm
         self.total_experts = total
-        self.first_expert = lo = ep_rank * local  # under the identity (initial) placement
+        lo = ep_rank * local  # the first expert under the identity (initial) placement
         self.placement = placement = LayerPlacement(total, ep_size, ep_rank)
         self.rows_received = 0
         for name in EXPERT_WEIGHTS:
@@ -93,7 +93,7 @@ class ExpertParallelExperts(GroupedExperts):
         """Dispatch rows grouped by slot (``slot_counts``), run the local experts, combine."""
         plan = plan_dispatch(torch.tensor(slot_counts, dtype=torch.long, device=x.device),
                              self.comm)
-        if not _recomputing_in_backward():
+        if not recomputing_in_backward():
             self.rows_received += sum(plan.local_counts)
         grouped = dispatch(x, plan, self.comm)
         return combine(super().forward(grouped, plan.local_counts), plan, self.comm)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.model.moe import layer_index
 from meshtrain.parallel.expert.move import move_expert_state
 
 
@@ -128,11 +129,6 @@ def plan_placement(loads, slots: list[int], ep: int) -> list[int]:
     return new
 
 
-def _layer_id(name: str) -> int:
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
 class ExpertPlacer:
     """Tracks every MoE layer's placement (all layers, on every rank), reports per-ep-rank load,
     rebalances every ``parallel.ep_rebalance_every`` steps and moves this rank's experts."""
@@ -147,7 +143,7 @@ class ExpertPlacer:
         m = config.model
         self.layer_ids = [i for i in range(m.n_layers) if m.is_moe_layer(i)]
         self.local: dict[int, LayerPlacement] = {
-            _layer_id(name): module.placement for name, module in model.named_modules()
+            layer_index(name): module.placement for name, module in model.named_modules()
             if isinstance(module, ExpertParallelExperts)}
         self.placements = {i: list(range(self.num_experts)) for i in self.layer_ids}
         self.window = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.float64)
