@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="process counts of the scaling suite (default 1,2,4)")
     bench.add_argument("--plot", default="", metavar="PNG",
                        help="write the scaling suite's tokens/s against processes as a PNG")
+    bench.add_argument("--same-allocator", action="store_true",
+                       help="start the peer's processes with meshtrain's malloc settings too "
+                            "(compares the frameworks' work alone; see docs/performance.md)")
     _add_planner_parsers(sub)
     sim = sub.add_parser("simulate", help="time a pipeline schedule (bubble, memory, timeline)")
     sim.add_argument("--schedule", required=True,
@@ -202,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           'e.g. 1,2,4.') from None
     options = BenchOptions(suites=args.suites, steps=args.steps, warmup=args.warmup,
                            repeats=args.repeats, overrides=args.overrides, procs=procs,
-                           plot=args.plot)
+                           plot=args.plot, same_allocator=args.same_allocator)
     try:
         results = run_bench(options)
     except DistributedTestError as error:
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if argv is None and args.command == "train":  # the real command line, not a test's call
+            from meshtrain.host_allocator import reexec_with_allocator_env
+
+            reexec_with_allocator_env()
         return COMMANDS[args.command](args)
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)

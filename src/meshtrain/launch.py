@@ -29,6 +29,7 @@ from pathlib import Path
 from meshtrain import diagnostics
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
+from meshtrain.host_allocator import allocator_env
 
 
 class LaunchError(RunFailure):
@@ -140,6 +141,7 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MESHTRAIN_THREADS"] = str(threads)
     os.environ[diagnostics.LAUNCHED_ENV] = "1"
+    os.environ.update(allocator_env())  # workers start with meshtrain's malloc settings
     # torch elastic logs every worker failure at length; the summary below replaces that.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from meshtrain.bench import SUITES, Suite, format_table, register_suite
 from meshtrain.cli import main
+from meshtrain.host_allocator import allocator_env
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64", "--set", "train.seq_len=32",
@@ -43,7 +44,8 @@ def pair_results() -> dict[str, dict]:
     return {r["suite"]: r for r in results}
 
 
-def _check_result(result: dict, suite: str, world: int) -> None:
+def _check_result(result: dict, suite: str, world: int,
+                  same_allocator: bool = False) -> None:
     assert result["suite"] == suite
     assert result["world_size"] == world
     assert isinstance(result["peer"], str) and result["peer"]
@@ -68,12 +70,16 @@ def _check_result(result: dict, suite: str, world: int) -> None:
     # Same data, same initial weights, same optimizer: both sides train the same numbers.
     assert result["meshtrain_first_loss"] == pytest.approx(result["peer_first_loss"], rel=1e-4)
     assert result["meshtrain_last_loss"] == pytest.approx(result["peer_last_loss"], rel=1e-3)
+    # meshtrain's side starts with its launcher's malloc settings; the peer with its own unless
+    # --same-allocator.
+    assert result["meshtrain_allocator_env"] == allocator_env()
+    assert result["peer_allocator_env"] == (allocator_env() if same_allocator else {})
 
 
 def test_single_suite_json():
     pytest.importorskip("transformers")
-    [result] = _bench_json("--suite", "single", *ONE_QUICK_RUN, *TINY)
-    _check_result(result, "single", 1)
+    [result] = _bench_json("--suite", "single", "--same-allocator", *ONE_QUICK_RUN, *TINY)
+    _check_result(result, "single", 1, same_allocator=True)
 
 
 @pytest.mark.parametrize("suite", PAIR_SUITES)

@@ -4,10 +4,13 @@ A **suite** compares one meshtrain layout with one PyTorch-native *peer* that do
 (same model shape, same data, same optimizer settings, same number of processes). The runner
 starts every run in fresh processes through :func:`meshtrain.distributed_run.run_distributed`
 (one intra-op thread each, gloo), alternating ``meshtrain, peer, meshtrain, peer, ...`` so that
-drift in the machine's load is shared by both sides. Inside a run the first ``warmup`` steps are
-discarded; the run's throughput is a step's tokens over the run's median step time, and a suite
-reports the **median over repeats** of each side, their ratio ``meshtrain / peer`` and the peak
-memory of each rank.
+drift in the machine's load is shared by both sides. Each side starts as its users would start it:
+meshtrain's processes with the ``malloc`` settings its launcher gives every training process
+(:mod:`meshtrain.host_allocator`), the peer's as a plain PyTorch script (``--same-allocator`` gives
+the peer those settings too, to compare the frameworks' own work). Inside a run the first
+``warmup`` steps are discarded; the run's throughput is a step's tokens over the run's median
+step time, and a suite reports the **median over repeats** of each side, their ratio
+``meshtrain / peer`` and the peak memory of each rank.
 
 Adding a suite is one :func:`register_suite` call in :mod:`meshtrain.bench.suites`; see
 :class:`Suite`. A suite that is not a meshtrain/peer pair (``scaling``) brings its own ``run``.
@@ -21,10 +24,12 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.config import Config, ConfigError, parse_override, set_key
+from meshtrain.host_allocator import allocator_env, allocator_environment
 
 BENCH_DEFAULTS: dict[str, Any] = {
     "model.vocab_size": 512, "model.dim": 256, "model.n_layers": 4, "model.n_heads": 8,
@@ -108,6 +113,10 @@ class BenchOptions:
     """Process counts the ``scaling`` suite measures on every axis."""
     plot: str = ""
     """PNG path for the ``scaling`` suite's plot (empty: no plot)."""
+    same_allocator: bool = False
+    """Start the peer's processes with meshtrain's ``malloc`` settings too
+    (:mod:`meshtrain.host_allocator`). Off by default: the peer runs as a plain PyTorch script
+    would, and meshtrain as ``meshtrain train`` would, settings included."""
 
 
 def resolve_suites(names: list[str]) -> list[Suite]:
@@ -204,9 +213,11 @@ def run_suite(suite: Suite, options: BenchOptions,
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for repeat in range(options.repeats):
         for side, worker in sides.items():
-            ranks = run_distributed(world, worker, config.to_dict(), options.warmup,
-                                    options.steps, timeout=options.timeout_s,
-                                    threads=THREADS_PER_PROCESS)
+            tuned = side == "meshtrain" or options.same_allocator
+            with allocator_environment() if tuned else nullcontext():
+                ranks = run_distributed(world, worker, config.to_dict(), options.warmup,
+                                        options.steps, timeout=options.timeout_s,
+                                        threads=THREADS_PER_PROCESS)
             run = summarise_run(ranks)
             runs[side].append(run)
             log(f"bench {suite.name}: repeat {repeat + 1}/{options.repeats} {side:<9} "
@@ -222,6 +233,9 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
 
     medians = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in runs.items()}
     result: dict[str, Any] = {"suite": suite.name, "world_size": world, "peer": suite.peer}
+    added = allocator_env()  # what the runs of a tuned side had added to their environment
+    result["meshtrain_allocator_env"] = added
+    result["peer_allocator_env"] = added if options.same_allocator else {}
     for side in ("meshtrain", "peer"):
         rs = runs[side]
         result[f"{side}_tokens_per_s"] = medians[side]

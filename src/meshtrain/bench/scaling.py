@@ -34,6 +34,7 @@ from meshtrain.bench.runner import (
     summarise_run,
 )
 from meshtrain.config import Config, ConfigError
+from meshtrain.host_allocator import allocator_environment
 
 SCALING_AXES = ("dp", "tp", "pp")
 """The axes the suite scales, each alone."""
@@ -92,9 +93,10 @@ def run_scaling(suite: Suite, options: BenchOptions, log: Callable[[str], None])
     runs: dict[tuple[str, int], list[dict]] = {point: [] for point in configs}
     for repeat in range(options.repeats):
         for (axis, procs), config in configs.items():
-            ranks = run_distributed(procs, suite.meshtrain_worker, config.to_dict(),
-                                    options.warmup, options.steps, timeout=options.timeout_s,
-                                    threads=THREADS_PER_PROCESS)
+            with allocator_environment():  # as `meshtrain train` starts its workers
+                ranks = run_distributed(procs, suite.meshtrain_worker, config.to_dict(),
+                                        options.warmup, options.steps,
+                                        timeout=options.timeout_s, threads=THREADS_PER_PROCESS)
             run = summarise_run(ranks)
             runs[(axis, procs)].append(run)
             log(f"bench scaling: repeat {repeat + 1}/{options.repeats} {axis} = {procs:<2} "

@@ -1,0 +1,94 @@
+"""meshtrain's glibc ``malloc`` settings: which variables are added, the opt-out, and the
+re-exec that puts them into a process before it starts for real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshtrain.config import ConfigError
+from meshtrain.host_allocator import (
+    ALLOCATOR_ENV,
+    OPT_OUT_ENV,
+    allocator_env,
+    allocator_environment,
+    uses_glibc,
+)
+
+needs_glibc = pytest.mark.skipif(not uses_glibc(), reason="the settings are glibc's")
+
+
+@needs_glibc
+def test_adds_every_missing_variable():
+    assert allocator_env({}) == ALLOCATOR_ENV
+    assert allocator_env({OPT_OUT_ENV: "tuned"}) == ALLOCATOR_ENV
+
+
+@needs_glibc
+def test_a_users_own_value_wins():
+    user = {"MALLOC_TRIM_THRESHOLD_": "0"}
+    added = allocator_env(user)
+    assert "MALLOC_TRIM_THRESHOLD_" not in added
+    assert added == {k: v for k, v in ALLOCATOR_ENV.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+
+
+def test_opt_out_keeps_glibc_defaults():
+    assert allocator_env({OPT_OUT_ENV: "default"}) == {}
+    assert allocator_env({OPT_OUT_ENV: " Default "}) == {}
+
+
+def test_a_bad_choice_is_refused_with_the_valid_ones():
+    with pytest.raises(ConfigError, match='"tuned".*"default"'):
+        allocator_env({OPT_OUT_ENV: "jemalloc"})
+
+
+@needs_glibc
+def test_environment_block_adds_then_removes(monkeypatch):
+    for key in ALLOCATOR_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv(OPT_OUT_ENV, raising=False)
+    with allocator_environment() as added:
+        assert added == ALLOCATOR_ENV
+        assert all(os.environ[k] == v for k, v in ALLOCATOR_ENV.items())
+    assert not any(k in os.environ for k in ALLOCATOR_ENV)
+
+
+PROBE = """
+import os, sys
+from meshtrain.host_allocator import reexec_with_allocator_env
+print("start", os.getpid(), flush=True)
+reexec_with_allocator_env()
+print("run", os.getpid(), os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+      os.environ.get("MALLOC_TRIM_THRESHOLD_"), sys.argv[1:], flush=True)
+"""
+
+
+def _probe(extra_env: dict[str, str]) -> list[list[str]]:
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    env.pop(OPT_OUT_ENV, None)
+    env.pop("MESHTRAIN_ALLOCATOR_REEXEC", None)
+    env.update(extra_env)
+    out = subprocess.run([sys.executable, "-c", PROBE, "a", "b c"], env=env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    return [line.split(" ", 2) for line in out.splitlines()]
+
+
+@needs_glibc
+def test_reexec_restarts_the_same_process_with_the_settings():
+    lines = _probe({})
+    # The first start prints "start", re-executes (same pid), and the second start runs on.
+    assert [line[0] for line in lines] == ["start", "start", "run"]
+    assert len({line[1] for line in lines}) == 1
+    threshold, trim, args = lines[2][2].split(" ", 2)
+    assert (threshold, trim) == (ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"],
+                                 ALLOCATOR_ENV["MALLOC_TRIM_THRESHOLD_"])
+    assert args == "['a', 'b c']"  # the command line survives the re-exec
+
+
+def test_no_reexec_when_opted_out():
+    lines = _probe({OPT_OUT_ENV: "default"})
+    assert [line[0] for line in lines] == ["start", "run"]
+    assert lines[1][2].startswith("None None")
