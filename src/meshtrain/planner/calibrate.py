@@ -285,10 +285,12 @@ def calibrate(nproc: int = 2, sizes: list[int] | None = None,
               name: str = "measured", power_w: float = 0.0) -> HardwareProfile:
     """Measure this machine with ``nproc`` processes and return the profile."""
     from meshtrain.distributed_run import run_distributed
+    from meshtrain.host_allocator import allocator_environment
 
     sizes = sorted(sizes or [2**12, 2**16, 2**20, 2**24])
     matmul_sizes = matmul_sizes or [256, 512, 1024]
-    measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
+    with allocator_environment():  # the malloc settings `meshtrain train` gives its workers
+        measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
     kernels = _cpu_profile(name, measured["solo"], measured["concurrent"],
                            fit_latency_bandwidth(measured["all_reduce"]),
                            fit_latency_bandwidth(measured["send"]), nproc, power_w,

@@ -2,9 +2,9 @@
 
 ``python -m meshtrain.planner.cpu_check [--profile profile.json] [--dim 128 ...]`` calibrates
 (unless given a profile), trains a small model for a few steps with one process, dp2, tp2 and pp2
-(1F1B, 4 micro-batches) through :func:`meshtrain.verify.run_layout` (one intra-op thread per
-process), and prints a markdown table of the planner's prediction (:func:`estimate`), the median
-measured step time after a warm-up step, and the error. ``tests/integration/
+(1F1B, 4 micro-batches) in fresh processes (one intra-op thread each), and prints a markdown
+table of the planner's prediction (:func:`estimate`), the median measured step time after a
+warm-up step, and the error. ``tests/integration/
 test_planner_calibration.py`` runs the same comparison with generous bounds; the table in
 ``docs/planner.md`` came from this command.
 """
@@ -12,7 +12,6 @@ test_planner_calibration.py`` runs the same comparison with generous bounds; the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -49,30 +48,20 @@ def small_config(extra: list[str], world: int, dim: int = 128, layers: int = 4, 
     return config
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread in this process (the one-process layout runs here)."""
-    import torch
-
-    threads, env = torch.get_num_threads(), os.environ.get("MESHTRAIN_THREADS")
-    torch.set_num_threads(1)
-    os.environ["MESHTRAIN_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if env is None:
-            os.environ.pop("MESHTRAIN_THREADS", None)
-        else:
-            os.environ["MESHTRAIN_THREADS"] = env
-
-
 def measure(config: Config, world: int, steps: int, warmup: int = 1) -> list[float]:
-    """Step times (s) of ``steps`` steps after ``warmup`` discarded ones, one thread/process."""
-    from meshtrain.verify import run_layout
+    """Step times (s) of ``steps`` steps after ``warmup`` discarded ones, one thread/process.
 
-    with _one_thread():
-        records = run_layout(config, world, warmup + steps)
+    Every layout, one process included, runs in fresh processes started the way ``meshtrain
+    train`` starts its workers (:mod:`meshtrain.host_allocator`'s ``malloc`` settings), the same
+    way :func:`meshtrain.planner.calibrate.calibrate` measured the machine.
+    """
+    from meshtrain.distributed_run import run_distributed
+    from meshtrain.host_allocator import allocator_environment
+    from meshtrain.verify import train_steps
+
+    with allocator_environment():
+        records = run_distributed(world, train_steps, config.to_dict(), warmup + steps,
+                                  timeout=900, threads=1)[0]
     return [r["step_time_s"] for r in records[warmup:]]
 
 
