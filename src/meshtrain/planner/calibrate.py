@@ -78,6 +78,24 @@ def _time_in_step(fn, repeats: int, compute) -> float:
     return statistics.median(times)
 
 
+def _interleaved_times(fns: list, window_s: float) -> list[float]:
+    """Mean seconds per call of each of ``fns``, called in turn (``a b a b ...``) for at least
+    ``window_s``: the machine's drift then hits all of them alike, so their *ratios* hold even
+    when the absolute speed moves (after one warm-up call of each)."""
+    for fn in fns:
+        fn()
+    totals, calls, start = [0.0] * len(fns), 0, time.perf_counter()
+    while True:
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            totals[i] += time.perf_counter() - t
+        calls += 1
+        if time.perf_counter() - start >= window_s:
+            break
+    return [total / calls for total in totals]
+
+
 def _median_time(fn, window_s: float, samples: int) -> float:
     """Median over ``samples`` windows of the mean seconds per call, each window calling ``fn``
     for at least ``window_s``: on a shared machine a short burst can land in a quiet or a busy
@@ -179,8 +197,10 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
     for _ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
         if rank == 0:  # alone: the others wait at the barrier
             solo.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
-            block_solo.append(_median_time(block, 0.1 * repeats, 1))
-            small_solo.append(_median_time(small_block, 0.1 * repeats, 1))
+            # the two sizes in turn: their ratio splits rate from per-kernel cost
+            large_s, small_s = _interleaved_times([block, small_block], 0.2 * repeats)
+            block_solo.append(large_s)
+            small_solo.append(small_s)
         dist.barrier()
         concurrent.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
         dist.barrier()

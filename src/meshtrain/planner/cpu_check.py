@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "every round)")
     parser.add_argument("--save-profile", help="write the calibrated profile JSON here")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per layout run")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="runs of every layout, in turn (the median over rounds is kept)")
     for key, default in (("dim", 128), ("layers", 4), ("seq", 128), ("batch", 8)):
         parser.add_argument(f"--{key}", type=int, default=default)
