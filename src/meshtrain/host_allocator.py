@@ -15,8 +15,8 @@ that memory in the process instead:
 Measured on the 2-vCPU VM of ``docs/performance.md`` (two copies of the same meshtrain step, one
 with and one without, each pinned to its own core so that both share the machine's drift): 200–430
 instead of 4.5–7.9k faults per step, steps 0–35 % faster (median of six pairs 1.10×), the same
-peak RSS. A
-training step's allocations repeat exactly, so memory kept from one step is what the next needs.
+peak RSS. A training step's allocations repeat exactly, so memory kept from one step is what the
+next one needs.
 
 glibc reads these variables once, when the process starts, so they must be in the environment
 before it does: ``mallopt`` from inside a running process did not stop the faults (tried and
