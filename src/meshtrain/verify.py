@@ -57,10 +57,11 @@ def train_steps(config_dict: dict, steps: int) -> list[dict]:
     return records if mesh.is_logging_rank else []
 
 
-def run_layout(config: Config, world_size: int, steps: int, timeout: float = 900) -> list[dict]:
+def run_layout(config: Config, world_size: int, steps: int, timeout: float = 900,
+               spawn_single: bool = False) -> list[dict]:
     """Train ``config`` for ``steps`` steps on ``world_size`` local processes (one in-process
-    when the world is 1); return rank 0's metric records."""
-    if world_size == 1:
+    when the world is 1, unless ``spawn_single``); return rank 0's metric records."""
+    if world_size == 1 and not spawn_single:
         return train_steps(config.to_dict(), steps)
     from meshtrain.distributed_run import run_distributed
 

@@ -55,13 +55,11 @@ def measure(config: Config, world: int, steps: int, warmup: int = 1) -> list[flo
     train`` starts its workers (:mod:`meshtrain.host_allocator`'s ``malloc`` settings), the same
     way :func:`meshtrain.planner.calibrate.calibrate` measured the machine.
     """
-    from meshtrain.distributed_run import run_distributed
     from meshtrain.host_allocator import allocator_environment
-    from meshtrain.verify import train_steps
+    from meshtrain.verify import run_layout
 
     with allocator_environment():
-        records = run_distributed(world, train_steps, config.to_dict(), warmup + steps,
-                                  timeout=900, threads=1)[0]
+        records = run_layout(config, world, warmup + steps, spawn_single=True)
     return [r["step_time_s"] for r in records[warmup:]]
 
 
