@@ -94,6 +94,32 @@ def run(config: Config, task: str = "train") -> int:
     return 0
 
 
+def record_error_file(error: BaseException) -> None:
+    """Write ``error`` to torch elastic's error file (``TORCHELASTIC_ERROR_FILE``), atomically.
+
+    The same JSON as torch's ``@record``, but written to a temporary file and renamed into
+    place: torch's version truncates the file first, and when the agent stops this worker (its
+    peer died) between the truncation and the write, the agent reads an empty file and crashes
+    on it instead of restarting the job (seen once in the restart test).
+    """
+    import time
+    import traceback
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                                      "timestamp": str(int(time.time()))}}}
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as handle:
+            json.dump(data, handle)
+        os.replace(partial, path)
+    except OSError:
+        pass  # the launcher then reports the exit code alone
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a spawned worker: ``python -m meshtrain.worker CONFIG_JSON TASK``.
 
@@ -101,13 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     launcher's summary; the exit status is 2 for a config error found here (e.g. unusable data),
     1 for any other failure.
     """
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     args = sys.argv[1:] if argv is None else argv
     config = Config.from_dict(json.loads(open(args[0]).read()), origin=args[0])
     try:
-        return record(run)(config, args[1] if len(args) > 1 else "train")
-    except Exception as error:  # recorded above; the launcher explains it
+        return run(config, args[1] if len(args) > 1 else "train")
+    except Exception as error:  # the launcher explains it from the error file
+        record_error_file(error)
         # Leave at once: a normal interpreter exit can wait seconds on the process group's
         # unfinished collectives, and the other workers are stopped only once this one is gone.
         sys.stdout.flush()

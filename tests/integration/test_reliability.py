@@ -248,6 +248,25 @@ def test_master_port_in_use_exits_2(tmp_path, monkeypatch, capfd):
 # ------------------------------------------------------------------------- restarts
 
 
+def test_worker_error_file_is_written_whole_in_torch_elastics_format(tmp_path, monkeypatch):
+    """The launcher's summary reads each failed worker's error file; it appears complete or not
+    at all (written aside and renamed), in the JSON torch elastic's agent parses."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from meshtrain.worker import record_error_file
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise RuntimeError("gloo: connection closed by peer")
+    except RuntimeError as error:
+        record_error_file(error)
+    assert os.listdir(tmp_path) == ["error.json"]  # nothing partial left behind
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "RuntimeError: gloo: connection closed by peer"
+    assert "raise RuntimeError" in failure.message["extraInfo"]["py_callstack"]
+
+
 def test_killed_worker_restarts_and_resumes(tmp_path, fault, capfd):
     """SIGKILL one worker of dp 2 × tp 2 at step 5 with checkpoints every 2 steps: the job
     restarts, resumes from step 4, and logs steps 1..6 once, with the losses of an uninterrupted
