@@ -108,6 +108,10 @@ class ParallelConfig:
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
+    dp_shared_memory: bool = True
+    """Reduce data-parallel gradients (fp32 on CPU, ZeRO stages 0-1) through shared memory
+    instead of gloo's loopback TCP when every rank of the group runs on this host; false = always
+    the process group's own collectives. See :mod:`meshtrain.parallel.shared_memory`."""
     check_replicas_every: int = 0
     """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
     ep_rebalance_every: int = 0

@@ -62,7 +62,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         compile_blocks(model)  # after checkpointing: the compiled graph holds the checkpoint
     from meshtrain.parallel.data import apply_data_parallel
 
-    model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb)
+    model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
+                                                     plan.dp_shared_memory)
     return model
 
 

@@ -24,6 +24,12 @@ all-gather of (sequence number, op, shape, dtype, call site) over its group, and
 difference between ranks raises :class:`~meshtrain.errors.CollectiveMismatchError` naming each
 rank's call instead of hanging or silently mixing tensors. Groups of size one are no-ops and
 record nothing.
+
+A data-parallel group whose ranks share one host may carry a
+:class:`~meshtrain.parallel.shared_memory.SharedMemoryReducer` (``shared_memory``): all-reduces
+and reduce-scatters of the buffers it allocated then run through shared memory instead of gloo,
+counted and logged the same way. Any other collective on that comm first waits for the
+shared-memory reductions in flight, so every rank still issues the group's operations in one order.
 """
 
 from __future__ import annotations
@@ -156,6 +162,9 @@ class CountedComm:
         self.group = group
         self.size = size
         self.log = log
+        self.shared_memory = None
+        """A :class:`~meshtrain.parallel.shared_memory.SharedMemoryReducer` attached by
+        :meth:`~meshtrain.parallel.shared_memory.SharedMemoryReducer.connect`, or None."""
 
     @property
     def active(self) -> bool:
@@ -166,9 +175,12 @@ class CountedComm:
         return tensor.numel() * tensor.element_size()
 
     def _enter(self, op: str, shape: Sequence[int], dtype: torch.dtype,
-               full_bytes: int) -> CollectiveRecord | None:
+               full_bytes: int, shared: bool = False) -> CollectiveRecord | None:
         """Record a collective about to be issued (after the debug check, if on); None when a
-        test-only injected fault says to skip it (:mod:`meshtrain.faults`)."""
+        test-only injected fault says to skip it (:mod:`meshtrain.faults`). Unless it is itself
+        a shared-memory reduction (``shared``), shared-memory reductions in flight finish first."""
+        if self.shared_memory is not None and (not shared or self.log.debug):
+            self.shared_memory.wait_all()
         if faults.active() and faults.skip_collective(self.log.step, self.axis):
             return None
         if self.log.debug:
@@ -180,6 +192,17 @@ class CountedComm:
         """Mark a blocking call done (async completion is not tracked); pass ``work`` through."""
         entry.done = None if async_op else True
         return work
+
+    def shares(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a shared-memory buffer of this group (reduced without gloo)."""
+        return self.shared_memory is not None and self.shared_memory.owns(tensor)
+
+    def _issued_shared(self, entry: CollectiveRecord, work, async_op: bool):
+        """Like :meth:`_issued` for a shared-memory reduction: a blocking call waits here."""
+        if async_op:
+            return self._issued(entry, work, True)
+        work.wait()
+        return self._issued(entry, None, False)
 
     def _check_same_call(self, op: str, shape: tuple, dtype: str) -> None:
         """Debug mode: all-gather what each rank is about to call; raise on the first mismatch.
@@ -207,6 +230,12 @@ class CountedComm:
         """In-place all-reduce over the axis."""
         if not self.active:
             return None
+        if self.shares(tensor) and op == dist.ReduceOp.SUM:
+            entry = self._enter("all_reduce", tensor.shape, tensor.dtype, self._nbytes(tensor),
+                                shared=True)
+            if entry is None:
+                return None
+            return self._issued_shared(entry, self.shared_memory.all_reduce(tensor), async_op)
         entry = self._enter("all_reduce", tensor.shape, tensor.dtype, self._nbytes(tensor))
         if entry is None:
             return None
@@ -230,6 +259,13 @@ class CountedComm:
         if not self.active:
             shard.copy_(full.reshape(shard.shape))
             return None
+        if self.shares(full) and op == dist.ReduceOp.SUM and full.numel() % self.size == 0:
+            entry = self._enter("reduce_scatter", full.shape, full.dtype, self._nbytes(full),
+                                shared=True)
+            if entry is None:
+                return None
+            return self._issued_shared(entry, self.shared_memory.reduce_scatter(shard, full),
+                                       async_op)
         entry = self._enter("reduce_scatter", full.shape, full.dtype, self._nbytes(full))
         if entry is None:
             return None

@@ -50,6 +50,7 @@ class ParallelPlan:
     pp_split: str = ""
     activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
+    dp_shared_memory: bool = True
     tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
     init_seed: int = 0
     """Seed of the name-seeded initialisation, for a model built on the meta device."""
@@ -67,7 +68,8 @@ class ParallelPlan:
                    virtual_stages=par.virtual_stages, microbatches=par.microbatches,
                    pp_split=par.pp_split,
                    activation_checkpointing=par.activation_checkpointing,
-                   dp_bucket_mb=par.dp_bucket_mb, init_seed=config.train.seed,
+                   dp_bucket_mb=par.dp_bucket_mb, dp_shared_memory=par.dp_shared_memory,
+                   init_seed=config.train.seed,
                    param_dtype=config.train.precision,
                    compile_blocks=config.train.compile)
 

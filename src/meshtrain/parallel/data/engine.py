@@ -20,6 +20,10 @@ flat gradient buffer). Stages 2 and 3 hold no full gradient buffer, so they redu
 micro-batch and accumulate into the gradient shard: with k micro-batches they move k times the
 gradient bytes, the price of never holding full gradients (as in DeepSpeed's stage 2 and FSDP).
 
+On one host, the gradient buffers of stages 0 and 1 (fp32, CPU) live in shared memory that every
+rank of the group maps, and are reduced there instead of through gloo's loopback TCP
+(:mod:`meshtrain.parallel.shared_memory`; ``parallel.dp_shared_memory``).
+
 Expert parallelism: expert weights (marked by :mod:`meshtrain.parallel.expert`) are held only by
 the ``dp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
 :func:`~meshtrain.parallel.data.buckets.bucket_by_size_and_axis`) that are reduced, and under
@@ -36,6 +40,7 @@ import torch
 import torch.distributed
 
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
+from meshtrain.parallel.shared_memory import SharedMemoryReducer
 
 
 @dataclasses.dataclass
@@ -53,7 +58,10 @@ class DataParallelEngine:
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
-                 units: list[list[tuple[str, torch.nn.Parameter]]] | None = None):
+                 units: list[list[tuple[str, torch.nn.Parameter]]] | None = None,
+                 shared_memory: bool = True):
+        """``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
+        when every rank of their group is on this host (see the module docstring)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
@@ -81,6 +89,8 @@ class DataParallelEngine:
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
             raise ValueError(f"buckets cover {covered} parameters but the model has {len(named)}")
+        self.shared_reducers = (self._connect_shared_memory(mesh.timeout_s) if shared_memory
+                                else {})
         for bucket in self.buckets:
             self._init_bucket(bucket)
         self.on_bucket_reduced: Callable[[FlatBucket], None] | None = None
@@ -120,6 +130,34 @@ class DataParallelEngine:
         return runs
 
     # ------------------------------------------------------------------ buffers
+    def _connect_shared_memory(self, timeout_s: float | None) -> dict[str, SharedMemoryReducer]:
+        """A shared-memory reducer for each axis whose gradient buffers can use one (collective
+        on each such group; every rank of a group decides the same). ``timeout_s``: the mesh's
+        collective timeout, which the reducer's barriers honour too."""
+        if self.stage >= 2:
+            return {}
+        axes = sorted({b.axis for b in self.buckets
+                       if b.dtype == torch.float32 and b.device.type == "cpu"})
+        reducers = {}
+        for axis in axes:
+            comm = self.comms[axis]
+            reducer = comm.shared_memory or SharedMemoryReducer.connect(comm, timeout_s)
+            if reducer is not None:
+                reducers[axis] = reducer
+        return reducers
+
+    def _new_grad_buffer(self, b: FlatBucket) -> torch.Tensor:
+        reducer = self.shared_reducers.get(b.axis)
+        if reducer is None or b.dtype != torch.float32 or b.device.type != "cpu":
+            return b.new_buffer()
+        return reducer.new_buffer(self.comms[b.axis], b.padded_numel, b.dtype)
+
+    @property
+    def reduces_in_shared_memory(self) -> bool:
+        """True when at least one bucket's gradients are reduced through shared memory."""
+        return any(self.comms[b.axis].shares(b.grad_buffer) for b in self.buckets
+                   if self.stage < 2)
+
     def _init_bucket(self, b: FlatBucket) -> None:
         full = b.new_buffer()
         b.flatten_params_into(full)
@@ -128,7 +166,7 @@ class DataParallelEngine:
         if self.stage == 3:
             b.param_shard = b.shard(full).clone()
         if self.stage < 2:
-            b.grad_buffer = b.new_buffer()
+            b.grad_buffer = self._new_grad_buffer(b)
             b.bind_grads(b.grad_buffer)
         else:
             b.grad_shard = b.new_buffer(full=False)
@@ -198,11 +236,17 @@ class DataParallelEngine:
             post = (lambda: None) if buf is b.grad_buffer else (lambda: b.grad_buffer.copy_(buf))
         elif self.stage == 1:
             buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
-            out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
-            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+            if comm.shares(buf):  # reduced in place: the shard of the buffer holds the sum
+                handle = comm.reduce_scatter_into(b.shard(buf), buf, async_op=True)
 
-            def post():
-                b.shard(b.grad_buffer).copy_(out)
+                def post():
+                    pass
+            else:
+                out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
+                handle = comm.reduce_scatter_into(out, buf, async_op=True)
+
+                def post():
+                    b.shard(b.grad_buffer).copy_(out)
         else:
             buf = b.new_buffer(torch.float32)
             b.gather_grads_into(buf)

@@ -1,0 +1,175 @@
+"""Shared-memory gradient reduction (:mod:`meshtrain.parallel.shared_memory`) on CPU processes.
+
+The reducer's results are compared bit for bit: with gloo for two ranks (a two-operand sum does
+not depend on the order), and with the rank-order sum the module promises for three and four.
+Training through it is compared bit for bit with training through gloo (two ranks), and with one
+process within meshtrain.verify's fp32 tolerances (as every data-parallel layout is).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain.distributed_run import run_distributed
+from meshtrain.parallel.comm import CommLog, CountedComm
+from meshtrain.parallel.shared_memory import SharedMemoryReducer
+from tests.helpers import assert_layouts_match_one_process, tiny_config
+
+
+def _world_comm(log: CommLog | None = None) -> CountedComm:
+    n = dist.get_world_size()
+    return CountedComm("dp", dist.new_group(list(range(n))), n, log or CommLog())
+
+
+def _local_values(numel: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * seed + dist.get_rank())
+    return torch.randn(numel, generator=gen) * (1 + dist.get_rank())
+
+
+def _rank_order_sum(values: torch.Tensor) -> torch.Tensor:
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    total = gathered[0] + gathered[1]
+    for part in gathered[2:]:
+        total += part
+    return total
+
+
+def reduce_buffers_like_gloo() -> dict:
+    log = CommLog()
+    comm = _world_comm(log)
+    reducer = SharedMemoryReducer.connect(comm)
+    assert reducer is not None and comm.shared_memory is reducer
+    n, rank = comm.size, dist.get_rank()
+    checks = {}
+    # Odd lengths (uneven segments, one shorter than n) and several reductions in flight at once.
+    sizes = [1, n - 1 or 1, 1001, 65_537]
+    buffers = [reducer.new_buffer(comm, s, torch.float32) for s in sizes]
+    assert all(comm.shares(b) for b in buffers) and not comm.shares(torch.zeros(3))
+    assert all(b.abs().sum() == 0 for b in buffers)  # a new buffer is zeroed
+    values = [_local_values(s, i) for i, s in enumerate(sizes)]
+    for b, v in zip(buffers, values, strict=True):
+        b.copy_(v)
+    works = [comm.all_reduce(b, async_op=True) for b in buffers]
+    for work in reversed(works):
+        work.wait()
+    for size, b, v in zip(sizes, buffers, values, strict=True):
+        expected = _rank_order_sum(v)
+        checks[f"all_reduce {size}"] = torch.equal(b, expected)
+        if n == 2:
+            via_gloo = v.clone()
+            dist.all_reduce(via_gloo)
+            checks[f"same bits as gloo {size}"] = torch.equal(b, via_gloo)
+    # Reduce-scatter, in place and into a separate tensor; the counters see it as gloo's would.
+    full = reducer.new_buffer(comm, 4 * n, torch.float32)
+    v = _local_values(4 * n, 9)
+    full.copy_(v)
+    out = torch.empty(4)
+    log.reset()
+    comm.reduce_scatter_into(out, full)
+    expected = _rank_order_sum(v)[4 * rank:4 * rank + 4]
+    checks["reduce_scatter"] = torch.equal(out, expected) and torch.equal(
+        full[4 * rank:4 * rank + 4], expected)
+    checks["others keep local values"] = torch.equal(full[:4 * rank], v[:4 * rank])
+    checks["counted"] = log.calls["dp"] == 1 and log.bytes["dp"] == (n - 1) * 16 * n // n
+    full.copy_(v)
+    comm.reduce_scatter_into(full[4 * rank:4 * rank + 4], full)
+    checks["reduce_scatter in place"] = torch.equal(full[4 * rank:4 * rank + 4], expected)
+    # A plain collective on the same comm after a pending reduction keeps the issue order.
+    buffers[3].copy_(values[3])
+    comm.all_reduce(buffers[3], async_op=True)
+    other = torch.ones(2)
+    comm.all_reduce(other)
+    checks["order kept"] = torch.equal(buffers[3], _rank_order_sum(values[3])) and torch.equal(
+        other, torch.full((2,), float(n)))
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reducer_matches_gloo_and_rank_order_sum(world):
+    for checks in run_distributed(world, reduce_buffers_like_gloo):
+        assert checks and all(checks.values()), checks
+
+
+def probe_fails_on_one_rank() -> tuple[bool, bool]:
+    import meshtrain.parallel.shared_memory as shm
+
+    original = shm._read_token
+    if dist.get_rank() == 1:  # as if rank 1 ran on another host: it cannot see rank 0's memory
+        shm._read_token = lambda pid, fd: None
+    try:
+        comm = _world_comm()
+        reducer = SharedMemoryReducer.connect(comm)
+    finally:
+        shm._read_token = original  # the worker process serves later tests
+    return reducer is None, comm.shared_memory is None
+
+
+def test_group_falls_back_to_gloo_when_any_rank_cannot_share():
+    assert run_distributed(2, probe_fails_on_one_rank) == [(True, True), (True, True)]
+
+
+def absent_rank_fails_the_wait(exits: bool) -> str:
+    comm = _world_comm()
+    reducer = SharedMemoryReducer.connect(comm, timeout_s=3)
+    buffer = reducer.new_buffer(comm, 8, torch.float32)
+    if dist.get_rank() == 1:  # never joins the reduction; rank 0 must not hang
+        if exits:
+            reducer.barrier.close()  # what the kernel does to the pipes of a process that exits
+        time.sleep(1 if exits else 5)
+        return "absent"
+    start = time.monotonic()
+    work = comm.all_reduce(buffer, async_op=True)
+    try:
+        work.wait()
+    except RuntimeError as error:
+        return f"{time.monotonic() - start:.1f} s: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("exits", [False, True])
+def test_absent_rank_fails_the_wait_naming_it(exits):
+    outcome = run_distributed(2, absent_rank_fails_the_wait, exits)[0]
+    seconds, message = outcome.split(" s: ", 1)
+    if exits:  # noticed at once, without waiting for the timeout
+        assert "connection closed by rank(s) 1" in message and float(seconds) < 2, outcome
+    else:
+        assert message == ("shared-memory reduction on the dp group timed out after 3 s: "
+                           "rank(s) 1 did not arrive (train.collective_timeout_s)")
+        assert 2.5 < float(seconds) < 10
+
+
+def train_with_and_without_shared_memory(zero: int) -> tuple[list, list, bool, bool]:
+    from meshtrain.parallel import data_parallel_engine
+    from meshtrain.training.trainer import Trainer
+    from meshtrain.worker import build_mesh
+
+    runs = []
+    for shared in (True, False):
+        config = tiny_config(f"parallel.zero={zero}", "parallel.dp_bucket_mb=0.01",
+                             f"parallel.dp_shared_memory={str(shared).lower()}", nproc=2)
+        trainer = Trainer(config, build_mesh(config))
+        records = [trainer.train_step() for _ in range(4)]
+        runs.append(([(r["loss"], r["grad_norm"]) for r in records],
+                     data_parallel_engine(trainer.model).reduces_in_shared_memory))
+    (with_shm, used), (without, unused) = runs
+    return with_shm, without, used, unused
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_training_through_shared_memory_is_bitwise_gloo(zero):
+    with_shm, without, used, unused = run_distributed(2, train_with_and_without_shared_memory,
+                                                      zero)[0]
+    assert used and not unused
+    assert with_shm == without  # bit for bit: same losses and gradient norms
+
+
+def test_three_ranks_and_microbatches_match_one_process():
+    cases = [tiny_config("parallel.zero=0", "parallel.dp_bucket_mb=0.01", "train.global_batch=6",
+                         "parallel.microbatches=2", nproc=3),
+             tiny_config("parallel.zero=1", "train.global_batch=6", nproc=3)]
+    assert_layouts_match_one_process(3, cases, 4)
