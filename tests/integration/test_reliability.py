@@ -7,8 +7,8 @@ The launcher runs in this process (``cli.main``) so that only the workers pay to
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import time
 from pathlib import Path
