@@ -155,8 +155,8 @@ class DataParallelEngine:
     @property
     def reduces_in_shared_memory(self) -> bool:
         """True when at least one bucket's gradients are reduced through shared memory."""
-        return any(self.comms[b.axis].shares(b.grad_buffer) for b in self.buckets
-                   if self.stage < 2)
+        return self.stage < 2 and any(self.comms[b.axis].shares(b.grad_buffer)
+                                      for b in self.buckets)
 
     def _init_bucket(self, b: FlatBucket) -> None:
         full = b.new_buffer()
@@ -236,17 +236,12 @@ class DataParallelEngine:
             post = (lambda: None) if buf is b.grad_buffer else (lambda: b.grad_buffer.copy_(buf))
         elif self.stage == 1:
             buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
-            if comm.shares(buf):  # reduced in place: the shard of the buffer holds the sum
-                handle = comm.reduce_scatter_into(b.shard(buf), buf, async_op=True)
-
-                def post():
-                    pass
-            else:
-                out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
-                handle = comm.reduce_scatter_into(out, buf, async_op=True)
-
-                def post():
-                    b.shard(b.grad_buffer).copy_(out)
+            # Through shared memory the buffer is reduced in place: its own shard gets the sum.
+            out = (b.shard(buf) if comm.shares(buf)
+                   else torch.empty(b.shard_numel, dtype=torch.float32, device=b.device))
+            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+            in_place = out.data_ptr() == b.shard(b.grad_buffer).data_ptr()
+            post = (lambda: None) if in_place else (lambda: b.shard(b.grad_buffer).copy_(out))
         else:
             buf = b.new_buffer(torch.float32)
             b.gather_grads_into(buf)
