@@ -154,9 +154,13 @@ def train_with_and_without_shared_memory(zero: int) -> tuple[list, list, bool, b
                              f"parallel.dp_shared_memory={str(shared).lower()}", nproc=2)
         trainer = Trainer(config, build_mesh(config))
         records = [trainer.train_step() for _ in range(4)]
+        engine = data_parallel_engine(trainer.model)
         runs.append(([(r["loss"], r["grad_norm"]) for r in records],
-                     data_parallel_engine(trainer.model).reduces_in_shared_memory))
-    (with_shm, used), (without, unused) = runs
+                     engine.reduces_in_shared_memory, engine.reduction_summary()))
+    (with_shm, used, said), (without, unused, said_not) = runs
+    assert said == "data-parallel gradients reduce through shared memory (2 ranks on one host)"
+    assert said_not == ("data-parallel gradients reduce through gloo "
+                        "(parallel.dp_shared_memory = false)")
     return with_shm, without, used, unused
 
 

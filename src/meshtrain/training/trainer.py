@@ -289,6 +289,9 @@ class Trainer:
         writer = None
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
+            summary = self.engine.reduction_summary()
+            if summary:
+                print(f"meshtrain: {summary}", flush=True)
         history = []
         try:
             while self.step < train.steps:

@@ -89,6 +89,7 @@ class DataParallelEngine:
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
             raise ValueError(f"buckets cover {covered} parameters but the model has {len(named)}")
+        self.shared_memory_requested = shared_memory
         self.shared_reducers = (self._connect_shared_memory(mesh.timeout_s) if shared_memory
                                 else {})
         for bucket in self.buckets:
@@ -157,6 +158,24 @@ class DataParallelEngine:
         """True when at least one bucket's gradients are reduced through shared memory."""
         return self.stage < 2 and any(self.comms[b.axis].shares(b.grad_buffer)
                                       for b in self.buckets)
+
+    def reduction_summary(self) -> str | None:
+        """One line for the run's log on how dp gradients are reduced on CPU, and why not
+        through shared memory when they are not; None without data parallelism or off CPU."""
+        if not self.comm.active or self.buckets[0].device.type != "cpu":
+            return None
+        if self.reduces_in_shared_memory:
+            return (f"data-parallel gradients reduce through shared memory ({self.comm.size} "
+                    "ranks on one host)")
+        if not self.shared_memory_requested:
+            reason = "parallel.dp_shared_memory = false"
+        elif self.stage >= 2:
+            reason = f"ZeRO stage {self.stage} reduces a fresh buffer each micro-batch"
+        elif all(b.dtype != torch.float32 for b in self.buckets):
+            reason = "shared memory takes fp32 buckets only"
+        else:
+            reason = "the ranks cannot map each other's memory: several hosts, or no /proc access"
+        return f"data-parallel gradients reduce through gloo ({reason})"
 
     def _init_bucket(self, b: FlatBucket) -> None:
         full = b.new_buffer()
