@@ -52,6 +52,34 @@ def test_calibrated_fp32_runs_at_the_measured_rate_and_dp_comm_is_exposed():
     assert _estimate(overlapping)["breakdown"]["dp_comm_exposed_s"] == 0.0
 
 
+def test_dp_gradients_priced_through_shared_memory_where_the_runtime_uses_it():
+    shm = dataclasses.replace(BUILTIN_CPU, shared_memory_reduce_gbps=4.0,
+                              shared_memory_reduce_latency_us=300.0)
+    grads = 13e6
+    one_host = Cluster(shm, 2, 2)
+    expected = 2 * 0.5 * grads / 4e9 + 300e-6  # bus bytes / rate + fixed cost
+    assert one_host.dp_gradient_reduce_time("all_reduce", grads, 2, 1, True) == pytest.approx(
+        expected)
+    assert one_host.dp_gradient_reduce_time("reduce_scatter", grads, 2, 1, True) == (
+        pytest.approx(0.5 * grads / 4e9 + 300e-6))
+    # bf16 buckets, two hosts, or a profile without the measurement: gloo's collective.
+    gloo = one_host.collective_time("all_reduce", grads, 2, 1)
+    assert one_host.dp_gradient_reduce_time("all_reduce", grads, 2, 1, False) == gloo
+    two_hosts = Cluster(shm, 2, 1)
+    assert two_hosts.dp_gradient_reduce_time("all_reduce", grads, 2, 1, True) == (
+        two_hosts.collective_time("all_reduce", grads, 2, 1))
+    assert Cluster(BUILTIN_CPU, 2, 2).dp_gradient_reduce_time("all_reduce", grads, 2, 1,
+                                                               True) == gloo
+    # In an estimate: fp32 dp2 ZeRO 0 and 1 are priced at the shared-memory rate; bf16 is not.
+    for zero in (0, 1):
+        with_shm = _estimate(shm, "train.precision=fp32", f"parallel.zero={zero}")
+        without = _estimate(BUILTIN_CPU, "train.precision=fp32", f"parallel.zero={zero}")
+        assert with_shm["breakdown"]["dp_comm_total_s"] < without["breakdown"]["dp_comm_total_s"]
+    bf16 = [_estimate(p, "train.precision=bf16")["breakdown"]["dp_comm_total_s"]
+            for p in (shm, BUILTIN_CPU)]
+    assert bf16[0] == bf16[1]
+
+
 def test_attention_figures_by_nearest_head_width():
     profile = dataclasses.replace(BUILTIN_CPU, attention_by_head_dim={"16": [0.1, 3.0],
                                                                        "64": [0.3, 2.0]})

@@ -46,6 +46,11 @@ from meshtrain.planner.calibrate_block import SMALL_BATCH, fit_to_block, referen
 from meshtrain.planner.hardware import HardwareProfile
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+SHARED_MEMORY_ALL_REDUCE = "shared_memory_all_reduce"
+"""meshtrain's shared-memory all-reduce (:mod:`meshtrain.parallel.shared_memory`), measured
+beside gloo's when the processes can share memory."""
+BUS_OP = {SHARED_MEMORY_ALL_REDUCE: "all_reduce"}
+"""Measured operation -> the collective whose bus-byte formula it follows."""
 
 QUICK_GLOO_GBPS = 1.0
 """Built-in all-reduce bus bandwidth of gloo over loopback for :func:`quick_profile`, GB/s: what
@@ -181,6 +186,21 @@ def _median_of_rounds(rounds: list[dict]) -> dict:
     }
 
 
+def _shared_memory_comm(world: int):
+    """``(comm, reducer)`` for a shared-memory all-reduce over every process, or None when they
+    cannot share memory (collective)."""
+    import torch.distributed as dist
+
+    from meshtrain.parallel.comm import CommLog, CountedComm
+    from meshtrain.parallel.shared_memory import SharedMemoryReducer
+
+    if world < 2:
+        return None
+    comm = CountedComm("dp", dist.new_group(list(range(world))), world, CommLog())
+    reducer = SharedMemoryReducer.connect(comm)
+    return None if reducer is None else (comm, reducer)
+
+
 def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> dict:
     """Worker body: every rank runs the same collectives; rank 0's timings are returned."""
     import torch
@@ -220,6 +240,7 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
         for _ in range(25):  # ~1 ms at this VM's GEMM rate
             torch.mm(square, square)
 
+    shared = _shared_memory_comm(world)
     for nbytes in sizes:
         elements = max(world, nbytes // 4 // world * world)
         full = torch.ones(elements)
@@ -238,6 +259,11 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
             "all_to_all": lambda full=full: dist.all_to_all_single(torch.empty_like(full), full),
             "send": send,
         }
+        if shared is not None:  # what data-parallel gradients of fp32 buckets go through
+            comm, reducer = shared
+            buffer = reducer.new_buffer(comm, elements, torch.float32)
+            ops[SHARED_MEMORY_ALL_REDUCE] = lambda comm=comm, buffer=buffer: comm.all_reduce(buffer)
+            out.setdefault(SHARED_MEMORY_ALL_REDUCE, [])
         for op, fn in ops.items():
             dist.barrier()
             try:
@@ -245,7 +271,7 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
             except RuntimeError as error:  # a backend without this collective
                 out[op].append({"bytes": elements * 4, "error": str(error).splitlines()[0]})
                 continue
-            moved = bus_bytes("send" if op == "send" else op, elements * 4, world)
+            moved = bus_bytes(BUS_OP.get(op, op), elements * 4, world)
             out[op].append({"bytes": elements * 4, "bus_bytes": moved, "time_s": seconds,
                             "bus_gbps": moved / seconds / 1e9})
     return out if rank == 0 else {}
@@ -282,6 +308,7 @@ def _cpu_profile(name: str, solo: dict, concurrent: dict, all_reduce: tuple[floa
     """A CPU profile: measured fp32 GEMM rates as the peak, streaming copy as memory bandwidth,
     each per thread with ``nproc`` threads busy and alone (``solo_*``)."""
     bandwidth, latency = all_reduce
+    shared_bw, shared_latency = fit_latency_bandwidth(measured.get(SHARED_MEMORY_ALL_REDUCE, []))
     steps = 2 * math.ceil(math.log2(max(nproc, 2)))
     send_bw, send_latency = send
     solo_gemm = max(r["tflops"] for r in solo["matmul"])
@@ -296,6 +323,7 @@ def _cpu_profile(name: str, solo: dict, concurrent: dict, all_reduce: tuple[floa
         matmul_efficiency=1.0, kernel_overhead_us=solo["op_overhead_us"],
         intra_node_gbps=bandwidth, inter_node_gbps=send_bw or bandwidth,
         intra_node_latency_us=latency / steps, inter_node_latency_us=send_latency or latency,
+        shared_memory_reduce_gbps=shared_bw, shared_memory_reduce_latency_us=shared_latency,
         power_w=power_w, reserved_gb=0.0, attention_efficiency=1.0, fp32_rate=1.0,
         comm_overlaps_compute=False, source=source, measured=measured)
 

@@ -164,5 +164,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
     print(f"wrote {out}: {profile.peak_tflops * 1e3:.3g} GFLOP/s fp32 matmul per process, "
           f"{profile.hbm_gbps:.3g} GB/s copy, all-reduce {profile.intra_node_gbps:.3g} GB/s bus "
-          f"+ {profile.intra_node_latency_us:.0f} us per step")
+          f"+ {profile.intra_node_latency_us:.0f} us per step"
+          + (f", shared-memory gradient all-reduce {profile.shared_memory_reduce_gbps:.3g} GB/s "
+             f"bus + {profile.shared_memory_reduce_latency_us:.0f} us"
+             if profile.shared_memory_reduce_gbps else ""))
     return 0

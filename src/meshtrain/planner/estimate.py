@@ -98,11 +98,16 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
         def t(op, nbytes, size=size, stride=stride):
             return cluster.collective_time(op, nbytes, size, stride)
 
+        def reduce(op, nbytes, size=size, stride=stride):  # ZeRO 0-1: maybe shared memory
+            return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
+                                                   workload.precision == "fp32")
+
         if lay.zero == 0:
-            hidden, tail = t("all_reduce", grads), 0.0
+            hidden, tail = reduce("all_reduce", grads), 0.0
             window = backward
         elif lay.zero == 1:
-            hidden, tail, window = t("reduce_scatter", grads), t("all_gather", weights), backward
+            hidden, tail = reduce("reduce_scatter", grads), t("all_gather", weights)
+            window = backward
         elif lay.zero == 2:
             hidden, tail = m * t("reduce_scatter", grads), t("all_gather", weights)
             window = m * backward

@@ -77,6 +77,12 @@ class HardwareProfile:
     """Calibrated CPU profiles: streaming copy bandwidth of one process alone (as above)."""
     calibrated_processes: int = 0
     """Processes (one thread each) that computed at once for ``peak_tflops`` / ``hbm_gbps``."""
+    shared_memory_reduce_gbps: float = 0.0
+    """Calibrated CPU profiles: bus bandwidth of meshtrain's shared-memory gradient all-reduce
+    between the processes of one host (:mod:`meshtrain.parallel.shared_memory`), GB/s; 0 = not
+    measured, and data-parallel reductions are priced at ``intra_node_gbps``."""
+    shared_memory_reduce_latency_us: float = 0.0
+    """Fixed cost of one shared-memory reduction (its three barriers and thread hand-off)."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -233,6 +239,24 @@ class Cluster:
             bus = factor * (size - 1) / size * full_bytes
             steps = 2 * math.ceil(math.log2(size))
         return bus / bandwidth + steps * latency
+
+    def dp_gradient_reduce_time(self, op: str, full_bytes: float, size: int, stride: int,
+                                fp32_buckets: bool) -> float:
+        """Seconds for a data-parallel gradient ``all_reduce`` / ``reduce_scatter``: through
+        shared memory when the profile measured it, the group sits on one node and the buckets
+        are fp32 (what the runtime does, see :mod:`meshtrain.parallel.shared_memory`), else as
+        any collective (:meth:`collective_time`)."""
+        p = self.profile
+        if (size > 1 and full_bytes > 0 and fp32_buckets and p.shared_memory_reduce_gbps > 0
+                and op in ("all_reduce", "reduce_scatter")
+                and self.ranks_per_node(size, stride) >= size):
+            # The all-reduce's second half (copying the other segments) is skipped by a
+            # reduce-scatter: half the bus bytes, as for gloo.
+            factor = 2.0 if op == "all_reduce" else 1.0
+            bus = factor * (size - 1) / size * full_bytes
+            return bus / (p.shared_memory_reduce_gbps * 1e9) + (
+                p.shared_memory_reduce_latency_us * 1e-6)
+        return self.collective_time(op, full_bytes, size, stride)
 
     def _all_to_all_time(self, full_bytes: float, size: int, stride: int) -> float:
         """All-to-all: the off-node share goes through this GPU's NIC, the rest over NVLink."""
