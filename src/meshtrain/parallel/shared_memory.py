@@ -24,7 +24,8 @@ one-element gloo all-reduce (idle) and ~2 ms under training load; it blocks in t
 spinning) and never touches the group's gloo channel, so it cannot pair up with the group's other
 collectives. A rank that does not arrive within ``timeout_s`` (``train.collective_timeout_s``)
 fails the wait with a message naming it; a rank that died closes its pipe ends, which fails the
-others at once (``connection closed``).
+others at once (``connection closed``) when they next write to it or, in a group of two, while
+they wait for it (in larger groups a rank already waiting notices at the timeout).
 
 **Numerics.** Each segment is summed in rank order (``((g0 + g1) + g2) + ...``) by one rank and
 copied bit for bit to the others: deterministic, the same on every rank, and, for two ranks,
