@@ -46,7 +46,6 @@ process dies, and the size is not capped by a small ``/dev/shm`` mount (Docker's
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import select
@@ -181,14 +180,6 @@ def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
         _close_all(own + opened)
 
 
-@dataclasses.dataclass
-class _SharedBuffer:
-    """One rank's buffer and its views of every rank's buffer of the same reduction."""
-
-    views: list[torch.Tensor]
-    """Index ``k``: rank ``k``'s buffer, mapped into this process (``views[rank]`` is ours)."""
-
-
 class SharedWork:
     """An in-flight shared-memory reduction (the counterpart of a gloo ``Work`` handle)."""
 
@@ -216,10 +207,6 @@ class SharedWork:
             raise self._error
         return True
 
-    def is_completed(self) -> bool:
-        """Whether the reduction has finished (successfully or not)."""
-        return not self._thread.is_alive()
-
 
 class SharedMemoryReducer:
     """In-place all-reduce and reduce-scatter of buffers that every rank of a group maps.
@@ -231,7 +218,9 @@ class SharedMemoryReducer:
 
     def __init__(self, barrier: PipeBarrier, size: int):
         self.barrier, self.rank, self.size = barrier, barrier.rank, size
-        self._buffers: dict[int, _SharedBuffer] = {}
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        """By the data pointer of this rank's buffer: every rank's buffer of the same reduction,
+        mapped into this process (index ``k`` is rank ``k``'s)."""
         self._last: SharedWork | None = None
         self._lock = threading.Lock()
 
@@ -264,13 +253,13 @@ class SharedMemoryReducer:
             self.barrier.wait()  # every rank mapped every buffer: the fds may close
         finally:
             os.close(fd)
-        self._buffers[views[self.rank].data_ptr()] = _SharedBuffer(views)
+        self._buffers[views[self.rank].data_ptr()] = views
         return views[self.rank]
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is (exactly) one of this reducer's buffers."""
-        entry = self._buffers.get(tensor.data_ptr())
-        return entry is not None and entry.views[self.rank].numel() == tensor.numel()
+        views = self._buffers.get(tensor.data_ptr())
+        return views is not None and views[self.rank].numel() == tensor.numel()
 
     # ------------------------------------------------------------------ reductions
     def _segment(self, numel: int, k: int) -> slice:
@@ -300,7 +289,7 @@ class SharedMemoryReducer:
 
     def all_reduce(self, tensor: torch.Tensor) -> SharedWork:
         """Start summing ``tensor`` (a buffer of :meth:`new_buffer`) over the group, in place."""
-        views = self._buffers[tensor.data_ptr()].views
+        views = self._buffers[tensor.data_ptr()]
         barrier = self.barrier
 
         def run():
@@ -319,7 +308,7 @@ class SharedMemoryReducer:
         """Start reducing ``full`` (a buffer of :meth:`new_buffer` whose length the group size
         divides) so that ``shard`` receives this rank's equal piece of the sum. ``full``'s own
         piece holds the sum as well; its other pieces keep their local values."""
-        views = self._buffers[full.data_ptr()].views
+        views = self._buffers[full.data_ptr()]
         if full.numel() % self.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {self.size} ranks: "
                              "the length must be a multiple of the group size")

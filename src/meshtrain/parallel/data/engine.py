@@ -137,8 +137,7 @@ class DataParallelEngine:
         collective timeout, which the reducer's barriers honour too."""
         if self.stage >= 2:
             return {}
-        axes = sorted({b.axis for b in self.buckets
-                       if b.dtype == torch.float32 and b.device.type == "cpu"})
+        axes = sorted({b.axis for b in self.buckets if self._shareable(b)})
         reducers = {}
         for axis in axes:
             comm = self.comms[axis]
@@ -147,9 +146,14 @@ class DataParallelEngine:
                 reducers[axis] = reducer
         return reducers
 
+    @staticmethod
+    def _shareable(b: FlatBucket) -> bool:
+        """Whether ``b``'s gradient buffer can be reduced through shared memory."""
+        return b.dtype == torch.float32 and b.device.type == "cpu"
+
     def _new_grad_buffer(self, b: FlatBucket) -> torch.Tensor:
         reducer = self.shared_reducers.get(b.axis)
-        if reducer is None or b.dtype != torch.float32 or b.device.type != "cpu":
+        if reducer is None or not self._shareable(b):
             return b.new_buffer()
         return reducer.new_buffer(self.comms[b.axis], b.padded_numel, b.dtype)
 
@@ -171,7 +175,7 @@ class DataParallelEngine:
             reason = "parallel.dp_shared_memory = false"
         elif self.stage >= 2:
             reason = f"ZeRO stage {self.stage} reduces a fresh buffer each micro-batch"
-        elif all(b.dtype != torch.float32 for b in self.buckets):
+        elif not any(self._shareable(b) for b in self.buckets):
             reason = "shared memory takes fp32 buckets only"
         else:
             reason = "the ranks cannot map each other's memory: several hosts, or no /proc access"
