@@ -28,13 +28,14 @@ train: setup
 		--max-new-tokens 160 --temperature 0.7
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m 'not slow' tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
 
 bench: setup
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) -m pytest -q -m slow tests
 	$(VENV)/bin/meshtrain bench
 
 clean:
