@@ -69,9 +69,10 @@ def test_action_strings_and_communication_placement():
     assert str(Action(K.RECV_GRAD, 3, 1, 2)) == "RECV_GRAD3@s1<-2"
     schedule = build_schedule("1f1b", 2, 2)
     assert [str(a) for a in schedule.actions[1]] == [
-        "RECV_ACT0@s1<-0", "F0@s1", "B0@s1", "SEND_GRAD0@s1->0",
-        "RECV_ACT1@s1<-0", "F1@s1", "B1@s1", "SEND_GRAD1@s1->0"]
-    # sends are posted right after the compute that produced their data
+        "RECV_ACT0@s1<-0", "F0@s1", "RECV_ACT1@s1<-0", "B0@s1", "SEND_GRAD0@s1->0",
+        "F1@s1", "B1@s1", "SEND_GRAD1@s1->0"]
+    # a message is received in the exchange of the round it is sent in, even if its consumer
+    # (F1 above) comes later; sends are posted right after the compute that produced their data
     acts = schedule.actions[0]
     assert acts[acts.index(Action(K.F, 0, 0)) + 1] == Action(K.SEND_ACT, 0, 0, 1)
 
@@ -163,14 +164,80 @@ def test_swapped_send_and_recv_deadlock():
 
 def test_inconsistent_compute_orders_deadlock():
     schedule = build_schedule("gpipe", 2, 2)
-    acts = list(schedule.actions[1])  # rank 1 forwards micro-batch 1 before 0, rank 0 fine...
-    a, b = acts.index(Action(K.RECV_ACT, 0, 1, 0)), acts.index(Action(K.RECV_ACT, 1, 1, 0))
-    acts[a:a + 2], acts[b:b + 2] = acts[b:b + 2], acts[a:a + 2]
-    check_schedule(_replace(schedule, 1, acts))  # ...which is still consistent
     acts = list(schedule.actions[0])  # rank 0 waits for gradient 1 before sending activation 1
     acts.insert(acts.index(Action(K.F, 1, 0)), acts.pop(acts.index(Action(K.RECV_GRAD, 1, 0, 1))))
     with pytest.raises(ScheduleError, match="deadlock"):
         check_schedule(_replace(schedule, 0, acts))
+
+
+def _adjacent_communication(schedule):
+    """The lists with each recv right before its consumer and each send right after its
+    producer: correct where messages are tagged and buffered (gloo), not under NCCL."""
+    to_rank, last = schedule.stage_to_rank, schedule.last_stage
+    lists = []
+    for rank in range(schedule.pp):
+        acts = []
+        for a in schedule.compute_actions(rank):
+            mb, s = a.microbatch, a.stage
+            before = after = None
+            if a.kind is K.F:
+                if s > 0 and to_rank[s - 1] != rank:
+                    before = Action(K.RECV_ACT, mb, s, to_rank[s - 1])
+                if s < last and to_rank[s + 1] != rank:
+                    after = Action(K.SEND_ACT, mb, s, to_rank[s + 1])
+            elif a.kind in (K.B, K.I):
+                if s < last and to_rank[s + 1] != rank:
+                    before = Action(K.RECV_GRAD, mb, s, to_rank[s + 1])
+                if s > 0 and to_rank[s - 1] != rank:
+                    after = Action(K.SEND_GRAD, mb, s, to_rank[s - 1])
+            acts += [x for x in (before, a, after) if x is not None]
+        lists.append(acts)
+    return dataclasses.replace(schedule, actions=lists)
+
+
+def test_swapped_messages_between_a_pair_are_rejected():
+    """ZB-V at pp 2 with receives placed right before their consumers: rank 0 sends ACT2
+    before GRAD0 while rank 1 receives GRAD0 first; under NCCL (untagged, in order) the two
+    same-shaped tensors would be swapped silently."""
+    with pytest.raises(ScheduleError) as info:
+        check_schedule(_adjacent_communication(build_schedule("zb-v", 2, 4, 2)))
+    text = str(info.value)
+    assert "messages from rank 0 to rank 1 are out of order" in text
+    assert "SEND_ACT2@s0->1" in text and "micro-batch 2" in text
+    assert "RECV_GRAD0@s2<-0" in text and "micro-batch 0" in text
+    # rank 1 forwarding micro-batch 1 before 0 (tags would sort this out; NCCL cannot)
+    schedule = build_schedule("gpipe", 2, 2)
+    acts = list(schedule.actions[1])
+    a, b = acts.index(Action(K.RECV_ACT, 0, 1, 0)), acts.index(Action(K.RECV_ACT, 1, 1, 0))
+    acts[a:a + 2], acts[b:b + 2] = acts[b:b + 2], acts[a:a + 2]
+    with pytest.raises(ScheduleError, match=r"rank 0's message #1, SEND_ACT0@s0->1 .* rank 1's "
+                                            r"receive #1, RECV_ACT1@s1<-0"):
+        check_schedule(_replace(schedule, 1, acts))
+
+
+def test_sends_that_wait_for_their_receives_deadlock():
+    """Interleaved 1F1B with unbatched sends: both neighbours send first and wait."""
+    with pytest.raises(ScheduleError, match="deadlock when sends wait for their receives") as e:
+        check_schedule(_adjacent_communication(build_schedule("interleaved-1f1b", 2, 4, 2)))
+    assert "rank 0 blocked in the exchange" in str(e.value)
+    assert "rank 1 blocked in the exchange" in str(e.value)
+    # gloo's semantics (tagged, buffered sends) accept these same lists
+    from meshtrain.parallel.pipeline.checker import execution_order
+
+    list(execution_order(_adjacent_communication(build_schedule("interleaved-1f1b", 2, 4, 2))))
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-v", 2),
+                                     ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                     ("interleaved-1f1b", 4)])
+def test_every_size_is_correct_under_nccl_semantics(name, v):
+    """Message order and unbuffered completion (part of check_schedule) for pp 2, 3, 4, 8 and
+    micro-batches from pp to 4·pp."""
+    for pp in (2, 3, 4, 8):
+        for m in range(pp, 4 * pp + 1):
+            if name == "interleaved-1f1b" and m % pp:
+                continue
+            check_schedule(build_schedule(name, pp, m, v))
 
 
 def test_send_without_recv_and_wrong_peer_are_rejected():

@@ -19,48 +19,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
+from meshtrain.parallel.pipeline.message_order import check_message_order, check_unbuffered
+from meshtrain.parallel.pipeline.schedule import (
+    Action,
+    ActionKind,
+    Key,
+    Schedule,
+    ScheduleError,
+    dependencies,
+    produced_key,
+)
 
 K = ActionKind
-
-# A completion key: (what, microbatch, stage). "I" means "gradient w.r.t. the stage input exists"
-# and is produced by either a B or an I action.
-Key = tuple[str, int, int]
-
-
-class ScheduleError(ValueError):
-    """A pipeline schedule that is incomplete, mismatched or deadlocks."""
-
-
-def produced_key(action: Action) -> Key:
-    """The completion key an action produces once it has run."""
-    kind = "I" if action.kind is K.B else action.kind.value
-    return (kind, action.microbatch, action.stage)
-
-
-def dependencies(schedule: Schedule, rank: int, action: Action) -> list[Key]:
-    """The completion keys ``action`` on ``rank`` must wait for (see the module docstring)."""
-    mb, s, kind = action.microbatch, action.stage, action.kind
-    to_rank = schedule.stage_to_rank
-    if kind is K.F:
-        if s == schedule.first_stage:
-            return []
-        return [("F", mb, s - 1) if to_rank[s - 1] == rank else ("RECV_ACT", mb, s)]
-    if kind in (K.B, K.I):
-        deps: list[Key] = [("F", mb, s)]
-        if s != schedule.last_stage:
-            deps.append(("I", mb, s + 1) if to_rank[s + 1] == rank else ("RECV_GRAD", mb, s))
-        return deps
-    if kind is K.W:
-        return [("I", mb, s)]
-    if kind is K.SEND_ACT:
-        return [("F", mb, s)]
-    if kind is K.SEND_GRAD:
-        return [("I", mb, s)]
-    if kind is K.RECV_ACT:
-        return [("SEND_ACT", mb, s - 1)]
-    return [("SEND_GRAD", mb, s + 1)]  # RECV_GRAD
-
 
 def _where(rank: int, index: int, action: Action) -> str:
     return f"rank {rank} action #{index} {action}"
@@ -247,3 +217,5 @@ def check_schedule(schedule: Schedule) -> None:
                                         f"{_describe(dep)} produced its data")
     for _ in execution_order(schedule):
         pass
+    check_message_order(schedule)
+    check_unbuffered(schedule)

@@ -17,7 +17,8 @@ Conventions (the executor relies on them):
     ``peer = rank(s-1)``; it matches ``RECV_GRAD(mb, s-1)`` on ``rank(s-1)``.
 
 * Data between two stages on the same rank is handed over in memory: no send/recv action.
-* Sends are non-blocking (posted and buffered); a recv blocks until the matching send is posted.
+* Consecutive send/recv actions form one exchange, posted together; see :mod:`.message_order`
+  for the semantics (NCCL's) that :func:`add_communication` places them for.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ActionKind(enum.Enum):
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+K = ActionKind
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,46 @@ class Schedule:
         return "\n".join(lines)
 
 
+# A completion key: (what, microbatch, stage). "I" means "gradient w.r.t. the stage input exists"
+# and is produced by either a B or an I action.
+Key = tuple[str, int, int]
+
+
+class ScheduleError(ValueError):
+    """A pipeline schedule that is incomplete, mismatched or deadlocks."""
+
+
+def produced_key(action: Action) -> Key:
+    """The completion key an action produces once it has run."""
+    kind = "I" if action.kind is K.B else action.kind.value
+    return (kind, action.microbatch, action.stage)
+
+
+def dependencies(schedule: Schedule, rank: int, action: Action) -> list[Key]:
+    """The completion keys ``action`` on ``rank`` must wait for (the semantics of
+    :mod:`.checker`)."""
+    mb, s, kind = action.microbatch, action.stage, action.kind
+    to_rank = schedule.stage_to_rank
+    if kind is K.F:
+        if s == schedule.first_stage:
+            return []
+        return [("F", mb, s - 1) if to_rank[s - 1] == rank else ("RECV_ACT", mb, s)]
+    if kind in (K.B, K.I):
+        deps: list[Key] = [("F", mb, s)]
+        if s != schedule.last_stage:
+            deps.append(("I", mb, s + 1) if to_rank[s + 1] == rank else ("RECV_GRAD", mb, s))
+        return deps
+    if kind is K.W:
+        return [("I", mb, s)]
+    if kind is K.SEND_ACT:
+        return [("F", mb, s)]
+    if kind is K.SEND_GRAD:
+        return [("I", mb, s)]
+    if kind is K.RECV_ACT:
+        return [("SEND_ACT", mb, s - 1)]
+    return [("SEND_GRAD", mb, s + 1)]  # RECV_GRAD
+
+
 def standard_placement(pp: int, virtual_stages: int) -> list[int]:
     """Round-robin placement: stage ``s`` on rank ``s % pp`` (rank r holds r, r+pp, r+2pp, ...)."""
     return [s % pp for s in range(pp * virtual_stages)]
@@ -143,32 +185,88 @@ def v_placement(pp: int) -> list[int]:
     return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
 
 
-def add_communication(compute: list[list[Action]], stage_to_rank: list[int]) -> list[list[Action]]:
-    """Insert the send/recv actions around per-rank compute orders.
+# Costs used to place the exchanges: one unit per F, I and W (a full B is two), the uniform
+# costs the builders' orders are designed for.
+_PLACEMENT_COST = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
 
-    Each recv goes right before the compute that consumes it and each send right after the
-    compute that produces it. With non-blocking sends this cannot deadlock unless the compute
-    orders themselves are inconsistent (which :func:`~.checker.check_schedule` detects).
+
+def _reference_times(compute: list[list[Action]], schedule: Schedule) -> list[list[float]]:
+    """Start time of every compute action when each starts as soon as its rank is free and its
+    inputs exist (transfers free); raises :class:`ScheduleError` if the orders deadlock."""
+    pp = schedule.pp
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    ready: dict[Key, float] = {}
+    free = [0.0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            while len(starts[rank]) < len(compute[rank]):
+                act = compute[rank][len(starts[rank])]
+                deps = [("F" if d[0] == "RECV_ACT" else "I", d[1],
+                         d[2] - 1 if d[0] == "RECV_ACT" else d[2] + 1)
+                        if d[0].startswith("RECV") else d
+                        for d in dependencies(schedule, rank, act)]
+                if any(d not in ready for d in deps):
+                    break
+                start = max([free[rank], *(ready[d] for d in deps)])
+                free[rank] = start + _PLACEMENT_COST[act.kind]
+                ready[produced_key(act)] = free[rank]
+                starts[rank].append(start)
+                progress = True
+    stuck = [f"rank {r} at {compute[r][len(starts[r])]}" for r in range(pp)
+             if len(starts[r]) < len(compute[r])]
+    if stuck:
+        raise ScheduleError("inconsistent compute orders, no rank can go on: " + "; ".join(stuck))
+    return starts
+
+
+def add_communication(compute: list[list[Action]], stage_to_rank: list[int]) -> list[list[Action]]:
+    """Insert the send/recv actions around per-rank compute orders, correct under NCCL.
+
+    The compute orders are first timed at unit costs (each action starts as soon as its inputs
+    exist). Each send goes right after the compute that produces its data, at time ``T``; its
+    receive goes on the other rank right after the last compute that *started* before ``T``,
+    so it is posted no earlier than needed for that rank's next compute and the data is there
+    when that compute starts. Consecutive send/recv actions form one exchange, posted together.
+    Hence (see :mod:`.message_order`):
+
+    * between any two ranks the receives come in the order of the sends (sending time), as
+      NCCL's untagged, in-order matching needs;
+    * every send's receive is posted by a rank that, at ``T``, is already running the compute
+      before it, so the lists complete even when every send waits for its receive.
+
+    A receive may thus come some actions before the compute that consumes it. Raises
+    :class:`ScheduleError` when the compute orders themselves are inconsistent.
     """
-    last = len(stage_to_rank) - 1
-    result: list[list[Action]] = []
+    pp, last = len(compute), len(stage_to_rank) - 1
+    schedule = Schedule("", pp, 1, len(stage_to_rank) // pp, [], stage_to_rank)
+    starts = _reference_times(compute, schedule)
+    after: list[list[list[Action]]] = [[[] for _ in range(len(c) + 1)] for c in compute]
+    recvs: list[list[list[tuple[float, Action]]]] = [[[] for _ in range(len(c) + 1)]
+                                                     for c in compute]
+    for rank, order in enumerate(compute):
+        for k, act in enumerate(order):
+            mb, s = act.microbatch, act.stage
+            if act.kind is K.F and s < last and stage_to_rank[s + 1] != rank:
+                send, recv = Action(K.SEND_ACT, mb, s, stage_to_rank[s + 1]), \
+                    Action(K.RECV_ACT, mb, s + 1, rank)
+            elif act.kind in (K.B, K.I) and s > 0 and stage_to_rank[s - 1] != rank:
+                send, recv = Action(K.SEND_GRAD, mb, s, stage_to_rank[s - 1]), \
+                    Action(K.RECV_GRAD, mb, s - 1, rank)
+            else:
+                continue
+            sent_at = starts[rank][k] + _PLACEMENT_COST[act.kind]
+            after[rank][k + 1].append(send)
+            slot = sum(1 for t in starts[send.peer] if t < sent_at)
+            recvs[send.peer][slot].append((sent_at, recv))
+    result = []
     for rank, order in enumerate(compute):
         out: list[Action] = []
-        for act in order:
-            mb, s = act.microbatch, act.stage
-            if act.kind is ActionKind.F:
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    out.append(Action(ActionKind.RECV_ACT, mb, s, stage_to_rank[s - 1]))
-                out.append(act)
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.SEND_ACT, mb, s, stage_to_rank[s + 1]))
-            elif act.kind in (ActionKind.B, ActionKind.I):
-                if s < last and stage_to_rank[s + 1] != rank:
-                    out.append(Action(ActionKind.RECV_GRAD, mb, s, stage_to_rank[s + 1]))
-                out.append(act)
-                if s > 0 and stage_to_rank[s - 1] != rank:
-                    out.append(Action(ActionKind.SEND_GRAD, mb, s, stage_to_rank[s - 1]))
-            else:
-                out.append(act)
+        for k in range(len(order) + 1):
+            out += after[rank][k]
+            out += [recv for _, recv in sorted(recvs[rank][k], key=lambda x: (x[0], x[1].peer))]
+            if k < len(order):
+                out.append(order[k])
         result.append(out)
     return result

@@ -2,9 +2,10 @@
 
 Each rank runs its list in order under the checker's semantics (:mod:`.checker`). A compute
 action starts when its rank is free and its inputs are ready; ``F`` costs ``f``, ``I`` costs
-``b``, ``W`` costs ``w`` and a full ``B`` costs ``b + w``. A send is posted at once (zero cost);
-a recv holds its rank until the data has arrived: the send's post time plus the sending stage's
-``comm`` latency. Hand-overs between two stages on the same rank are free.
+``b``, ``W`` costs ``w`` and a full ``B`` costs ``b + w``. Sends and receives are posted at once
+(zero cost, as the executor posts them without blocking); the data of a receive arrives at the
+send's post time plus the sending stage's ``comm`` latency, and the compute that consumes it
+waits for that. Hand-overs between two stages on the same rank are free.
 
 ``peak_inflight`` per rank is the activation-memory measure: the largest number of
 (micro-batch, stage) pairs whose ``F`` has started and whose ``I`` (or ``B``) has not finished.
@@ -54,8 +55,8 @@ class StageTimes:
 class SimulationResult:
     """What :func:`simulate` measured.
 
-    ``events`` holds every action as ``(rank, action, start, end)``; for a recv, ``end - start``
-    is the time its rank waited for the data. ``bubble_fraction`` is idle time over
+    ``events`` holds every action as ``(rank, action, start, end)``; for a recv, ``start`` is
+    when it is posted and ``end`` when its data arrives. ``bubble_fraction`` is idle time over
     ``pp × makespan``.
     """
 
@@ -126,7 +127,7 @@ def simulate(schedule: Schedule,
             cost = per_stage[act.stage].cost(act.kind)
             end = start + cost
             busy[rank] += cost
-        free[rank] = end
+            free[rank] = end
         ready[produced_key(act)] = end
         events.append((rank, act, start, end))
     makespan = max(free) if free else 0.0
