@@ -1,7 +1,9 @@
 """Start the worker processes of a run, or join a job that ``torchrun`` or SLURM already started.
 
 - Inside ``torchrun`` (``RANK``/``WORLD_SIZE`` set) or an ``srun`` step with several tasks
-  (``SLURM_PROCID``/``SLURM_NTASKS``), this process *is* a worker: it joins the existing job.
+  (``SLURM_PROCID`` and ``SLURM_STEP_NUM_TASKS`` > 1), this process *is* a worker: it joins the
+  existing job. An ``sbatch`` batch script (``SLURM_PROCID=0`` but no ``srun`` step) is not a
+  job to join: ``--nproc N`` spawns N local workers there.
 - Otherwise ``--nproc 1`` runs in this process, and ``--nproc N`` spawns N local workers through
   ``torch.distributed.run``'s elastic launcher (gloo on CPU, NCCL on CUDA), restarting them up
   to ``train.max_restarts`` times after a failure. ``MASTER_PORT``, when set, is the port they
@@ -36,37 +38,97 @@ class LaunchError(RunFailure):
     """A worker failed; the message says which rank and why."""
 
 
+# Step ids SLURM gives the batch script and the "extern" step: not an srun step.
+_NON_SRUN_STEPS = {"4294967294", "4294967295", "batch", "extern"}
+
+
+def in_srun_step() -> bool:
+    """True when this process is one task of an ``srun`` step (not the ``sbatch`` batch script).
+
+    ``srun`` sets ``SLURM_STEP_NUM_TASKS``/``SLURM_STEP_ID`` for its tasks; the batch script has
+    ``SLURM_PROCID=0`` and the allocation's ``SLURM_NTASKS`` but runs no peers of its own.
+    """
+    if "SLURM_PROCID" not in os.environ:
+        return False
+    if os.environ.get("SLURM_STEP_NUM_TASKS"):
+        return True
+    step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")
+    return bool(step) and step not in _NON_SRUN_STEPS
+
+
+def slurm_step_tasks() -> int:
+    """Tasks in this ``srun`` step (``SLURM_STEP_NUM_TASKS``, else ``SLURM_NTASKS``/``NPROCS``)."""
+    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 1
+
+
 def in_existing_job() -> bool:
-    """True when torchrun or a multi-task SLURM step already started this process."""
+    """True when torchrun or a multi-task ``srun`` step already started this process.
+
+    Inside an ``sbatch`` batch script (one task, no ``srun``) this is False, so
+    ``--nproc N`` spawns its N local workers.
+    """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+    return in_srun_step() and slurm_step_tasks() > 1
 
 
 def job_world_size() -> int:
     """Processes in the torchrun/SLURM job this process belongs to (1 outside one)."""
-    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return slurm_step_tasks() if in_srun_step() else 1
 
 
 def job_rank() -> int:
     """This process's rank in the torchrun/SLURM job (0 outside one)."""
-    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    if os.environ.get("RANK"):
+        return int(os.environ["RANK"])
+    return int(os.environ["SLURM_PROCID"]) if in_srun_step() else 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,09],cpu1"`` -> ``"gpu03"``."""
+    head = nodelist.strip()
+    bracket, comma = head.find("["), head.find(",")
+    if comma != -1 and (bracket == -1 or comma < bracket):
+        return head[:comma]
+    if bracket == -1:
+        return head
+    first = head[bracket + 1:].split(",")[0].split("-")[0].rstrip("]")
+    return head[:bracket] + first
+
+
+def slurm_master_port() -> int:
+    """A rendezvous port derived from ``SLURM_JOB_ID`` (20000-29999), so that two jobs sharing
+    a node do not collide; 29500 without a job id."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return 20000 + int(job) % 10000 if job.isdigit() else 29500
 
 
 def adopt_slurm_environment() -> None:
-    """Translate SLURM's variables into the ones ``torch.distributed`` reads (torchrun's names).
+    """Translate an ``srun`` task's variables into the ones ``torch.distributed`` reads.
 
-    MASTER_ADDR defaults to the node that launched the step (``SLURM_LAUNCH_NODE_IPADDR``) and
-    MASTER_PORT to 29500; set them in the batch script to override.
+    ``MASTER_ADDR`` defaults to the first node of the step (``SLURM_STEP_NODELIST``, else
+    ``SLURM_JOB_NODELIST``/``SLURM_NODELIST``), where task 0 runs, and ``MASTER_PORT`` to
+    20000 + ``SLURM_JOB_ID`` mod 10000; set either in the batch script to override.
     """
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or not in_srun_step():
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["WORLD_SIZE"] = str(slurm_step_tasks())
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
-    os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get(
+        "SLURM_NTASKS_PER_NODE") or "1"
+    os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0])
+    nodelist = next((os.environ[name] for name in (
+        "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if os.environ.get(name)), "")
+    default_addr = first_slurm_host(nodelist) if nodelist else os.environ.get(
+        "SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_ADDR", default_addr)
+    os.environ.setdefault("MASTER_PORT", str(slurm_master_port()))
 
 
 def free_port() -> int:
