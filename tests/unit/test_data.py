@@ -139,7 +139,8 @@ def test_bin_source_uint16_and_uint32(tmp_path):
     write_token_bin(tmp_path / "big.bin", big, vocab_size=100_000)
     assert (tmp_path / "big.bin").stat().st_size == 3 * 4
     loaded = load_token_stream(DataConfig(source=str(tmp_path / "big.bin")), BigVocab())
-    assert loaded.dtype == torch.int64 and loaded.tolist() == big.tolist()
+    assert isinstance(loaded.arrays[0], np.memmap)  # read through a memory map, not loaded
+    assert loaded.to_tensor().dtype == torch.int64 and loaded.tolist() == big.tolist()
 
 
 def test_disk_cache_skips_tokenizing_again(tmp_path, monkeypatch):
@@ -196,7 +197,7 @@ def test_builtin_corpus_is_real_bounded_and_deterministic():
     assert any("def " in t or "import " in t for t in texts)
     bigger = builtin_corpus_texts(120_000)
     assert bigger[: len(texts) - 1] == texts[:-1]  # a prefix: the same sorted file order
-    stream = load_token_stream(DataConfig(max_bytes=50_000), ByteTokenizer())
+    stream = load_token_stream(DataConfig(max_bytes=50_000), ByteTokenizer()).to_tensor()
     assert stream.dtype == torch.int64 and stream.dim() == 1
     assert int((stream == EOS).sum()) == len(texts) and int(stream[-1]) == EOS
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
+from meshtrain.data.shards import TokenShards, max_token, open_bin
 from meshtrain.training.tokenizer import ByteTokenizer
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
@@ -189,6 +190,7 @@ def write_token_bin(path: str | Path, tokens, vocab_size: int) -> None:
 
 
 def _read_bin(path: Path, vocab_size: int) -> np.ndarray:
+    """``path`` memory-mapped as token ids, after checking its size and its largest id."""
     dtype = bin_dtype(vocab_size)
     size = path.stat().st_size
     if size % dtype.itemsize:
@@ -196,13 +198,13 @@ def _read_bin(path: Path, vocab_size: int) -> np.ndarray:
             f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte tokens; "
             f"expected little-endian {dtype.name} ids for a vocabulary of {vocab_size}."
         )
-    tokens = np.fromfile(path, dtype=dtype).astype(np.int64)
-    if tokens.size and int(tokens.max()) >= vocab_size:
+    top = max_token(path, dtype)
+    if top >= vocab_size:
         raise ConfigError(
-            f"{path}: token id {int(tokens.max())} is outside the tokenizer's vocabulary "
+            f"{path}: token id {top} is outside the tokenizer's vocabulary "
             f"({vocab_size}); was it written with a different tokenizer?"
         )
-    return tokens
+    return open_bin(path, dtype)
 
 
 def encode_documents(texts: list[str], tokenizer) -> np.ndarray:
@@ -218,7 +220,7 @@ def encode_documents(texts: list[str], tokenizer) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-_STREAM_CACHE: dict[tuple, Tensor] = {}
+_STREAM_CACHE: dict[tuple, TokenShards] = {}
 _STREAM_CACHE_SIZE = 4
 
 
@@ -231,14 +233,18 @@ def _stream_key(data: DataConfig, tokenizer, files: list[Path]) -> tuple:
 
 
 def _disk_cached(key: tuple, cache_dir: str | Path | None, vocab_size: int, build) -> np.ndarray:
-    """``build()``, or its result saved under ``cache_dir`` by an earlier run with the same key."""
+    """``build()``, or its result saved under ``cache_dir`` by an earlier run with the same key.
+
+    With a ``cache_dir`` the result is stored there as ``uint16``/``uint32`` and returned as a
+    read-only memory map of that file, so it is not held in this process's memory.
+    """
     if cache_dir is None:
-        return build()
+        return build().astype(bin_dtype(vocab_size))
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
     path = Path(cache_dir) / f"tokens-{digest}.npy"
     if path.is_file():
         try:
-            return np.load(path).astype(np.int64)
+            return np.load(path, mmap_mode="r")
         except (OSError, ValueError):
             pass  # a damaged cache file is rebuilt below
     stream = build()
@@ -246,11 +252,16 @@ def _disk_cached(key: tuple, cache_dir: str | Path | None, vocab_size: int, buil
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")
     np.save(partial, stream.astype(bin_dtype(vocab_size)))
     os.replace(partial, path)  # atomic: ranks writing the same entry at once never see half a file
-    return stream
+    del stream
+    return np.load(path, mmap_mode="r")
 
 
-def load_token_stream(data: DataConfig, tokenizer, cache_dir: str | Path | None = None) -> Tensor:
-    """The whole corpus ``data.source`` as one 1-D ``int64`` tensor of token ids.
+def load_token_stream(data: DataConfig, tokenizer,
+                      cache_dir: str | Path | None = None) -> TokenShards:
+    """The whole corpus ``data.source`` as one token stream (:class:`TokenShards`).
+
+    ``.bin`` files and on-disk cache entries are memory-mapped, not loaded: the stream is read
+    window by window, so a process's memory does not grow with the corpus.
 
     Documents are tokenized with ``tokenizer`` (no special tokens) and each is followed by
     ``tokenizer.eos_id`` when the tokenizer has one. What a document is depends on the source:
@@ -277,11 +288,11 @@ def load_token_stream(data: DataConfig, tokenizer, cache_dir: str | Path | None 
         stream = _disk_cached(key, cache_dir, tokenizer.vocab_size, lambda: encode_documents(
             builtin_corpus_texts(data.max_bytes), tokenizer))
     elif files[0].suffix.lower() == ".bin":
-        stream = np.concatenate([_read_bin(path, tokenizer.vocab_size) for path in files])
+        stream = [_read_bin(path, tokenizer.vocab_size) for path in files]
     else:
         stream = _disk_cached(key, cache_dir, tokenizer.vocab_size, lambda: encode_documents(
             [text for path in files for text in _document_texts(path, data.text_field)], tokenizer))
-    tokens = torch.from_numpy(np.ascontiguousarray(stream, dtype=np.int64))
+    tokens = TokenShards(stream if isinstance(stream, list) else [stream])
     if len(_STREAM_CACHE) >= _STREAM_CACHE_SIZE:
         _STREAM_CACHE.pop(next(iter(_STREAM_CACHE)))
     _STREAM_CACHE[key] = tokens
@@ -299,12 +310,10 @@ class PackedDataset:
     across sample boundaries (separated by eos), so no token is wasted on padding.
     """
 
-    def __init__(self, tokens: Tensor, seq_len: int):
-        if tokens.dim() != 1:
-            raise ValueError(f"expected a 1-D token stream, got shape {tuple(tokens.shape)}")
+    def __init__(self, tokens: TokenShards | Tensor, seq_len: int):
         if seq_len < 1:
             raise ConfigError(f"train.seq_len = {seq_len} must be at least 1.")
-        self.tokens = tokens.long()
+        self.tokens = TokenShards.of(tokens)
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -313,14 +322,16 @@ class PackedDataset:
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        start = index * self.seq_len
-        return (self.tokens[start : start + self.seq_len],
-                self.tokens[start + 1 : start + self.seq_len + 1])
+        window = torch.from_numpy(self.tokens.window(index * self.seq_len, self.seq_len + 1))
+        return window[:-1], window[1:]
 
     def batch(self, indices: list[int]) -> tuple[Tensor, Tensor]:
         """Samples ``indices`` stacked: ``(inputs, targets)``, each ``[len(indices), seq_len]``."""
-        starts = torch.tensor(indices, dtype=torch.long) * self.seq_len
-        window = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
+        length = self.seq_len + 1
+        window = np.empty((len(indices), length), dtype=np.int64)
+        for row, index in enumerate(indices):
+            window[row] = self.tokens.window(index * self.seq_len, length)
+        window = torch.from_numpy(window)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 

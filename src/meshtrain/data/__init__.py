@@ -1,0 +1,1 @@
+"""Training data storage: token shards read through memory maps (see :mod:`.shards`)."""

@@ -1,0 +1,93 @@
+"""Token streams kept on disk and read through memory maps.
+
+A :class:`TokenShards` is a sequence of 1-D ``uint16``/``uint32`` arrays (usually ``np.memmap``
+views of ``.bin`` or ``.npy`` files) seen as one token stream. Reading a window copies only that
+window into an ``int64`` array, so a process's memory does not grow with the corpus: the file
+pages stay in the page cache and are shared by every process on the host.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_SCAN_CHUNK = 1 << 22  # tokens read per chunk when checking a file's ids (4-16 MiB)
+
+
+def open_bin(path: Path, dtype: np.dtype) -> np.ndarray:
+    """``path`` as a read-only memory map of ``dtype`` ids (an empty array for an empty file)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def max_token(path: Path, dtype: np.dtype, offset: int = 0) -> int:
+    """The largest id in the token file ``path`` (-1 when empty), read in bounded chunks.
+
+    Reads with ordinary file reads rather than through a memory map, so checking a large file
+    does not leave its pages counted in this process's resident memory.
+    """
+    top = -1
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        while True:
+            chunk = np.fromfile(handle, dtype=dtype, count=_SCAN_CHUNK)
+            if not chunk.size:
+                return top
+            top = max(top, int(chunk.max()))
+
+
+class TokenShards:
+    """Several 1-D token arrays seen as one stream, read window by window as ``int64``."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = [a for a in arrays if len(a)]
+        self.starts: list[int] = []
+        total = 0
+        for array in self.arrays:
+            if array.ndim != 1:
+                raise ValueError(f"expected 1-D token arrays, got shape {array.shape}")
+            self.starts.append(total)
+            total += len(array)
+        self.total = total
+
+    @classmethod
+    def of(cls, tokens) -> TokenShards:
+        """``tokens`` (a TokenShards, a tensor or an array) as a :class:`TokenShards`."""
+        if isinstance(tokens, TokenShards):
+            return tokens
+        if isinstance(tokens, Tensor):
+            if tokens.dim() != 1:
+                raise ValueError(f"expected a 1-D token stream, got shape {tuple(tokens.shape)}")
+            tokens = tokens.numpy()
+        return cls([np.asarray(tokens)])
+
+    def __len__(self) -> int:
+        return self.total
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as a fresh ``int64`` array."""
+        if start < 0 or start + length > self.total:
+            raise IndexError(f"window [{start}, {start + length}) outside {self.total} tokens")
+        out = np.empty(length, dtype=np.int64)
+        shard = bisect.bisect_right(self.starts, start) - 1
+        filled = 0
+        while filled < length:
+            array, offset = self.arrays[shard], start + filled - self.starts[shard]
+            take = min(length - filled, len(array) - offset)
+            out[filled:filled + take] = array[offset:offset + take]
+            filled += take
+            shard += 1
+        return out
+
+    def to_tensor(self) -> Tensor:
+        """The whole stream as one ``int64`` tensor (copies it all; for small streams and tests)."""
+        return torch.from_numpy(self.window(0, self.total))
+
+    def tolist(self) -> list[int]:
+        """The whole stream as a list of ints (small streams and tests)."""
+        return self.window(0, self.total).tolist()
