@@ -58,3 +58,16 @@ def test_dp8_zero3_peak_within_model_state_share(tmp_path):
     r = excess_over_tiny(["parallel.dp=8", "parallel.zero=3"], 8, tmp_path)
     assert max(r["excess"]) <= bound, (
         f"excess MiB {[round(b / MIB) for b in r['excess']]} > bound {bound / MIB:.0f} MiB")
+
+
+def test_cpu_peak_bytes_is_the_kernel_high_water_mark():
+    """``mem.peak_bytes`` on CPU rises by what a fresh process touches and equals its VmHWM."""
+    code = ("import torch; from meshtrain.training.metrics import peak_memory_bytes as p\n"
+            "cpu = torch.device('cpu'); a = p(cpu); b = bytearray(128 * 2**20)\n"
+            "b[::4096] = b'x' * len(b[::4096]); c = p(cpu)\n"
+            "kb = [int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM')]\n"
+            "print(a, c, kb[0] * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after, vmhwm = map(int, out.stdout.split())
+    assert after - before >= 120 * MIB
+    assert after == vmhwm

@@ -3,7 +3,7 @@
 Every line of ``metrics.jsonl`` is one optimizer step with at least ``step, loss, grad_norm, lr,
 tokens, step_time_s, tokens_per_s, mfu, comm_bytes, mem``. ``mfu`` is null where the device's peak
 FLOP/s is unknown: it is never guessed. ``mem.peak_bytes`` is ``torch.cuda.max_memory_allocated``
-on CUDA and the process's peak resident set size on CPU.
+on CUDA and the process's peak resident set size (the kernel's ``VmHWM``) on CPU.
 """
 
 from __future__ import annotations
@@ -36,9 +36,17 @@ def device_peak_flops(device: torch.device, precision: str, override_tflops: flo
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak, or max RSS on CPU."""
+    """Peak memory of this process: CUDA allocator peak, or on CPU the kernel's resident
+    high-water mark (``VmHWM`` of ``/proc/self/status``; ``ru_maxrss`` where /proc is absent)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
