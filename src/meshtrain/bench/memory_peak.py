@@ -41,7 +41,7 @@ atexit.register(_meshtrain_vmhwm_hook)
 #: ~85M parameters (dim 768, 12 layers, ffn 2048) and a tiny model whose run is the baseline.
 LARGE_MODEL = ["model.dim=768", "model.n_layers=12", "model.n_heads=12", "model.ffn_dim=2048",
                "model.n_kv_heads=0"]
-TINY_MODEL = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=64",
+TINY_MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=64",
               "model.n_kv_heads=0"]
 #: Two fp32 steps, a checkpoint at step 1, the final save; small batches keep it short.
 RUN = ["train.steps=2", "train.global_batch=8", "train.seq_len=32", "train.precision=fp32",
