@@ -49,7 +49,10 @@ def write_measured_timeline(executor: PipelineExecutor, mesh: ParallelMesh,
                             run_dir: Path) -> dict | None:
     """Gather this step's events over the pp group; the logging rank writes
     ``timeline.json`` (Chrome trace), ``timeline.png`` and ``timeline_summary.json``."""
-    gathered = mesh.comm("pp").all_gather_object(executor.events)
+    from meshtrain.training.timing import events_to_seconds
+
+    # CUDA event stamps become host seconds here, once per step (a sync after the step's work)
+    gathered = mesh.comm("pp").all_gather_object(events_to_seconds(executor.events))
     if not mesh.is_logging_rank:
         return None
     from meshtrain.parallel.pipeline.timeline import plot_timeline, write_chrome_trace

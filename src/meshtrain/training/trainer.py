@@ -13,7 +13,6 @@ gradient of the global mean loss, whatever the layout or micro-batching.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from meshtrain.parallel import (
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
+from meshtrain.training import timing
 from meshtrain.training.data import TrainData
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
@@ -190,7 +190,7 @@ class Trainer:
         if faults.active():
             faults.maybe_kill(self.step + 1)
         self.mesh.comm_log.begin_step(self.step + 1)
-        start = time.perf_counter()
+        start = timing.stamp(self.device)
         result = self.compute_gradients(self.data.next_step())
         global_tokens = result["global_tokens"]
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
@@ -224,9 +224,7 @@ class Trainer:
         every = self.config.parallel.check_replicas_every
         if every and (self.step + 1) % every == 0:
             self.engine.check_replicas_in_sync()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = timing.elapsed(start, timing.stamp(self.device))  # waits for the step's work
         self.step += 1
         tokens = int(global_tokens)
         record = {
