@@ -43,6 +43,7 @@ from torch import nn
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.transformer import FeedForward, MLPActivation
+from meshtrain.model.weight_grad import expert_matmul
 
 
 class GroupedExperts(nn.Module):
@@ -75,12 +76,12 @@ class GroupedExperts(nn.Module):
         """
         outputs = []
         for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
-            h = chunk @ self.w1[expert]
+            h = expert_matmul(chunk, self.w1, expert)
             if self.act.mlp == "swiglu":
-                h = self.act(h, chunk @ self.w3[expert])
+                h = self.act(h, expert_matmul(chunk, self.w3, expert))
             else:
                 h = self.act(h)
-            outputs.append(h @ self.w2[expert])
+            outputs.append(expert_matmul(h, self.w2, expert))
         return torch.cat(outputs, dim=0)
 
 

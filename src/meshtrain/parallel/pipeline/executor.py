@@ -9,10 +9,11 @@ receives block, which is exactly the semantics the static checker proves deadloc
 message carries a tag unique to (kind, micro-batch, stage), so two streams between the same pair
 of ranks can never be confused.
 
-Zero-bubble split: ``I`` computes only the gradient w.r.t. the stage input
-(``torch.autograd.grad`` with the graph retained) and ``W`` later accumulates the weight
-gradients (``torch.autograd.backward(..., inputs=params)``). This is exact; the W pass re-walks the
-stage's graph, so on CPU it costs more than a true split would (see docs/pipeline.md).
+Zero-bubble split: ``I`` runs the stage's backward once, with the linear layers' weight gradients
+deferred (:mod:`meshtrain.model.weight_grad`): input gradients flow, every matmul stashes its
+``(input, grad_output)`` on this micro-batch's queue, and the graph is freed. ``W`` then computes
+those weight gradients from the stash alone (no graph walk, no tp/ep collective). Norm weights,
+the MoE router and embeddings get their (cheap) gradients during ``I``. See docs/pipeline.md.
 
 Auxiliary losses (the MoE balance loss): ``aux_loss_fn(chunk)``, when set, is called right after
 each stage forward and returns that micro-batch's extra loss terms of the stage's own layers (or
@@ -29,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from meshtrain.model.weight_grad import WeightGradQueue, deferring
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
 from meshtrain.parallel.pipeline.stage import StageChunk
@@ -51,6 +53,7 @@ class PipelineExecutor:
         self.aux_loss_fn: Callable[[StageChunk], torch.Tensor | None] | None = None
         self.aux_total = torch.zeros((), device=device)
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
+        self._w_queues: dict[tuple[int, int], WeightGradQueue] = {}
 
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
         return (stage * self.schedule.microbatches + microbatch) * 2 + (kind == "grad")
@@ -143,22 +146,24 @@ class PipelineExecutor:
         return roots, grads
 
     def _backward_input(self, mb, s, full, inputs, outputs, grads_out, grads_in) -> None:
+        """``B`` (``full``): the whole backward. ``I``: the same backward with the linear
+        layers' weight gradients deferred to this micro-batch's W queue; the graph is freed."""
         roots, grads = self._roots(mb, s, outputs, grads_out, inputs)
         x = inputs.get((mb, s))
         if full:
             torch.autograd.backward(roots, grads)
-            self._release(mb, s, outputs, grads_out)
-            if x is not None:
-                grads_in[(mb, s)] = x.grad
-        elif x is not None:
-            (x.grad,) = torch.autograd.grad(roots, x, grads, retain_graph=True)
+        else:
+            with deferring(self._w_queues.setdefault((mb, s), WeightGradQueue())):
+                torch.autograd.backward(roots, grads)
+        self._release(mb, s, outputs, grads_out)
+        if x is not None:
             grads_in[(mb, s)] = x.grad
 
     def _backward_weight(self, mb, s, outputs, grads_out, inputs) -> None:
-        roots, grads = self._roots(mb, s, outputs, grads_out, inputs)
-        params = [p for p in self.chunks[s].parameters() if p.requires_grad]
-        torch.autograd.backward(roots, grads, inputs=params)
-        self._release(mb, s, outputs, grads_out)
+        """``W``: the deferred weight gradients ``grad_output^T @ input`` of micro-batch ``mb``
+        at stage ``s``, from the inputs and output grads stashed by ``I``; no graph walk, no
+        collective."""
+        self._w_queues.pop((mb, s)).run()
 
     def _release(self, mb, s, outputs, grads_out) -> None:
         outputs.pop((mb, s), None)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.model.weight_grad import make_deferrable
 
 
 def _block_cost(config: ModelConfig, layer: int) -> float:
@@ -133,4 +134,5 @@ def split_model(model: nn.Module, stages_here: list[int], layers_per_stage: list
     if last not in stages_here:
         model.norm = None
         model.output = None
+    make_deferrable(model)  # linear weight grads can wait for the W pass (zero-bubble)
     return {s: StageChunk(model, s, layers_per_stage[s], s == 0, s == last) for s in stages_here}

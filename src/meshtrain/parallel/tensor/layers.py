@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.model.weight_grad import linear
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.tensor.collectives import (
     reduce_from_tp_region,
@@ -68,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local matmul on the already-entered input."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -93,7 +94,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Partial product, then all-reduce (or sequence reduce-scatter)."""
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(partial, self.comm)
         return reduce_from_tp_region(partial, self.comm)
