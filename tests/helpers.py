@@ -47,3 +47,33 @@ def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int
         report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
         assert report["ok"], (config.parallel, report)
     return results
+
+
+def adjacent_communication(compute: list, stage_to_rank: list[int]) -> list:
+    """Pipeline lists with each recv right before the compute that consumes it and each send
+    right after the compute that produces it: correct where messages are tagged and sends
+    buffered (gloo), not under NCCL's semantics. Shows what the checker and the NCCL test mode
+    catch."""
+    from meshtrain.parallel.pipeline.schedule import Action
+    from meshtrain.parallel.pipeline.schedule import ActionKind as K
+
+    last = len(stage_to_rank) - 1
+    lists = []
+    for rank, order in enumerate(compute):
+        acts = []
+        for a in order:
+            mb, s = a.microbatch, a.stage
+            before = after = None
+            if a.kind is K.F:
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    before = Action(K.RECV_ACT, mb, s, stage_to_rank[s - 1])
+                if s < last and stage_to_rank[s + 1] != rank:
+                    after = Action(K.SEND_ACT, mb, s, stage_to_rank[s + 1])
+            elif a.kind in (K.B, K.I):
+                if s < last and stage_to_rank[s + 1] != rank:
+                    before = Action(K.RECV_GRAD, mb, s, stage_to_rank[s + 1])
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    after = Action(K.SEND_GRAD, mb, s, stage_to_rank[s - 1])
+            acts += [x for x in (before, a, after) if x is not None]
+        lists.append(acts)
+    return lists

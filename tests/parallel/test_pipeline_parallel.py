@@ -33,6 +33,27 @@ def test_pp4_1f1b():
                             nproc=4)])
 
 
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
+MOE_AUX = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
+           "model.moe_balance=aux-loss", "model.moe_aux_coef=0.5")
+WITH_OTHER_AXES = {
+    "dp2-zero1": ("parallel.dp=2", "parallel.zero=1"),
+    "dp2-zero2": ("parallel.dp=2", "parallel.zero=2"),
+    "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    "ep2-moe": ("parallel.dp=2", "parallel.ep=2", *MOE_AUX),
+}
+
+
+@pytest.mark.parametrize("axes", list(WITH_OTHER_AXES))
+def test_every_schedule_with_another_axis(axes):
+    """Each schedule at pp 2 combined with dp/ZeRO, tp + SP or ep; the suite runs these under
+    NCCL's point-to-point semantics (tests/conftest.py), so message order and rendezvous
+    sends are exercised with the other axes' collectives interleaved."""
+    base = ("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4")
+    _parity(4, [tiny_config(*base, *WITH_OTHER_AXES[axes], f"parallel.pp_schedule={name}",
+                            f"parallel.virtual_stages={v}", nproc=4) for name, v in SCHEDULES])
+
+
 def test_dp2_tp2_pp2_eight_processes():
     _parity(8, [tiny_config("parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2",
                             "parallel.zero=1", "parallel.sequence_parallel=true", nproc=8)])

@@ -15,6 +15,7 @@ from meshtrain.parallel.pipeline import (
     check_schedule,
     simulate,
 )
+from tests.helpers import adjacent_communication
 
 K = ActionKind
 
@@ -171,28 +172,10 @@ def test_inconsistent_compute_orders_deadlock():
 
 
 def _adjacent_communication(schedule):
-    """The lists with each recv right before its consumer and each send right after its
-    producer: correct where messages are tagged and buffered (gloo), not under NCCL."""
-    to_rank, last = schedule.stage_to_rank, schedule.last_stage
-    lists = []
-    for rank in range(schedule.pp):
-        acts = []
-        for a in schedule.compute_actions(rank):
-            mb, s = a.microbatch, a.stage
-            before = after = None
-            if a.kind is K.F:
-                if s > 0 and to_rank[s - 1] != rank:
-                    before = Action(K.RECV_ACT, mb, s, to_rank[s - 1])
-                if s < last and to_rank[s + 1] != rank:
-                    after = Action(K.SEND_ACT, mb, s, to_rank[s + 1])
-            elif a.kind in (K.B, K.I):
-                if s < last and to_rank[s + 1] != rank:
-                    before = Action(K.RECV_GRAD, mb, s, to_rank[s + 1])
-                if s > 0 and to_rank[s - 1] != rank:
-                    after = Action(K.SEND_GRAD, mb, s, to_rank[s - 1])
-            acts += [x for x in (before, a, after) if x is not None]
-        lists.append(acts)
-    return dataclasses.replace(schedule, actions=lists)
+    """The schedule's compute with gloo-only communication placement (tests.helpers)."""
+    compute = [schedule.compute_actions(r) for r in range(schedule.pp)]
+    return dataclasses.replace(schedule, actions=adjacent_communication(compute,
+                                                                        schedule.stage_to_rank))
 
 
 def test_swapped_messages_between_a_pair_are_rejected():

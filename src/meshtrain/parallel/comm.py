@@ -309,16 +309,19 @@ class CountedComm:
         entry.done = True
         return out
 
-    def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: int = 0):
-        """Non-blocking point-to-point send to an axis rank; returns the work handle."""
-        dst = dist.get_global_rank(self.group, dst_group_rank)
-        entry = self.log.record(self.axis, "send", tensor.shape, tensor.dtype,
-                                self._nbytes(tensor), 2, peer=dst)
-        return self._issued(entry, dist.isend(tensor, dst=dst, group=self.group, tag=tag), True)
+    def exchange(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list:
+        """Post point-to-point ``ops`` together as one batch (``batch_isend_irecv``: NCCL runs
+        them as one group, so two neighbours' sends and receives complete together).
 
-    def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: int = 0):
-        """Non-blocking point-to-point receive from an axis rank; returns the work handle."""
-        src = dist.get_global_rank(self.group, src_group_rank)
-        entry = self.log.record(self.axis, "recv", tensor.shape, tensor.dtype,
-                                self._nbytes(tensor), 2, peer=src)
-        return self._issued(entry, dist.irecv(tensor, src=src, group=self.group, tag=tag), True)
+        Each op is ``("send" | "recv", tensor, axis rank of the peer, tag)``; returns one work
+        handle per op, in order. Counted as sends and receives of the axis.
+        """
+        p2p = []
+        for op, tensor, peer, tag in ops:
+            other = dist.get_global_rank(self.group, peer)
+            entry = self.log.record(self.axis, op, tensor.shape, tensor.dtype,
+                                    self._nbytes(tensor), 2, peer=other)
+            self._issued(entry, None, True)
+            p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
+                                  group=self.group, tag=tag))
+        return dist.batch_isend_irecv(p2p) if p2p else []

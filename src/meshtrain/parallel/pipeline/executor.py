@@ -4,10 +4,13 @@ One generic loop dispatches each :class:`Action` of the rank's list; nothing her
 trainer) looks at the schedule's name. Communication goes through the counted ``pp`` comm:
 activations and gradients have shapes known in advance (``[micro-batch, seq, dim]``, with the
 sequence divided by tp under sequence parallelism), so no shape handshake precedes a transfer.
-Sends are posted non-blocking and waited for at the end of the step (their buffers kept alive);
-receives block, which is exactly the semantics the static checker proves deadlock-free. Each
-message carries a tag unique to (kind, micro-batch, stage), so two streams between the same pair
-of ranks can never be confused.
+Each run of consecutive send/recv actions is one exchange, posted together
+(``batch_isend_irecv``) through :class:`~.p2p.Exchanger`; a received tensor's exchange is waited
+for right before the compute that consumes it, and every exchange by the end of the step (sent
+buffers kept alive until then). The schedules put messages in the same order on both sides of
+every pair and place exchanges so they complete even when sends wait for their receives
+(:mod:`.message_order`), so this is correct under NCCL's untagged, in-order matching; tags
+(:mod:`.p2p`'s default ``tagged`` semantics) are a second guard on gloo only.
 
 Zero-bubble split: ``I`` runs the stage's backward once, with the linear layers' weight gradients
 deferred (:mod:`meshtrain.model.weight_grad`): input gradients flow, every matmul stashes its
@@ -25,15 +28,17 @@ non-last stage's MoE layers get their balance gradient without sending anything 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from meshtrain.model.weight_grad import WeightGradQueue, deferring
 from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.pipeline.message_order import Message, exchanges, message_of
+from meshtrain.parallel.pipeline.p2p import Exchanger
 from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
 from meshtrain.parallel.pipeline.stage import StageChunk
+from meshtrain.training.timing import stamp
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -45,6 +50,7 @@ class PipelineExecutor:
                  pp_rank: int, activation_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device):
         self.schedule, self.chunks, self.comm = schedule, chunks, comm
+        self.exchanger = Exchanger(comm)
         self.pp_rank = pp_rank
         self.activation_shape = activation_shape
         self.dtype, self.device = dtype, device
@@ -67,43 +73,59 @@ class PipelineExecutor:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_out: dict[tuple[int, int], torch.Tensor | None] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
-        pending_sends: list[tuple[object, torch.Tensor]] = []
+        received: dict[Message, tuple[torch.Tensor, list]] = {}
+        in_flight: list[list] = []  # each exchange's work handles (and the tensors it sends)
         loss_total = torch.zeros((), device=self.device)
         self.aux_total = torch.zeros((), device=self.device)
         self._aux = {}
         self.events = []
-        for action in self.schedule.actions[self.pp_rank]:
-            start = time.perf_counter()
-            mb, s = action.microbatch, action.stage
-            kind = action.kind
-            if kind is ActionKind.RECV_ACT:
-                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                self.comm.recv(buf, action.peer, self._tag("act", mb, s - 1)).wait()
-                inputs[(mb, s)] = buf.requires_grad_()
-            elif kind is ActionKind.RECV_GRAD:
-                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                self.comm.recv(buf, action.peer, self._tag("grad", mb, s + 1)).wait()
-                grads_out[(mb, s)] = buf
-            elif kind is ActionKind.SEND_ACT:
-                tensor = outputs[(mb, s)].detach().contiguous()
-                pending_sends.append((self.comm.send(tensor, action.peer,
-                                                     self._tag("act", mb, s)), tensor))
-            elif kind is ActionKind.SEND_GRAD:
-                tensor = grads_in.pop((mb, s)).contiguous()
-                pending_sends.append((self.comm.send(tensor, action.peer,
-                                                     self._tag("grad", mb, s)), tensor))
-            elif kind is ActionKind.F:
+        for _, item in exchanges(self.schedule.actions[self.pp_rank]):
+            if isinstance(item, list):
+                in_flight.append(self._post(item, outputs, grads_in, received))
+                continue
+            action, mb, s, kind = item, item.microbatch, item.stage, item.kind
+            if kind is ActionKind.F and ("act", mb, s - 1) in received:
+                inputs[(mb, s)] = _arrived(received.pop(("act", mb, s - 1))).requires_grad_()
+            elif kind in (ActionKind.B, ActionKind.I) and ("grad", mb, s + 1) in received:
+                grads_out[(mb, s)] = _arrived(received.pop(("grad", mb, s + 1)))
+            start = stamp(self.device)  # a CUDA event on CUDA: no host sync here
+            if kind is ActionKind.F:
                 loss_total += self._forward(mb, s, microbatches, loss_fn, inputs, outputs)
             elif kind in (ActionKind.B, ActionKind.I):
                 self._backward_input(mb, s, kind is ActionKind.B, inputs, outputs, grads_out,
                                      grads_in)
             elif kind is ActionKind.W:
                 self._backward_weight(mb, s, outputs, grads_out, inputs)
-            if self.record_events and kind.is_compute:
-                self.events.append((self.pp_rank, action, start, time.perf_counter()))
-        for work, _ in pending_sends:
-            work.wait()
+            if self.record_events:
+                self.events.append((self.pp_rank, action, start, stamp(self.device)))
+        for handles, _ in in_flight:
+            _wait(handles)
         return loss_total
+
+    def _post(self, batch: list[Action], outputs, grads_in, received) -> tuple[list, list]:
+        """Post one exchange; returns its work handles and the tensors it sends or fills (kept
+        alive until the end of the step). Each receive is registered in ``received`` with the
+        handles to wait for right before the compute that consumes it: its own handle where the
+        backend gives one per operation (gloo), the batch's where it coalesces them (NCCL: one
+        handle for the group, which completes as a whole)."""
+        ops, keep = [], []
+        for action in batch:
+            kind, mb, s = message_of(action)
+            tag = self._tag(kind, mb, s)
+            if action.kind.is_recv:
+                buf = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
+                ops.append(("recv", buf, action.peer, tag))
+            elif action.kind is ActionKind.SEND_ACT:
+                ops.append(("send", outputs[(mb, s)].detach().contiguous(), action.peer, tag))
+            else:
+                ops.append(("send", grads_in.pop((mb, s)).contiguous(), action.peer, tag))
+            keep.append(ops[-1][1])
+        handles = [_Once(work) for work in self.exchanger.post(ops)]
+        per_op = [[h] for h in handles] if len(handles) == len(ops) else [handles] * len(ops)
+        for action, (op, buf, _, _), waits in zip(batch, ops, per_op, strict=True):
+            if op == "recv":
+                received[message_of(action)] = (buf, waits)
+        return handles, keep
 
     # ------------------------------------------------------------------ compute
     def _forward(self, mb, s, microbatches, loss_fn, inputs, outputs) -> torch.Tensor:
@@ -169,6 +191,33 @@ class PipelineExecutor:
         outputs.pop((mb, s), None)
         grads_out.pop((mb, s), None)
         self._aux.pop((mb, s), None)
+
+
+class _Once:
+    """A work handle waited for at most once: gloo counts completions, so a second ``wait`` on
+    a finished receive would block for the next one."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work):
+        self.work, self.done = work, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+
+def _wait(handles: list[_Once]) -> None:
+    for handle in handles:
+        handle.wait()
+
+
+def _arrived(entry: tuple[torch.Tensor, list]) -> torch.Tensor:
+    """The received tensor, once its receive has completed."""
+    buf, handles = entry
+    _wait(handles)
+    return buf
 
 
 def grads_in_memory(inputs: dict, mb: int, next_stage: int) -> torch.Tensor:
