@@ -31,6 +31,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 ACTIVATION_CHECKPOINTING_KINDS = ("none", "full", "selective")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -112,6 +113,10 @@ class ParallelConfig:
     """Reduce data-parallel gradients (fp32 on CPU, ZeRO stages 0-1) through shared memory
     instead of gloo's loopback TCP when every rank of the group runs on this host; false = always
     the process group's own collectives. See :mod:`meshtrain.parallel.shared_memory`."""
+    grad_reduce_dtype: str = "fp32"
+    """dtype gradients are accumulated over micro-batches and reduced over data-parallel ranks
+    in: ``fp32`` (default: with bf16 parameters a separate fp32 gradient buffer, as Megatron's
+    ``main_grad``) or ``bf16`` (bf16 buffers and reductions; needs ``train.precision = bf16``)."""
     check_replicas_every: int = 0
     """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
     ep_rebalance_every: int = 0

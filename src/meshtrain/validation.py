@@ -12,6 +12,7 @@ from pathlib import Path
 from meshtrain.config import (
     ACTIVATION_CHECKPOINTING_KINDS,
     DEVICES,
+    GRAD_REDUCE_DTYPES,
     LR_SCHEDULES,
     MLP_KINDS,
     MOE_BALANCE_KINDS,
@@ -141,6 +142,10 @@ def validate_parallel(config: Config) -> None:
     _at_least(par.microbatches, 1, "parallel.microbatches")
     if par.dp_bucket_mb <= 0:
         raise ConfigError(f"parallel.dp_bucket_mb = {par.dp_bucket_mb} must be positive.")
+    _choice(par.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "parallel.grad_reduce_dtype")
+    if par.grad_reduce_dtype == "bf16" and train.precision != "bf16":
+        raise ConfigError("parallel.grad_reduce_dtype = bf16 needs train.precision = bf16 (fp32 "
+                          "parameters keep fp32 gradients); valid here: fp32.")
     for axis in ("tp", "pp", "ep"):
         if getattr(par, axis) > 1 and axis not in IMPLEMENTED_AXES:
             raise ConfigError(

@@ -10,8 +10,17 @@ Default tolerance (fp32): 2e-4 absolute on the loss and 1e-3 relative on the gra
 Summing the same terms in another order and across ranks changes fp32 results by ~1e-6 per step,
 and AdamW amplifies tiny gradient differences for parameters whose second moment is near zero, so
 a few steps drift by up to ~1e-5; 2e-4 leaves margin while any real bug (a missed reduction, a
-wrong normalisation, a stale shard) shows up as differences of 1e-2 or more. bf16 runs need a
-looser tolerance (``--tolerance``), since bf16 rounding alone differs by ~1e-2.
+wrong normalisation, a stale shard) shows up as differences of 1e-2 or more.
+
+bf16 (``train.precision = "bf16"``): the layout runs in bf16 as a GPU user runs it (bf16
+parameters and activations, fp32 master weights, and gradients accumulated and reduced in fp32
+unless ``parallel.grad_reduce_dtype = bf16``) and is compared with the *fp32* one-process
+reference, so the report says how far bf16 training is from the exact answer, not from another
+bf16 run. bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation), which
+moves a loss of ~6 by up to ~1.5e-2 and the gradient norm by up to ~3 % over five steps on the
+tiny models of the tests. The default bf16 tolerances are 5e-2 on the loss and 1e-1 relative on
+the gradient norm (measured differences are in ``docs/parallelism.md``); a dropped reduction or a
+wrong scale moves the gradient norm by a factor (sqrt 2 or 2 at dp 2).
 """
 
 from __future__ import annotations
@@ -24,12 +33,18 @@ from meshtrain.config import Config
 
 LOSS_TOLERANCE_FP32 = 2e-4
 GRAD_NORM_RTOL_FP32 = 1e-3
+LOSS_TOLERANCE_BF16 = 5e-2
+GRAD_NORM_RTOL_BF16 = 1e-1
 
 
 def reference_config(config: Config) -> Config:
-    """The one-process configuration that ``config``'s layout must reproduce."""
+    """The one-process configuration that ``config``'s layout must reproduce: every degree 1,
+    and fp32 (a bf16 layout is measured against the exact answer)."""
     ref = copy.deepcopy(config)
+    ref.train.precision = "fp32"
+    ref.train.compile = False
     par = ref.parallel
+    par.grad_reduce_dtype = "fp32"
     par.microbatches = max(config.parallel.dp, 1) * config.parallel.microbatches
     par.dp = par.tp = par.pp = par.ep = 1
     par.ep_rebalance_every = 0  # placement moves experts between ep ranks: none here
@@ -98,9 +113,10 @@ def verify(config: Config, world_size: int, steps: int, loss_tol: float | None =
            grad_norm_rtol: float | None = None) -> dict:
     """Run the layout and its reference and compare them."""
     bf16 = config.train.precision == "bf16"
-    loss_tol = loss_tol if loss_tol is not None else (5e-2 if bf16 else LOSS_TOLERANCE_FP32)
+    loss_tol = loss_tol if loss_tol is not None else (
+        LOSS_TOLERANCE_BF16 if bf16 else LOSS_TOLERANCE_FP32)
     grad_norm_rtol = grad_norm_rtol if grad_norm_rtol is not None else (
-        5e-2 if bf16 else GRAD_NORM_RTOL_FP32)
+        GRAD_NORM_RTOL_BF16 if bf16 else GRAD_NORM_RTOL_FP32)
     layout = run_layout(config, world_size, steps)
     reference = run_layout(reference_config(config), 1, steps)
     report = compare(layout, reference, loss_tol, grad_norm_rtol)

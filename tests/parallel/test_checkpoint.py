@@ -93,7 +93,7 @@ def test_resume_at_another_layout(zero3_checkpoint, tmp_path, layout, nproc):
     assert first + rest == pytest.approx(reference, abs=LOSS_TOLERANCE_FP32)
 
 
-def test_interleaved_pipeline_and_bf16_round_trip(tmp_path):
+def test_interleaved_pipeline_zero1_resumes_at_dp2_zero2(tmp_path):
     """Save at pp2 interleaved (v=2) with ZeRO-1, resume at dp2 with ZeRO-2."""
     reference = uninterrupted(_cfg(tmp_path / "ref", "model.n_layers=4", nproc=1).to_dict())
     saved = _cfg(tmp_path / "run", "model.n_layers=4", "parallel.pp=2", "parallel.zero=1",

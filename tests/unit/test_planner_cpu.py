@@ -70,13 +70,17 @@ def test_dp_gradients_priced_through_shared_memory_where_the_runtime_uses_it():
         two_hosts.collective_time("all_reduce", grads, 2, 1))
     assert Cluster(BUILTIN_CPU, 2, 2).dp_gradient_reduce_time("all_reduce", grads, 2, 1,
                                                                True) == gloo
-    # In an estimate: fp32 dp2 ZeRO 0 and 1 are priced at the shared-memory rate; bf16 is not.
+    # In an estimate: fp32 gradient buckets at dp2 ZeRO 0 and 1 (fp32 runs, and bf16 runs with
+    # their default fp32 gradients) are priced at the shared-memory rate; bf16 gradients are not.
     for zero in (0, 1):
-        with_shm = _estimate(shm, "train.precision=fp32", f"parallel.zero={zero}")
-        without = _estimate(BUILTIN_CPU, "train.precision=fp32", f"parallel.zero={zero}")
-        assert with_shm["breakdown"]["dp_comm_total_s"] < without["breakdown"]["dp_comm_total_s"]
-    bf16 = [_estimate(p, "train.precision=bf16")["breakdown"]["dp_comm_total_s"]
-            for p in (shm, BUILTIN_CPU)]
+        for precision in ("fp32", "bf16"):
+            with_shm = _estimate(shm, f"train.precision={precision}", f"parallel.zero={zero}")
+            without = _estimate(BUILTIN_CPU, f"train.precision={precision}",
+                                f"parallel.zero={zero}")
+            assert (with_shm["breakdown"]["dp_comm_total_s"]
+                    < without["breakdown"]["dp_comm_total_s"])
+    bf16 = [_estimate(p, "train.precision=bf16", "parallel.grad_reduce_dtype=bf16")
+            ["breakdown"]["dp_comm_total_s"] for p in (shm, BUILTIN_CPU)]
     assert bf16[0] == bf16[1]
 
 

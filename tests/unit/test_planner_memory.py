@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshtrain.config import ModelConfig
 from meshtrain.planner.hardware import PROFILES, Cluster
 from meshtrain.planner.memory import layer_activation_bytes, zero_paper_model_states
 from meshtrain.planner.pipeline_model import pipeline_estimate
-from meshtrain.planner.workload import Layout, Workload, stage_layers
+from meshtrain.planner.workload import MESHTRAIN, Layout, Workload, stage_layers
 
 P = 7.5e9
 
@@ -32,7 +34,8 @@ def test_estimate_reports_zero_model_states_per_rank():
     model = ModelConfig(vocab_size=51200, dim=4096, n_layers=36, n_heads=32, ffn_dim=16384,
                         mlp="gelu")
     cluster = Cluster(PROFILES["a100-80g"], 64, 8)
-    work = Workload(model, 2048, 64)
+    # The paper counts fp16 gradients (2 bytes): parallel.grad_reduce_dtype = bf16.
+    work = Workload(model, 2048, 64, traits=dataclasses.replace(MESHTRAIN, grad_reduce_bytes=2))
     for stage in range(4):
         result = estimate(work, Layout(dp=64, zero=stage), cluster)
         rank = result["per_rank"][0]

@@ -62,8 +62,9 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         compile_blocks(model)  # after checkpointing: the compiled graph holds the checkpoint
     from meshtrain.parallel.data import apply_data_parallel
 
+    grad_dtype = torch.bfloat16 if plan.grad_dtype == "bf16" else torch.float32
     model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
-                                                     plan.dp_shared_memory)
+                                                     plan.dp_shared_memory, grad_dtype)
     return model
 
 

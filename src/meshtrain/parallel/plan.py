@@ -56,6 +56,8 @@ class ParallelPlan:
     """Seed of the name-seeded initialisation, for a model built on the meta device."""
     param_dtype: str = "fp32"
     """dtype the parameters are materialised in (``fp32`` or ``bf16``)."""
+    grad_dtype: str = "fp32"
+    """dtype gradients are accumulated and reduced in (``parallel.grad_reduce_dtype``)."""
     compile_blocks: bool = False
     """``torch.compile`` each block's forward (``train.compile``)."""
 
@@ -71,6 +73,7 @@ class ParallelPlan:
                    dp_bucket_mb=par.dp_bucket_mb, dp_shared_memory=par.dp_shared_memory,
                    init_seed=config.train.seed,
                    param_dtype=config.train.precision,
+                   grad_dtype=config.parallel.grad_reduce_dtype,
                    compile_blocks=config.train.compile)
 
     @property

@@ -100,7 +100,7 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
 
         def reduce(op, nbytes, size=size, stride=stride):  # ZeRO 0-1: maybe shared memory
             return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
-                                                   workload.precision == "fp32")
+                                                   traits.grad_reduce_bytes == 4)
 
         if lay.zero == 0:
             hidden, tail = reduce("all_reduce", grads), 0.0

@@ -1,16 +1,19 @@
 """Per-rank memory: model states by ZeRO stage, activations by schedule, buffers.
 
 Model states follow Rajbhandari et al. 2020 ("ZeRO", §3.1 and §5): mixed-precision Adam keeps
-2 bytes of bf16 parameters, 2 of gradients and K = 12 of optimizer state (fp32 master, momentum,
-variance) per parameter; fp32 training keeps 4 + 4 + 8. Over N data-parallel ranks:
+2 bytes of bf16 parameters, G of gradients and K = 12 of optimizer state (fp32 master, momentum,
+variance) per parameter; fp32 training keeps 4 + 4 + 8. The ZeRO paper counts G = 2 (fp16
+gradients); meshtrain, like Megatron-LM, accumulates and reduces bf16 models' gradients in fp32
+(G = 4, ``RuntimeTraits.grad_reduce_bytes``) unless ``parallel.grad_reduce_dtype = bf16``
+(G = 2). Over N data-parallel ranks:
 
 =======  =================  ==================  ================
 stage    parameters          gradients           optimizer
 =======  =================  ==================  ================
-0        2P                  2P                  12P
-1        2P                  2P                  12P / N
-2        2P                  2P / N              12P / N
-3        2P / N              2P / N              12P / N
+0        2P                  GP                  12P
+1        2P                  GP                  12P / N
+2        2P                  GP / N              12P / N
+3        2P / N              GP / N              12P / N
 =======  =================  ==================  ================
 
 Activations follow Korthikanti et al. 2022 (§4, "Reducing Activation Recomputation"), who count
@@ -39,10 +42,11 @@ GB = 1e9
 
 
 def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
-                      ) -> tuple[float, float, float]:
+                      grad_bytes: int = 4) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per rank for ``params`` parameters replicated over
-    ``dp`` ranks under ZeRO stage ``zero`` (the table in the module docstring)."""
-    param_b, grad_b, optim_b = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
+    ``dp`` ranks under ZeRO stage ``zero`` (the table in the module docstring); ``grad_bytes``
+    is G, the bytes of a bf16 model's gradient element (fp32 models always keep 4)."""
+    param_b, grad_b, optim_b = (2, grad_bytes, 12) if precision == "bf16" else (4, 4, 8)
     n = max(dp, 1)
     param = params * param_b / (n if zero >= 3 else 1)
     grad = params * grad_b / (n if zero >= 2 else 1)
@@ -159,8 +163,10 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     model, lay = workload.model, layout
     first, last = stage == 0, stage == lay.pp - 1
     params = stage_params(model, layers, lay, first, last)
-    dense = model_state_bytes(params.dense, lay.zero, lay.dp, workload.precision)
-    expert = model_state_bytes(params.expert, lay.zero, lay.dp // lay.ep, workload.precision)
+    grad_bytes = workload.traits.grad_reduce_bytes
+    dense = model_state_bytes(params.dense, lay.zero, lay.dp, workload.precision, grad_bytes)
+    expert = model_state_bytes(params.expert, lay.zero, lay.dp // lay.ep, workload.precision,
+                               grad_bytes)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
     moe = sum(1 for layer in layers if model.is_moe_layer(layer))
@@ -183,4 +189,4 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
 def zero_paper_model_states(params: float, zero: int, dp: int) -> float:
     """Model-state bytes per device from the ZeRO paper's closed forms (bf16/fp16 + Adam):
     16P, 4P + 12P/N, 2P + 14P/N, 16P/N."""
-    return sum(model_state_bytes(params, zero, dp, "bf16"))
+    return sum(model_state_bytes(params, zero, dp, "bf16", grad_bytes=2))

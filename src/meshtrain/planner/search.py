@@ -148,7 +148,8 @@ def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dic
     limit = leanest["memory_limit_gb"]
     lay = leanest["layout"]
     params = leanest["params"]
-    floor = sum(model_state_bytes(params, 3, cluster.gpus, workload.precision)) / GB
+    floor = sum(model_state_bytes(params, 3, cluster.gpus, workload.precision,
+                                  workload.traits.grad_reduce_bytes)) / GB
     text = (f"nothing fits: {len(results)} layouts searched on {cluster.gpus} x "
             f"{cluster.profile.name} ({limit:.0f} GB usable each). The leanest "
             f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}, "

@@ -25,7 +25,8 @@ class RuntimeTraits:
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
     grad_reduce_bytes: int = 4
-    """Bytes per gradient element on the wire (meshtrain reduces in fp32)."""
+    """Bytes per gradient element, held and on the wire: meshtrain accumulates and reduces in
+    fp32 (4) unless ``parallel.grad_reduce_dtype = bf16`` (2)."""
     elementwise_traffic: float = 8.0
     """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
     byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
@@ -67,6 +68,8 @@ class Workload:
     @classmethod
     def from_config(cls, config: Config, traits: RuntimeTraits = MESHTRAIN) -> Workload:
         """The workload a run config describes."""
+        if config.parallel.grad_reduce_dtype == "bf16":
+            traits = dataclasses.replace(traits, grad_reduce_bytes=2)
         return cls(config.model, config.train.seq_len, config.train.global_batch,
                    config.train.precision, traits)
 

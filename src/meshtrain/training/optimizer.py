@@ -44,7 +44,9 @@ class FlatAdamW:
         self.exp_avg_sq = [torch.zeros_like(s.master) for s in self.shards]
         self.step_count = 0
         self.fused = fused and _FUSED_ADAMW is not None
-        self._step_tensor = torch.zeros((), dtype=torch.float32)
+        # The fused kernel takes the step count as a tensor; one per device, refilled each step
+        # with fill_ (a kernel launch on CUDA, not a host-to-device copy).
+        self._step_tensors: dict[torch.device, torch.Tensor] = {}
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradients (each parameter counted once across ranks); scales
@@ -88,7 +90,10 @@ class FlatAdamW:
         """The same update as the eager formula, by the fused kernel, on the decayed range
         ``[0, decay_end)`` and the rest (each range contiguous, as the kernel needs)."""
         cfg = self.cfg
-        step = self._step_tensor.to(master.device)
+        step = self._step_tensors.get(master.device)
+        if step is None:
+            step = self._step_tensors[master.device] = torch.zeros(
+                (), dtype=torch.float32, device=master.device)
         step.fill_(self.step_count)
         for lo, hi, decay in ((0, decay_end, cfg.weight_decay),
                               (decay_end, master.numel(), 0.0)):

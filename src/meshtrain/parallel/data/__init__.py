@@ -21,16 +21,18 @@ def _block_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list, l
 
 
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
-                        bucket_mb: float, shared_memory: bool = True) -> DataParallelEngine:
+                        bucket_mb: float, shared_memory: bool = True,
+                        grad_dtype: torch.dtype = torch.float32) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
-    ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks. ``shared_memory``:
-    see :class:`DataParallelEngine`."""
+    ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks. ``shared_memory``
+    and ``grad_dtype``: see :class:`DataParallelEngine`."""
     bucket_bytes = int(bucket_mb * 2**20)
     if zero < 3:
-        return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory)
+        return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
+                                  grad_dtype=grad_dtype)
     blocks, block_params, root = _block_units(model)
     units = list(reversed(block_params)) + ([root] if root else [])
-    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units)
+    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units, grad_dtype=grad_dtype)
     n = len(blocks)
     block_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
     root_bucket = engine.buckets[n] if root else None

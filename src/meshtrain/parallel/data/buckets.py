@@ -95,15 +95,6 @@ class FlatBucket:
         for s in self.slots:
             s.param.grad = buffer[s.offset:s.offset + s.numel].view(s.shape)
 
-    def gather_grads_into(self, buffer: torch.Tensor) -> None:
-        """Copy each parameter's ``.grad`` into its slot of ``buffer`` (zeros where None)."""
-        for s in self.slots:
-            view = buffer[s.offset:s.offset + s.numel]
-            if s.param.grad is None:
-                view.zero_()
-            else:
-                view.copy_(s.param.grad.reshape(-1))
-
     def decay_range_in_shard(self) -> tuple[int, int]:
         """``(start, end)`` of the weight-decayed elements in shard-local coordinates."""
         end = min(max(self.decay_numel - self.shard_start, 0), self.shard_numel)

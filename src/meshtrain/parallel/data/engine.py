@@ -13,7 +13,15 @@ stage    parameters            gradients               optimizer (fp32 master+m+
 Gradients are reduced bucket by bucket from ``post_accumulate_grad`` hooks, as soon as the last
 parameter of a bucket has its gradient, so communication overlaps the rest of backward. Buckets
 are launched strictly in index order (every rank issues collectives in the same order even if
-backward finishes buckets in another one). Reductions run in fp32 whatever the parameter dtype.
+backward finishes buckets in another one).
+
+Gradient precision (``grad_dtype``): gradients are accumulated over micro-batches, reduced and
+read by clipping and the optimizer in fp32 by default, whatever the parameter dtype. With bf16
+parameters that is a separate fp32 buffer (Megatron's ``main_grad``): autograd produces each
+micro-batch's bf16 ``.grad``, the gradient hook adds it into the fp32 buffer and drops it, so a
+bf16 gradient lives only between its production and its hook. ``grad_dtype = bf16``
+(``parallel.grad_reduce_dtype``) keeps bf16 gradient buffers and bf16 reductions: half the bytes,
+with bf16 rounding in accumulation and in the sum over ranks.
 
 Stages 0 and 1 reduce only on the last micro-batch of a step (gradients accumulate locally in the
 flat gradient buffer). Stages 2 and 3 hold no full gradient buffer, so they reduce-scatter every
@@ -59,13 +67,16 @@ class DataParallelEngine:
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
                  units: list[list[tuple[str, torch.nn.Parameter]]] | None = None,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, grad_dtype: torch.dtype = torch.float32):
         """``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
-        when every rank of their group is on this host (see the module docstring)."""
+        when every rank of their group is on this host; ``grad_dtype``: the dtype gradients are
+        accumulated and reduced in (see the module docstring)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
+        self.grad_dtype = grad_dtype
+        self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
         self.comms = {"dp": comm, "edp": mesh.comm("edp")}
         self.dp_rank, self.edp_rank = dp_rank, mesh.edp_rank
         axis_ranks = {"dp": (max(comm.size, 1), dp_rank),
@@ -146,16 +157,20 @@ class DataParallelEngine:
                 reducers[axis] = reducer
         return reducers
 
-    @staticmethod
-    def _shareable(b: FlatBucket) -> bool:
+    def _shareable(self, b: FlatBucket) -> bool:
         """Whether ``b``'s gradient buffer can be reduced through shared memory."""
-        return b.dtype == torch.float32 and b.device.type == "cpu"
+        return self.grad_dtype == torch.float32 and b.device.type == "cpu"
 
     def _new_grad_buffer(self, b: FlatBucket) -> torch.Tensor:
         reducer = self.shared_reducers.get(b.axis)
         if reducer is None or not self._shareable(b):
-            return b.new_buffer()
-        return reducer.new_buffer(self.comms[b.axis], b.padded_numel, b.dtype)
+            return b.new_buffer(self.grad_dtype)
+        return reducer.new_buffer(self.comms[b.axis], b.padded_numel, self.grad_dtype)
+
+    def _separate_grads(self, b: FlatBucket) -> bool:
+        """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
+        (fp32 main gradients of bf16 parameters): autograd's ``.grad`` cannot be a view of it."""
+        return self.grad_dtype != b.dtype
 
     @property
     def reduces_in_shared_memory(self) -> bool:
@@ -190,9 +205,10 @@ class DataParallelEngine:
             b.param_shard = b.shard(full).clone()
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
-            b.bind_grads(b.grad_buffer)
+            if not self._separate_grads(b):
+                b.bind_grads(b.grad_buffer)
         else:
-            b.grad_shard = b.new_buffer(full=False)
+            b.grad_shard = b.new_buffer(self.grad_dtype, full=False)
 
     def optimizer_shards(self) -> list[OptimizerShard]:
         """One :class:`OptimizerShard` per bucket; masters alias the parameters when fp32."""
@@ -230,9 +246,22 @@ class DataParallelEngine:
         self.end_microbatch()
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            # The zero-bubble ``I`` pass defers a matmul weight's gradient: autograd still
+            # calls the hook, with nothing accumulated. The ``W`` pass calls it again with it.
+            return
         bucket = self._bucket_of[id(param)]
         if self.stage < 2:
             self._keep_grad_in_buffer(bucket, self._slot_of[id(param)])
+        elif not self._syncing and self._separate_grads(bucket):
+            # ZeRO >= 2 accumulating across micro-batches (pipeline schedules): keep the sum
+            # in fp32 until the bucket is reduced.
+            total = self._accumulated.get(id(param))
+            if total is None:
+                self._accumulated[id(param)] = param.grad.float()
+            else:
+                total.add_(param.grad)
+            param.grad = None
         if not self._syncing:
             return
         self._ready_count[bucket.index] += 1
@@ -241,40 +270,53 @@ class DataParallelEngine:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
-    @staticmethod
-    def _keep_grad_in_buffer(bucket: FlatBucket, slot) -> None:
+    def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
         """Autograd normally accumulates in place into the bound view; if it swapped in a new
-        tensor (e.g. after a user set ``.grad``), fold it back into the flat buffer."""
+        tensor (e.g. after a user set ``.grad``), fold it back into the flat buffer. With
+        separate (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
         view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
         grad = slot.param.grad
-        if grad.data_ptr() != view.data_ptr():
+        if self._separate_grads(bucket):
+            view.add_(grad.reshape(-1))
+            slot.param.grad = None
+        elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad.reshape(-1))
             slot.param.grad = view.view(slot.shape)
+
+    def _gather_grads(self, b: FlatBucket) -> torch.Tensor:
+        """A fresh ``grad_dtype`` buffer holding every parameter's gradient since the bucket's
+        last reduction (zeros where none), leaving no ``.grad`` behind."""
+        buf = b.new_buffer(self.grad_dtype)
+        for s in b.slots:
+            view = buf[s.offset:s.offset + s.numel]
+            total = self._accumulated.pop(id(s.param), None)
+            if total is not None:
+                view.copy_(total.reshape(-1))
+            if s.param.grad is not None:
+                view.add_(s.param.grad.reshape(-1))
+                s.param.grad = None
+        return buf
 
     def _launch(self, b: FlatBucket) -> None:
         comm = self.comms[b.axis]
         if self.stage == 0:
-            buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
-            handle = comm.all_reduce(buf, async_op=True)
-            post = (lambda: None) if buf is b.grad_buffer else (lambda: b.grad_buffer.copy_(buf))
+            handle = comm.all_reduce(b.grad_buffer, async_op=True)
+            post = lambda: None  # noqa: E731
         elif self.stage == 1:
-            buf = b.grad_buffer if b.dtype == torch.float32 else b.grad_buffer.float()
+            buf = b.grad_buffer
             # Through shared memory the buffer is reduced in place: its own shard gets the sum.
             out = (b.shard(buf) if comm.shares(buf)
-                   else torch.empty(b.shard_numel, dtype=torch.float32, device=b.device))
+                   else torch.empty(b.shard_numel, dtype=buf.dtype, device=b.device))
             handle = comm.reduce_scatter_into(out, buf, async_op=True)
             in_place = out.data_ptr() == b.shard(b.grad_buffer).data_ptr()
             post = (lambda: None) if in_place else (lambda: b.shard(b.grad_buffer).copy_(out))
         else:
-            buf = b.new_buffer(torch.float32)
-            b.gather_grads_into(buf)
-            for slot in b.slots:
-                slot.param.grad = None
-            out = torch.empty(b.shard_numel, dtype=torch.float32, device=b.device)
+            buf = self._gather_grads(b)
+            out = torch.empty(b.shard_numel, dtype=self.grad_dtype, device=b.device)
             handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
-                b.grad_shard.add_(out.to(b.dtype))
+                b.grad_shard.add_(out)
             if self.on_bucket_reduced is not None:
                 self.on_bucket_reduced(b)
         self._pending.append((handle, post))
@@ -360,11 +402,22 @@ class DataParallelEngine:
         for b in self.buckets:
             if self.stage < 2:
                 b.grad_buffer.zero_()
-                b.bind_grads(b.grad_buffer)
+                if not self._separate_grads(b):
+                    b.bind_grads(b.grad_buffer)
             else:
                 b.grad_shard.zero_()
                 for slot in b.slots:
                     slot.param.grad = None
+        self._accumulated.clear()
+
+    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s accumulated gradient on this rank, shaped like it, in ``grad_dtype``
+        (stages 0-1, which hold full gradients: a view of the gradient buffer)."""
+        if self.stage >= 2:
+            raise ValueError(f"ZeRO stage {self.stage} holds only gradient shards")
+        slot = self._slot_of[id(param)]
+        view = self._bucket_of[id(param)].grad_buffer[slot.offset:slot.offset + slot.numel]
+        return view.view(slot.shape)
 
     # ------------------------------------------------------------------ reporting
     def memory(self) -> dict[str, int]:
