@@ -43,6 +43,7 @@ from meshtrain.training.metrics import (
 from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
+from meshtrain.training.prefetch import BatchPrefetcher
 from meshtrain.training.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
@@ -68,6 +69,7 @@ class Trainer:
         train, par = config.train, config.parallel
         self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
                               dp_size=mesh.dp, microbatches=par.microbatches)
+        self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         model = meta_model(config.model)  # no rank materialises more than its own piece
         self.plan = ParallelPlan.from_config(config)
@@ -102,8 +104,10 @@ class Trainer:
         return executor
 
     # ------------------------------------------------------------------ one step
-    def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        local = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in microbatches)
+    def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                            local: int | None = None) -> float:
+        if local is None:
+            local = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in microbatches)
         count = torch.tensor([float(local)], device=self.device)
         self.mesh.comm("dp").all_reduce(count)
         return float(count.item())
@@ -150,11 +154,12 @@ class Trainer:
         objective.backward()
         return lm_loss.detach(), None if aux is None else aux.detach()
 
-    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def compute_gradients(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+                          local_tokens: int | None = None) -> dict:
         """Forward and backward every micro-batch and reduce the gradients over data-parallel
         ranks. Leaves the gradients of the global mean loss in the engine's gradient buffers
         (or shards); returns the local loss sums and token counts (not reduced over ranks)."""
-        global_tokens = self._global_token_count(microbatches)
+        global_tokens = self._global_token_count(microbatches, local_tokens)
         self.moe_stats.start_step()
         if self.pipeline is not None:
             return self._compute_gradients_pipelined(microbatches, global_tokens)
@@ -191,7 +196,9 @@ class Trainer:
             faults.maybe_kill(self.step + 1)
         self.mesh.comm_log.begin_step(self.step + 1)
         start = timing.stamp(self.device)
-        result = self.compute_gradients(self.data.next_step())
+        batches, local_tokens = self.batches.next_step()
+        result = self.compute_gradients(batches, local_tokens)
+        self.batches.prefetch()  # next step's batch: host work and copies overlap this step
         global_tokens = result["global_tokens"]
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
         memory = self._memory()
