@@ -10,7 +10,13 @@ import pytest
 
 from meshtrain.config import ConfigError
 from meshtrain.distributed_run import run_distributed
-from meshtrain.verify import GRAD_NORM_RTOL_FP32, LOSS_TOLERANCE_FP32, compare, run_layout
+from meshtrain.verify import (
+    GRAD_NORM_RTOL_FP32,
+    LOSS_TOLERANCE_FP32,
+    compare,
+    reference_config,
+    run_layout,
+)
 from tests.helpers import tiny_config, train_many
 
 STEPS = 3
@@ -37,12 +43,38 @@ def test_compiled_blocks_match_eager_on_one_process_zero3_checkpointing_and_pp()
         _assert_same(records, eager)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["parallel.tp=2"], "parallel.tp = 2"),
-    (["model.moe_experts=4"], "model.moe_experts = 4"),
-    (["parallel.activation_checkpointing=selective"], "selective"),
-])
-def test_compile_refuses_what_it_does_not_cover(overrides, named):
+MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32")
+
+
+def test_compiled_blocks_match_eager_under_tp_sp_moe_ep_and_zero_bubble():
+    """Collectives (tp regions, the MoE all-to-alls) and deferred weight gradients run eagerly
+    between compiled pieces of each block; every layout matches its eager one-process run."""
+    cases = [tiny_config("parallel.tp=2", "parallel.sequence_parallel=true", nproc=2),
+             tiny_config(*MOE, "parallel.ep=2", nproc=2),
+             tiny_config(*MOE, "parallel.tp=2", "parallel.sequence_parallel=true", nproc=2),
+             tiny_config("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4",
+                         "parallel.pp_schedule=zb-h1", nproc=2)]
+    compiled = [tiny_config("train.compile=true", *_overrides(c), nproc=2) for c in cases]
+    results = run_distributed(2, train_many, [c.to_dict() for c in compiled], STEPS,
+                              timeout=900)[0]
+    for config, records in zip(cases, results, strict=True):
+        _assert_same(records, run_layout(reference_config(config), 1, STEPS))
+    one = tiny_config(*MOE, "train.compile=true")
+    _assert_same(run_layout(one, 1, STEPS), run_layout(reference_config(one), 1, STEPS))
+
+
+def _overrides(config) -> list[str]:
+    """The --set overrides that rebuild ``config`` (its parallel and model sections)."""
+    out = []
+    for section in ("parallel", "model"):
+        for key, value in config.to_dict()[section].items():
+            if isinstance(value, bool):
+                value = str(value).lower()
+            out.append(f"{section}.{key}={value}")
+    return out
+
+
+def test_compile_refuses_selective_checkpointing():
     with pytest.raises(ConfigError, match="train.compile") as error:
-        tiny_config("train.compile=true", *overrides, nproc=2)
-    assert named in str(error.value) and "Set train.compile = false" in str(error.value)
+        tiny_config("train.compile=true", "parallel.activation_checkpointing=selective")
+    assert "selective" in str(error.value) and "Set train.compile = false" in str(error.value)

@@ -113,6 +113,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return torch.nn.functional.linear(x, weight, bias)
     if bias is not None and not bias.is_leaf:
         return torch.nn.functional.linear(x, weight, bias)
+    return _deferrable_linear(x, weight, bias)
+
+
+@torch.compiler.disable
+def _deferrable_linear(x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    # Never traced by torch.compile (train.compile): the backward decides at run time whether
+    # a W queue is active, which a traced backward graph would freeze.
     return _LinearWithBias.apply(x, weight, bias) if bias is not None else \
         _Linear.apply(x, weight, None)
 
@@ -152,7 +160,12 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
     """``x @ w[e]`` whose gradient w.r.t. ``w`` can be deferred (see module docstring)."""
     if not torch.is_grad_enabled() or not w.requires_grad or not w.is_leaf:
         return x @ w[e]
-    return _ExpertMatmul.apply(x, w, e)
+    return _deferrable_expert_matmul(x, w, e)
+
+
+@torch.compiler.disable
+def _deferrable_expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
+    return _ExpertMatmul.apply(x, w, e)  # not traced: see _deferrable_linear
 
 
 class DeferrableLinear(torch.nn.Linear):

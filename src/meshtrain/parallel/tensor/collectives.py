@@ -76,7 +76,10 @@ class _ForwardBackwardPair(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.comm), None, None, None
 
 
+@torch.compiler.disable
 def _pair(x: torch.Tensor, comm: CountedComm, forward_op, backward_op) -> torch.Tensor:
+    # An explicit graph break under train.compile: the collectives run eagerly between the
+    # compiled pieces of a block (meshtrain.parallel.compile).
     return _ForwardBackwardPair.apply(x, comm, forward_op, backward_op) if comm.active else x
 
 
