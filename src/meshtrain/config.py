@@ -183,8 +183,16 @@ class TrainConfig:
     max_nonfinite_skips: int = 3
     """With on_nonfinite = "skip": stop when this many steps in a row were non-finite."""
     compile: bool = False
-    """Compile each transformer block's forward with ``torch.compile`` (dense models; dp,
-    ZeRO, pp; see :mod:`meshtrain.parallel.compile`). The first step pays the compilation."""
+    """Compile each transformer block's forward with ``torch.compile`` (every axis; collectives
+    and MoE layers stay eager; see :mod:`meshtrain.parallel.compile`). The first step pays the
+    compilation."""
+    eval_every: int = 0
+    """Every N steps (and after the last), measure the held-out loss (``data.valid_source`` or
+    ``data.valid_fraction``) and write ``eval_loss``/``eval_ppl`` into that step's record;
+    0 = off."""
+    eval_batches: int = 4
+    """Global batches (``train.global_batch`` sequences each) per evaluation: the same held-out
+    sequences every time, so evaluations are comparable."""
     max_restarts: int = 0
     """Restart every worker up to this many times after a failure; a restarted run resumes from
     the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""
@@ -203,6 +211,13 @@ class DataConfig:
     """Field holding the text in .jsonl and .parquet sources."""
     max_bytes: int = 4_000_000
     """Upper bound on the built-in corpus size, so start-up stays fast."""
+    valid_source: str = ""
+    """Held-out data for ``train.eval_every``: a file, directory, glob or prepared corpus like
+    ``source`` (tokenized the same way); empty = none (see ``valid_fraction``)."""
+    valid_fraction: float = 0.0
+    """Hold out this fraction of the training source's tokens, at its end and starting at a
+    document boundary (as Megatron-LM's contiguous splits): never trained on, evaluated by
+    ``train.eval_every``. 0 = nothing held out; not combined with ``valid_source``."""
 
 
 @dataclass

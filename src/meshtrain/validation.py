@@ -300,6 +300,12 @@ def validate_train(config: Config) -> None:
     _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
     _at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
     _at_least(t.max_restarts, 0, "train.max_restarts")
+    _at_least(t.eval_every, 0, "train.eval_every")
+    _at_least(t.eval_batches, 1, "train.eval_batches")
+    if t.eval_every and not (config.data.valid_source or config.data.valid_fraction):
+        raise ConfigError(f"train.eval_every = {t.eval_every} needs held-out data: set "
+                          "data.valid_source (a file, directory, glob or prepared corpus) or "
+                          "data.valid_fraction (e.g. 0.01), or train.eval_every = 0.")
     if t.compile:
         _check_compile(config)
     if t.device == "cuda":
@@ -337,6 +343,17 @@ def validate_data_and_checkpoint(config: Config) -> None:
         raise ConfigError(f'data.tokenizer = "{d.tokenizer}": no such file; use "bytes" or the '
                           f"path of a Hugging Face tokenizer.json.")
     _at_least(d.max_bytes, 1, "data.max_bytes")
+    if not 0 <= d.valid_fraction < 1:
+        raise ConfigError(f"data.valid_fraction = {d.valid_fraction} must be in [0, 1) (the "
+                          "fraction of the training tokens held out, e.g. 0.01).")
+    if d.valid_fraction and d.valid_source:
+        raise ConfigError("data.valid_source and data.valid_fraction are both set; held-out data "
+                          "comes from one of them: clear one.")
+    if d.valid_source:
+        from meshtrain.training.data import find_source_files
+
+        if not (Path(d.valid_source).expanduser() / "meta.json").is_file():
+            find_source_files(d.valid_source)  # raises ConfigError when nothing matches
     _at_least(c.every, 0, "checkpoint.every")
     _at_least(c.keep, 1, "checkpoint.keep")
     if c.init_from and not Path(c.init_from).exists():

@@ -84,6 +84,28 @@ class TokenShards:
             shard += 1
         return out
 
+    def slice(self, start: int, stop: int) -> TokenShards:
+        """Tokens ``[start, stop)`` as a stream of views (no copy)."""
+        start, stop = max(0, start), min(stop, self.total)
+        parts = []
+        for array, first in zip(self.arrays, self.starts, strict=True):
+            lo, hi = max(start - first, 0), min(stop - first, len(array))
+            if lo < hi:
+                parts.append(array[lo:hi])
+        return TokenShards(parts)
+
+    def rfind(self, token: int, stop: int, limit: int = 1 << 24) -> int:
+        """Position of the last ``token`` before ``stop`` within ``limit`` tokens, read in
+        bounded windows; -1 when there is none."""
+        position, first = min(stop, self.total), max(0, stop - limit)
+        while position > first:
+            length = min(1 << 16, position - first)
+            hits = np.flatnonzero(self.window(position - length, length) == token)
+            if hits.size:
+                return position - length + int(hits[-1])
+            position -= length
+        return -1
+
     def to_tensor(self) -> Tensor:
         """The whole stream as one ``int64`` tensor (copies it all; for small streams and tests)."""
         return torch.from_numpy(self.window(0, self.total))

@@ -122,6 +122,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(self.num_experts), persistent=True)
         self.last_stats: dict[str, torch.Tensor] = {}
         self._step_stats: dict[str, torch.Tensor] = {}
+        self.record_step_stats = True
+        """False while evaluating: forwards then leave the step's load statistics alone."""
 
     def reset_buffers(self) -> None:
         """Zero the selection bias (fp32) and forget the last statistics."""
@@ -231,7 +233,7 @@ class MoE(nn.Module):
             "dropped": dropped,
             "aux_loss": stats["aux_loss"],
         }
-        if not recomputing_in_backward():
+        if self.record_step_stats and not recomputing_in_backward():
             self._accumulate(self.last_stats)
         return out.view_as(x)
 

@@ -414,6 +414,33 @@ class GlobalBatchSampler:
         self.step = int(state["step"])
 
 
+def hold_out_tail(tokens: TokenShards, fraction: float,
+                  eos_id: int | None) -> tuple[TokenShards, TokenShards]:
+    """Split ``tokens`` into (training, held-out): the held-out part is at least the last
+    ``fraction`` of the stream, starting at the beginning of the document the cut falls in (right
+    after the eos before it), so no document is split; at the cut itself when the tokenizer has
+    no eos or no eos precedes it within 16M tokens."""
+    cut = int(len(tokens) * (1 - fraction))
+    if eos_id is not None:
+        boundary = tokens.rfind(eos_id, cut)
+        if boundary >= 0:
+            cut = boundary + 1
+    return tokens.slice(0, cut), tokens.slice(cut, len(tokens))
+
+
+def held_out_tokens(data_cfg: DataConfig, tokenizer, held_out: TokenShards | None,
+                    cache_dir: str | Path | None = None) -> TokenShards | None:
+    """The evaluation stream: ``data.valid_source`` tokenized like the training source, or the
+    tail :class:`TrainData` held out (``data.valid_fraction``); None when neither is set."""
+    if data_cfg.valid_source:
+        import dataclasses
+
+        valid = dataclasses.replace(data_cfg, source=data_cfg.valid_source, valid_source="",
+                                    valid_fraction=0.0)
+        return load_token_stream(valid, tokenizer, cache_dir)
+    return held_out
+
+
 class TrainData:
     """The trainer's view of the data: ``next_step()`` yields this rank's micro-batches.
 
@@ -430,6 +457,10 @@ class TrainData:
         self.tokenizer = tokenizer
         self.seq_len = train_cfg.seq_len
         self.tokens = load_token_stream(data_cfg, tokenizer, cache_dir)
+        self.held_out: TokenShards | None = None
+        if data_cfg.valid_fraction:
+            self.tokens, self.held_out = hold_out_tail(self.tokens, data_cfg.valid_fraction,
+                                                       tokenizer.eos_id)
         self.dataset = PackedDataset(self.tokens, train_cfg.seq_len)
         self.num_samples = len(self.dataset)
         if self.num_samples < train_cfg.global_batch:

@@ -87,6 +87,8 @@ class MetricsWriter:
         self.file.flush()
         status = (f"loss {record['loss']:.4f}  gnorm {record['grad_norm']:.3f}  "
                   f"lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s")
+        if "eval_loss" in record:
+            status += f"  eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f})"
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
         else:
@@ -94,6 +96,9 @@ class MetricsWriter:
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                 self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+            for key in ("eval_loss", "eval_ppl"):
+                if key in record:
+                    self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
 
     def close(self) -> None:
         """Flush and close everything."""

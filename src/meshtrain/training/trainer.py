@@ -34,6 +34,7 @@ from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training import timing
 from meshtrain.training.data import TrainData
+from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
     MetricsWriter,
@@ -82,6 +83,8 @@ class Trainer:
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
         self.expert_placer = ExpertPlacer.build(self.model, self.engine, self.optimizer, mesh,
                                                 config)  # None unless ep > 1
+        self.ignore_index = IGNORE_INDEX
+        self.evaluator = Evaluator.build(self)  # None unless train.eval_every
         self.nonfinite = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_skips,
                                         verbose=mesh.is_logging_rank)
         self.restarts = faults.restart_attempt()  # torch elastic's restart count (0 = first run)
@@ -128,15 +131,18 @@ class Trainer:
             return None
         return torch.stack(terms).sum() / (self.plan.microbatches * self.mesh.dp)
 
-    def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy; vocab-parallel (never gathering logits) under tp."""
         tp = self.mesh.comm("tp")
         if tp.active:
-            loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                 self.vocab_start, tp, IGNORE_INDEX).sum()
-        else:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                   reduction="sum", ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               reduction="sum", ignore_index=IGNORE_INDEX)
+
+    def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`token_loss_sum` of a training micro-batch (where tests inject faults)."""
+        loss = self.token_loss_sum(logits, targets)
         return faults.corrupt_loss(loss, self.step + 1) if faults.active() else loss
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -253,6 +259,8 @@ class Trainer:
                              / (self.peak_flops * self.mesh.world_size))
         if moe_summary is not None:
             record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
+        if self.evaluator is not None and self.evaluator.due(self.step):
+            record.update(self.evaluator.evaluate())
         return record
 
     def _memory(self) -> dict:

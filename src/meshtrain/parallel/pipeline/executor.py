@@ -48,9 +48,11 @@ class PipelineExecutor:
 
     def __init__(self, schedule: Schedule, chunks: dict[int, StageChunk], comm: CountedComm,
                  pp_rank: int, activation_shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, exchanger: Exchanger | None = None):
+        """``exchanger``: share another executor's (its per-pair message counts), for a second
+        schedule over the same ranks such as the forward-only evaluation pass."""
         self.schedule, self.chunks, self.comm = schedule, chunks, comm
-        self.exchanger = Exchanger(comm)
+        self.exchanger = exchanger or Exchanger(comm)
         self.pp_rank = pp_rank
         self.activation_shape = activation_shape
         self.dtype, self.device = dtype, device

@@ -1,8 +1,8 @@
 """The five pipeline schedules, built as data: ``build_schedule(name, pp, microbatches, v)``.
 
 Each builder decides the order of the compute actions (F, B or I/W) on every rank;
-:func:`~.schedule.add_communication` then places each recv right before the compute that needs it
-and each send right after the compute that produced it. Orders follow the papers:
+:func:`~.schedule.add_communication` then places the sends and receives so the lists are correct
+under NCCL's ordered, untagged matching and rendezvous sends. Orders follow the papers:
 
 * ``gpipe`` — all forwards, then all backwards (Huang et al. 2019).
 * ``1f1b`` — warm-up of ``pp - rank - 1`` forwards, steady one-forward-one-backward, cool-down
@@ -215,6 +215,25 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
         orders = _zb_v_orders(pp, m)
     return Schedule(name=name, pp=pp, microbatches=m, virtual_stages=v,
                     actions=add_communication(orders, placement), stage_to_rank=placement)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forward passes of ``schedule``'s placement alone (evaluation): each rank forwards its
+    stages in increasing order, every micro-batch through one stage before the next, with
+    communication placed as for training. Checked for NCCL's message order and rendezvous sends
+    (the backward-completeness rules of :func:`check_schedule` do not apply)."""
+    from meshtrain.parallel.pipeline.message_order import check_message_order, check_unbuffered
+
+    orders = [[_f(mb, s) for s in schedule.stages_of(rank) for mb in range(schedule.microbatches)]
+              for rank in range(schedule.pp)]
+    result = Schedule(name=f"{schedule.name}-forward", pp=schedule.pp,
+                      microbatches=schedule.microbatches,
+                      virtual_stages=schedule.virtual_stages,
+                      actions=add_communication(orders, schedule.stage_to_rank),
+                      stage_to_rank=schedule.stage_to_rank)
+    check_message_order(result)
+    check_unbuffered(result)
+    return result
 
 
 def default_virtual_stages(name: str) -> int:
