@@ -211,6 +211,14 @@ class DataConfig:
     """Field holding the text in .jsonl and .parquet sources."""
     max_bytes: int = 4_000_000
     """Upper bound on the built-in corpus size, so start-up stays fast."""
+    sources: list = field(default_factory=list)
+    """A weighted mixture instead of ``source``: ``[{path = "...", weight = 0.7}, ...]`` in TOML,
+    or ``--set data.sources=PATH:WEIGHT,PATH:WEIGHT``; each path is a file, directory, glob or
+    prepared corpus as ``source`` takes. See :mod:`meshtrain.training.mixture`."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample and positions restart at each
+    document (block-diagonal causal mask; needs a tokenizer with an eos id). See
+    :mod:`meshtrain.model.document_mask`."""
     valid_source: str = ""
     """Held-out data for ``train.eval_every``: a file, directory, glob or prepared corpus like
     ``source`` (tokenized the same way); empty = none (see ``valid_fraction``)."""
@@ -328,7 +336,34 @@ def _coerce(value: Any, kind: type, key: str, origin: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise bad
+    if kind is list:
+        return _weighted_paths(value, key, origin)
     raise bad
+
+
+def _weighted_paths(value: Any, key: str, origin: str) -> list[dict[str, Any]]:
+    """``[{"path": str, "weight": float}, ...]`` from a TOML array of tables or from the
+    ``PATH:WEIGHT,PATH:WEIGHT`` text of an override."""
+    example = (f'{key} = [{{path = "a/", weight = 0.7}}, {{path = "b/", weight = 0.3}}] '
+               f'(or --set {key}=a/:0.7,b/:0.3)')
+    if isinstance(value, str):
+        items = []
+        for part in (p.strip() for p in value.split(",") if p.strip()):
+            path, sep, weight = part.rpartition(":")
+            if not sep:
+                raise ConfigError(f"{origin}: {key}: {part!r} has no weight; write {example}.")
+            items.append({"path": path, "weight": weight})
+        value = items
+    if not isinstance(value, list):
+        raise ConfigError(f"{origin}: {key} = {value!r} is not a list of sources; write {example}.")
+    out = []
+    for item in value:
+        if not isinstance(item, dict) or set(item) != {"path", "weight"}:
+            raise ConfigError(f"{origin}: {key}: {item!r} must have exactly the keys path and "
+                              f"weight; write {example}.")
+        weight = _coerce(item["weight"], float, f"{key} weight", origin)
+        out.append({"path": _coerce(item["path"], str, f"{key} path", origin), "weight": weight})
+    return out
 
 
 def set_key(config: Config, dotted: str, value: Any, origin: str = "--set") -> None:

@@ -343,6 +343,19 @@ def validate_data_and_checkpoint(config: Config) -> None:
         raise ConfigError(f'data.tokenizer = "{d.tokenizer}": no such file; use "bytes" or the '
                           f"path of a Hugging Face tokenizer.json.")
     _at_least(d.max_bytes, 1, "data.max_bytes")
+    if d.sources:
+        if d.source != "builtin":
+            raise ConfigError(f'data.sources (a mixture) and data.source = "{d.source}" are both '
+                              "set; give one: clear data.source or data.sources.")
+        from meshtrain.training.data import find_source_files
+
+        for item in d.sources:
+            if not item["weight"] > 0:
+                raise ConfigError(f'data.sources: "{item["path"]}" has weight {item["weight"]}; '
+                                  "weights must be positive (they are normalised to sum to 1).")
+            if item["path"] != "builtin" and not (
+                    Path(item["path"]).expanduser() / "meta.json").is_file():
+                find_source_files(item["path"])  # raises ConfigError when nothing matches
     if not 0 <= d.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction = {d.valid_fraction} must be in [0, 1) (the "
                           "fraction of the training tokens held out, e.g. 0.01).")

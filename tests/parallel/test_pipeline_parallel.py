@@ -41,12 +41,17 @@ WITH_OTHER_AXES = {
     "dp2-zero2": ("parallel.dp=2", "parallel.zero=2"),
     "tp2-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
     "ep2-moe": ("parallel.dp=2", "parallel.ep=2", *MOE_AUX),
+    # recomputation inside I: deferred weight gradients must reach the real parameters
+    "dp2-full-checkpointing": ("parallel.dp=2", "parallel.activation_checkpointing=full"),
+    "dp2-selective-checkpointing": ("parallel.dp=2",
+                                    "parallel.activation_checkpointing=selective"),
 }
 
 
 @pytest.mark.parametrize("axes", list(WITH_OTHER_AXES))
 def test_every_schedule_with_another_axis(axes):
-    """Each schedule at pp 2 combined with dp/ZeRO, tp + SP or ep; the suite runs these under
+    """Each schedule at pp 2 combined with dp/ZeRO, tp + SP, ep or activation checkpointing;
+    the suite runs these under
     NCCL's point-to-point semantics (tests/conftest.py), so message order and rendezvous
     sends are exercised with the other axes' collectives interleaved."""
     base = ("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4")

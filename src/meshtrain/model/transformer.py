@@ -62,7 +62,8 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, S, H, D] by the tables ``cos``/``sin`` [S, D] (half-split layout).
+    """Rotate ``x`` [B, S, H, D] by the tables ``cos``/``sin`` [S, D] (half-split layout), or
+    [B, S, D] when every sequence has its own positions (document masking).
 
     ``rotate_half(x) = cat(-x[half:], x[:half])`` equals ``roll(x, half)`` with the first half
     negated, so the sign moves onto the small ``sin`` table: one ``roll`` of ``x`` instead of two
@@ -70,9 +71,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     half = x.shape[-1] // 2
     signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    cos = cos[None, :, None, :]
-    signed_sin = signed_sin[None, :, None, :]
-    return x * cos + torch.roll(x, half, dims=-1) * signed_sin
+    if cos.dim() == 2:
+        cos, signed_sin = cos[None], signed_sin[None]
+    return x * cos[:, :, None, :] + torch.roll(x, half, dims=-1) * signed_sin[:, :, None, :]
 
 
 class AttentionCore(nn.Module):
@@ -84,12 +85,16 @@ class AttentionCore(nn.Module):
     so tensor-parallel shards work unchanged.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Return the attention output [B, Hq, S, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the attention output [B, Hq, S, D]; ``mask`` [B, 1, S, S] (True = may
+        attend) replaces the causal mask (document masking)."""
         # enable_gqa reads kv head h // (Hq / Hkv) without materialising repeated heads
         # (the repeat_interleave copy and its backward sum cost ~15% of attention on CPU).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -122,8 +127,9 @@ class Attention(nn.Module):
         """Forget the RoPE tables (e.g. after the module moved device)."""
         self.rope_cache.clear()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attend over ``x`` [B, S, dim] causally; returns [B, S, dim]."""
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """Attend over ``x`` [B, S, dim] causally (within documents when ``layout``, a
+        :class:`~meshtrain.model.document_mask.DocumentLayout`, is given); returns [B, S, dim]."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Shapes come from the projections, not from x, so a sequence-parallel wrapper that
         # gathers the sequence inside wq/wk/wv still works.
@@ -132,8 +138,11 @@ class Attention(nn.Module):
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
         cos, sin = self.rope(seq_len, q.device, q.dtype)
+        mask = None
+        if layout is not None:
+            cos, sin, mask = cos[layout.positions], sin[layout.positions], layout.mask
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -195,9 +204,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.mlp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the block on ``x`` [B, S, dim]."""
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """Run the block on ``x`` [B, S, dim] (``layout``: see :meth:`Attention.forward`)."""
+        h = x + self.attention(self.attention_norm(x), layout)
         mlp = self.moe if self.is_moe else self.feed_forward
         return h + mlp(self.ffn_norm(h))
 
@@ -247,11 +256,13 @@ class Transformer(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, S, vocab_size] (in the parameters' dtype) for ``tokens`` [B, S]."""
+    def forward(self, tokens: torch.Tensor, layout=None) -> torch.Tensor:
+        """Logits [B, S, vocab_size] (in the parameters' dtype) for ``tokens`` [B, S];
+        ``layout``: a :class:`~meshtrain.model.document_mask.DocumentLayout` to attend within
+        documents only."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, layout)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None and not self.tie_embeddings:

@@ -84,13 +84,16 @@ def _weight_grad(x: torch.Tensor, go: torch.Tensor) -> torch.Tensor:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved copy: under activation checkpointing a saved tensor
+        # comes back as a recomputed alias, and a deferred gradient must reach the real leaf.
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, go):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         gx = go @ weight if ctx.needs_input_grad[0] else None
         gw = gb = None
         queue = _deferral(weight)
@@ -137,13 +140,13 @@ class _ExpertMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, e):
-        ctx.save_for_backward(x, w)
-        ctx.e = e
+        ctx.save_for_backward(x)
+        ctx.w, ctx.e = w, e  # the parameter itself (see _Linear.forward)
         return x @ w[e]
 
     @staticmethod
     def backward(ctx, go):
-        x, w = ctx.saved_tensors
+        (x,), w = ctx.saved_tensors, ctx.w
         e = ctx.e
         gx = go @ w[e].t() if ctx.needs_input_grad[0] else None
         gw = None

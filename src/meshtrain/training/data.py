@@ -61,7 +61,13 @@ def find_source_files(source: str) -> list[Path]:
                 files.add(match_path)
         found = sorted(files)
     elif path.is_dir():
-        found = _files_under(path)
+        from meshtrain.data import is_prepared_dir, prepared_shard_files
+
+        found = prepared_shard_files(path)  # meshtrain prepare's output; raises when unfinished
+        if found is None:  # prepared corpora inside the directory are not its data files
+            files_under = _files_under(path)
+            skip = {d for d in {p.parent for p in files_under} if is_prepared_dir(d)}
+            found = [p for p in files_under if p.parent not in skip]
     elif path.is_file():
         if path.suffix.lower() not in SUPPORTED_SUFFIXES:
             raise ConfigError(
@@ -398,6 +404,10 @@ class GlobalBatchSampler:
         mine = self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         return [mine[j * per_micro : (j + 1) * per_micro] for j in range(self.microbatches)]
 
+    def advance(self) -> None:
+        """Move past the current step."""
+        self.step += 1
+
     def state_dict(self) -> dict[str, int]:
         """The resumable position: the next step, and the settings it is only valid under."""
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch}
@@ -456,6 +466,13 @@ class TrainData:
                  cache_dir: str | Path | None = None):
         self.tokenizer = tokenizer
         self.seq_len = train_cfg.seq_len
+        if data_cfg.sources:
+            from meshtrain.training.mixture import mixture_data
+
+            self.tokens, self.held_out, self.dataset, self.sampler = mixture_data(
+                data_cfg, train_cfg, tokenizer, dp_rank, dp_size, microbatches, cache_dir)
+            self.num_samples = len(self.dataset)
+            return
         self.tokens = load_token_stream(data_cfg, tokenizer, cache_dir)
         self.held_out: TokenShards | None = None
         if data_cfg.valid_fraction:
@@ -482,8 +499,16 @@ class TrainData:
         """This rank's micro-batches of the current step, ``[(inputs, targets), ...]``, each
         ``[global_batch / (dp × microbatches), seq_len]`` int64; then advance one step."""
         micro = self.sampler.local_microbatch_indices(self.sampler.step)
-        self.sampler.step += 1
+        self.sampler.advance()
         return [self.dataset.batch(indices) for indices in micro]
+
+    def tokens_per_source(self) -> dict[str, int] | None:
+        """Tokens each mixture source has contributed to training so far (all ranks; None
+        without ``data.sources``)."""
+        per_source = getattr(self.sampler, "samples_per_source", None)
+        if per_source is None:
+            return None
+        return {name: n * self.seq_len for name, n in per_source().items()}
 
     def state_dict(self) -> dict[str, int]:
         """The sampler position (see :meth:`GlobalBatchSampler.state_dict`)."""

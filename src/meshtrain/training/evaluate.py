@@ -53,6 +53,7 @@ class Evaluator:
                 forward_only(train_exec.schedule), train_exec.chunks, train_exec.comm,
                 train_exec.pp_rank, train_exec.activation_shape, train_exec.dtype,
                 train_exec.device, exchanger=train_exec.exchanger)
+            self.pipeline.layout_fn = train_exec.layout_fn
 
     @classmethod
     def build(cls, trainer) -> Evaluator | None:
@@ -120,6 +121,7 @@ class Evaluator:
             return self.pipeline.run(micro, trainer.token_loss_sum)
         total = torch.zeros((), device=trainer.device)
         for inputs, targets in micro:
-            logits = trainer.model(inputs.to(trainer.device))
+            inputs = inputs.to(trainer.device)
+            logits = trainer.model(inputs, trainer.layout_of(inputs))
             total += trainer.token_loss_sum(logits, targets.to(trainer.device))
         return total

@@ -44,5 +44,5 @@ class BatchPrefetcher:
         advance the sampler one step."""
         self.prefetch()
         _, batches, tokens, _ = self._ready
-        self.data.sampler.step += 1
+        self.data.sampler.advance()
         return batches, tokens

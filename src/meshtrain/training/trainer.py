@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain import faults
-from meshtrain.config import Config
+from meshtrain.config import Config, ConfigError
 from meshtrain.errors import NonFiniteError
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
@@ -68,6 +68,7 @@ class Trainer:
         if config.model.vocab_size == 0:
             config.model.vocab_size = self.tokenizer.vocab_size
         train, par = config.train, config.parallel
+        self.document_layout_fn = self._document_layout_fn(config)
         self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
                               dp_size=mesh.dp, microbatches=par.microbatches)
         self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
@@ -104,7 +105,25 @@ class Trainer:
         executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)
         executor.aux_loss_fn = self._stage_aux_loss
+        executor.layout_fn = self.document_layout_fn
         return executor
+
+    def _document_layout_fn(self, config: Config):
+        """tokens -> DocumentLayout under ``data.document_mask``, else None."""
+        if not config.data.document_mask:
+            return None
+        eos = self.tokenizer.eos_id
+        if eos is None:
+            raise ConfigError(f'data.document_mask = true needs a tokenizer with an eos id to '
+                              f'find document boundaries; "{config.data.tokenizer}" has none. '
+                              "Use a tokenizer with an eos token or document_mask = false.")
+        from meshtrain.model.document_mask import document_layout
+
+        return lambda tokens: document_layout(tokens, eos)
+
+    def layout_of(self, tokens: torch.Tensor):
+        """The document layout of a micro-batch's input ``tokens`` (None without masking)."""
+        return None if self.document_layout_fn is None else self.document_layout_fn(tokens)
 
     # ------------------------------------------------------------------ one step
     def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -148,7 +167,8 @@ class Trainer:
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                           global_tokens: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward one micro-batch, backward its share of the global loss; return (lm, aux)."""
-        logits = self.model(inputs.to(self.device))
+        inputs = inputs.to(self.device)
+        logits = self.model(inputs, self.layout_of(inputs))
         lm_loss = self._loss_sum(logits, targets.to(self.device)) / global_tokens
         objective = lm_loss
         aux = self._moe_aux_loss()
@@ -259,6 +279,9 @@ class Trainer:
                              / (self.peak_flops * self.mesh.world_size))
         if moe_summary is not None:
             record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
+        per_source = self.data.tokens_per_source()
+        if per_source is not None:
+            record["tokens_per_source"] = per_source
         if self.evaluator is not None and self.evaluator.due(self.step):
             record.update(self.evaluator.evaluate())
         return record

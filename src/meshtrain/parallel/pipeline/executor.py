@@ -59,6 +59,8 @@ class PipelineExecutor:
         self.record_events = False
         self.events: list[tuple[int, Action, float, float]] = []
         self.aux_loss_fn: Callable[[StageChunk], torch.Tensor | None] | None = None
+        # tokens -> the micro-batch's DocumentLayout (data.document_mask), or None
+        self.layout_fn: Callable[[torch.Tensor], object] | None = None
         self.aux_total = torch.zeros((), device=device)
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._w_queues: dict[tuple[int, int], WeightGradQueue] = {}
@@ -140,7 +142,7 @@ class PipelineExecutor:
         else:  # the previous stage is on this rank: hand over in memory
             x = outputs[(mb, s - 1)].detach().requires_grad_()
             inputs[(mb, s)] = x
-        out = chunk(x)
+        out = chunk(x, None if self.layout_fn is None else self.layout_fn(tokens.to(self.device)))
         aux = self.aux_loss_fn(chunk) if self.aux_loss_fn is not None else None
         if aux is not None:
             self.aux_total += aux.detach()

@@ -100,12 +100,13 @@ class StageChunk:
         self.model, self.stage, self.layers = model, stage, layers
         self.is_first, self.is_last = is_first, is_last
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens (first stage) or hidden states in; hidden states or logits (last stage) out."""
+    def __call__(self, x: torch.Tensor, layout=None) -> torch.Tensor:
+        """Tokens (first stage) or hidden states in; hidden states or logits (last stage) out.
+        ``layout``: the micro-batch's document layout (document masking), or None."""
         model = self.model
         h = model.tok_embeddings(x) if self.is_first else x
         for layer in self.layers:
-            h = model.layers[str(layer)](h)
+            h = model.layers[str(layer)](h, layout)
         if self.is_last:
             h = model.head(model.norm(h))
         return h
