@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, metavar="N",
                        help="restart the workers up to N times after a failure, resuming from "
                             "the newest checkpoint (train.max_restarts)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="build one rank's real objects on the meta device over a fake "
+                            "process group and print its bytes and collectives; trains nothing "
+                            "(docs/dry_run.md)")
+    train.add_argument("--world", type=int, metavar="N", help="--dry-run: ranks in the layout")
+    train.add_argument("--rank", type=int, metavar="R", help="--dry-run: the rank (default 0)")
+    train.add_argument("--json", action="store_true", help="--dry-run: one JSON document")
     ver = sub.add_parser("verify", help="check a layout against a one-process reference")
     _add_run_options(ver)
     ver.add_argument("--tolerance", type=float,
@@ -150,6 +157,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from meshtrain.launch import in_existing_job, job_rank, launch, write_run_config
     from meshtrain.preflight import check_before_launch
 
+    if args.dry_run or args.world is not None or args.rank is not None:
+        from meshtrain import dry_run  # one rank's objects on meta; nothing is launched
+
+        dry_run.check_args(args)
+        config, world = resolve_run_config(args)
+        return dry_run.main(config, world, args.rank, args.json)
     in_job = in_existing_job()
     config, world = resolve_run_config(args, in_job)
     is_first = job_rank() == 0

@@ -7,23 +7,27 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, TensorReader, has_weights
 from meshtrain.config import Config, ConfigError
 
 
 def find_weights_dir(path: str | Path) -> Path:
-    """Accept a run directory (containing ``final/``) or the weights directory itself."""
+    """Accept a run directory (containing ``final/``) or the weights directory itself: sharded
+    (``model.safetensors.index.json``) or one ``model.safetensors``, with ``config.json``."""
     path = Path(path)
     for candidate in (path, path / "final"):
-        if (candidate / "model.safetensors").is_file() and (candidate / "config.json").is_file():
+        if has_weights(candidate) and (candidate / "config.json").is_file():
             return candidate
-    raise ConfigError(f"--checkpoint {path}: no model.safetensors + config.json found there or in "
-                      f"{path / 'final'}; pass a run directory of a finished `meshtrain train`.")
+    raise ConfigError(f"--checkpoint {path}: no {INDEX_NAME} (or {SINGLE_NAME}) + config.json "
+                      f"found there or in {path / 'final'}; pass a run directory of a finished "
+                      "`meshtrain train`.")
 
 
 def load_for_generation(path: str | Path, device: str = "cpu"):
-    """Build the model and tokenizer of a saved run; returns ``(model, tokenizer, config)``."""
+    """Build the model and tokenizer of a saved run; returns ``(model, tokenizer, config)``.
+
+    The weights are read one tensor at a time into the built model (never a second copy)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     from meshtrain.model import build_model
     from meshtrain.training.tokenizer import load_tokenizer
@@ -32,15 +36,24 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
     try:
         config = Config.from_dict(json.loads((weights_dir / "config.json").read_text()),
                                   origin=str(weights_dir / "config.json"))
-        state = load_file(str(weights_dir / "model.safetensors"), device=device)
+        model = build_model(config.model, device=device, seed=config.train.seed)
+        targets = model.state_dict(keep_vars=True)
+        with TensorReader(weights_dir) as reader, torch.no_grad():
+            missing = [name for name in targets if name not in reader]
+            unexpected = [name for name in reader.keys() if name not in targets]
+            if missing or unexpected:
+                raise ConfigError(f"--checkpoint {weights_dir}: weights do not match the saved "
+                                  f"config (missing {missing[:3]}, unexpected {unexpected[:3]}).")
+            for name, target in targets.items():
+                value = reader.get(name)
+                if value.shape != target.shape:
+                    raise ConfigError(f"--checkpoint {weights_dir}: {name} has shape "
+                                      f"{tuple(value.shape)}, the saved config implies "
+                                      f"{tuple(target.shape)}.")
+                target.copy_(value)
     except (json.JSONDecodeError, SafetensorError, OSError) as error:
         raise ConfigError(f"--checkpoint {weights_dir}: the saved weights are unreadable "
                           f"({error}).") from None
-    model = build_model(config.model, device=device, seed=config.train.seed)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"--checkpoint {weights_dir}: weights do not match the saved config "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
     model.eval()
     return model, load_tokenizer(config.data.tokenizer), config
 

@@ -186,7 +186,8 @@ class ParallelMesh:
             entry.done = True
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+def init_distributed(device: torch.device, timeout_s: float = 600.0,
+                     dry_run: tuple[int, int] | None = None) -> None:
     """Join the process group described by the environment (torchrun's RANK/WORLD_SIZE/...).
 
     gloo on CPU, NCCL on CUDA. A world of one needs no process group and gets none.
@@ -195,9 +196,21 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     Joining (and the world group, used only for barriers) waits at least
     :data:`STARTUP_TIMEOUT_S`, since workers may start seconds apart; the axis groups that carry
     training's collectives get ``timeout_s`` itself (:class:`ParallelMesh`).
+
+    ``dry_run = (rank, world)`` (:mod:`meshtrain.dry_run`): join torch's *fake* process group as
+    that rank instead (no peers, nothing moved; it serves the meta device too).
     """
     import datetime
 
+    if dry_run is not None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        devices = dist.Backend.backend_capability[dist.Backend.FAKE]
+        if "meta" not in devices:  # so that pipeline sends/receives of meta tensors dispatch
+            devices.append("meta")
+        dist.init_process_group("fake", rank=dry_run[0], world_size=dry_run[1],
+                                store=FakeStore())
+        return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return

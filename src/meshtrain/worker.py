@@ -29,16 +29,19 @@ def _set_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def build_mesh(config: Config) -> ParallelMesh:
-    """Join the environment's process group (if any) and build this rank's mesh."""
+def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> ParallelMesh:
+    """Join the environment's process group (if any) and build this rank's mesh.
+
+    ``dry_run = (rank, world)`` (:mod:`meshtrain.dry_run`): that rank's mesh on the meta device
+    over torch's fake process group (no environment, no peers)."""
     from meshtrain.training.trainer import resolve_device
 
-    device = resolve_device(config.train.device)
+    device = resolve_device(config.train.device) if dry_run is None else torch.device("meta")
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     try:
-        init_distributed(device, config.train.collective_timeout_s)
+        init_distributed(device, config.train.collective_timeout_s, dry_run)
     except RuntimeError as error:
         if "address already in use" in str(error).lower() or "EADDRINUSE" in str(error):
             raise ConfigError(

@@ -96,7 +96,7 @@ def test_fit_writes_metrics_and_final_weights(tmp_path):
         assert record["tokens"] == 8 * 16
         assert set(record["mem"]) == {"param_bytes", "grad_bytes", "optim_bytes", "peak_bytes"}
         assert record["mem"]["param_bytes"] > 0 and record["mem"]["peak_bytes"] > 0
-    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "final" / "model.safetensors.index.json").is_file()
 
 
 def test_grad_clip_bounds_update():

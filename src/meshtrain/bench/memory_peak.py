@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                "dp8-z1": ["parallel.dp=8", "parallel.zero=1"],
                "dp8-z2": ["parallel.dp=8", "parallel.zero=2"],
                "tp2pp2dp2-z1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                                "parallel.zero=1", "parallel.microbatches=2"]}
+                                "parallel.zero=1", "parallel.microbatches=2"],
+               "pp2dp4-z2": ["parallel.pp=2", "parallel.dp=4", "parallel.zero=2",
+                             "parallel.microbatches=2"]}
     names = (argv if argv is not None else sys.argv[1:]) or ["dp8-z3"]
     mib = 2**20
     for name in names:

@@ -10,8 +10,11 @@ Two directory formats are involved:
 
 * a **Hugging Face** directory: ``config.json`` (``model_type`` llama / mixtral) and
   ``model.safetensors`` or shards with ``model.safetensors.index.json``;
-* a **meshtrain weights** directory (what ``meshtrain train`` writes to ``RUN_DIR/final``):
-  ``model.safetensors`` with meshtrain names and ``config.json`` holding the full run Config.
+* a **meshtrain weights** directory: meshtrain names and ``config.json`` holding the full run
+  Config, with shards ``model-0000i-of-0000K.safetensors`` + ``model.safetensors.index.json``
+  (what ``meshtrain train`` writes to ``RUN_DIR/final``) or one ``model.safetensors`` (what
+  :func:`convert_from_hf` and older runs write). A directory with shards but no index is an
+  interrupted save and is refused.
 
 Config mapping: :mod:`meshtrain.checkpoint.hf_config`; names and layouts:
 :mod:`meshtrain.checkpoint.hf_tensors`.
@@ -30,7 +33,13 @@ import torch
 
 from meshtrain.checkpoint.hf_config import hf_to_model_config, model_config_to_hf
 from meshtrain.checkpoint.hf_tensors import IGNORED_HF_SUFFIXES, from_hf, is_fused_moe, to_hf
-from meshtrain.checkpoint.safetensors_io import ShardedWriter, TensorReader
+from meshtrain.checkpoint.safetensors_io import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    ShardedWriter,
+    TensorReader,
+    has_weights,
+)
 from meshtrain.config import Config, ConfigError, ModelConfig
 from meshtrain.model.init import canonical_name
 from meshtrain.model.transformer import Transformer
@@ -62,11 +71,11 @@ def _classify(path: str | Path) -> tuple[str, Path, dict[str, Any]]:
         doc = _read_json(directory / "config.json")
         if "model_type" in doc or "architectures" in doc:
             return "hf", directory, doc
-        if isinstance(doc.get("model"), dict) and (directory / "model.safetensors").is_file():
+        if isinstance(doc.get("model"), dict) and has_weights(directory):
             return "meshtrain", directory, doc  # (a run dir's own config.json has no weights)
     raise ConfigError(f"{path}: neither a Hugging Face model directory (config.json with "
-                      "model_type) nor a meshtrain weights directory (model.safetensors + "
-                      "config.json of a run, or a run directory with final/).")
+                      f"model_type) nor a meshtrain weights directory ({INDEX_NAME} or "
+                      f"{SINGLE_NAME}, + config.json of a run, or a run directory with final/).")
 
 
 def _meta_state(config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -234,9 +243,9 @@ def _same_dir(a: Path, b: Path) -> bool:
 
 def convert_from_hf(hf_dir: str | Path, out: str | Path,
                     dtype: torch.dtype | None = None) -> Path:
-    """Hugging Face directory -> meshtrain weights directory (the format of ``RUN_DIR/final``).
+    """Hugging Face directory -> meshtrain weights directory (read wherever ``RUN_DIR/final`` is).
 
-    Writes ``model.safetensors`` (meshtrain names, ``dtype``, default float32 like a training
+    Writes one ``model.safetensors`` (meshtrain names, ``dtype``, default float32 like a training
     run's final weights; MoE ``expert_bias`` fp32 zeros),
     ``config.json`` (a full run Config: defaults with the mapped model and ``data.tokenizer`` =
     the source's ``tokenizer.json`` if it has one, else ``bytes``) and ``hf_config.json`` (the

@@ -2,7 +2,9 @@
 
 :class:`TensorReader` opens a directory holding ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json`` (the Hugging Face layout), and reads one tensor at a time through
-``safetensors.safe_open`` (memory-mapped, so nothing else is loaded).
+``safetensors.safe_open`` (memory-mapped, so nothing else is loaded). Shards named
+``model-0000i-of-0000K.safetensors`` without their index are an interrupted save (the index is
+written last) and are refused.
 
 :class:`ShardedWriter` writes such a directory without ever holding more than one tensor: the
 caller declares every tensor's name, shape and dtype up front, which fixes each tensor's byte
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from meshtrain.config import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 _DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,6 +37,12 @@ _DTYPE_CODES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+def has_weights(directory: str | Path) -> bool:
+    """Whether ``directory`` holds complete weights: an index, or one ``model.safetensors``."""
+    directory = Path(directory)
+    return (directory / INDEX_NAME).is_file() or (directory / SINGLE_NAME).is_file()
 
 
 def dtype_from_code(code: str) -> torch.dtype:
@@ -60,12 +70,19 @@ class TensorReader:
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise ConfigError(f"{index}: not a safetensors index ({error}).") from None
             self.files = {name: self.directory / file for name, file in weight_map.items()}
+            missing = sorted({path.name for path in self.files.values() if not path.is_file()})
+            if missing:
+                raise ConfigError(f"{index} lists files that are missing: "
+                                  f"{', '.join(missing[:3])}.")
         else:
             paths = [self.directory / SINGLE_NAME] if (self.directory / SINGLE_NAME).is_file() \
                 else sorted(self.directory.glob("*.safetensors"))
             if not paths:
                 raise ConfigError(f"{self.directory}: no safetensors weights found (only "
                                   "*.safetensors checkpoints are read, never pickled .bin files).")
+            if any(_SHARD_NAME.fullmatch(path.name) for path in paths):
+                raise ConfigError(f"{self.directory}: safetensors shards without {INDEX_NAME}: "
+                                  "an incomplete (interrupted) save; the index is written last.")
             for path in paths:
                 for name in self._open(path).keys():
                     self.files[name] = path

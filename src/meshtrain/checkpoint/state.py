@@ -95,14 +95,16 @@ def load(trainer, directory: Path) -> dict:
 
 
 def init_from_weights(trainer, path: str) -> None:
-    """Start from full weights (a meshtrain weights dir or a Hugging Face dir) at any layout:
-    each rank copies, tensor by tensor, just the boxes it owns into its fp32 masters."""
+    """Start from full weights (a meshtrain weights dir, sharded or one file, or a Hugging Face
+    dir) at any layout: each rank reads them tensor by tensor and copies just the boxes it owns
+    into its fp32 masters, and persistent buffers (MoE expert biases) whole."""
     from meshtrain.checkpoint.hf import iter_weights
 
     chunks: dict[str, list] = {}
-    for chunk in optimizer_chunks(trainer.optimizer):
-        if chunk.fqn.startswith("model."):
-            chunks.setdefault(chunk.fqn[len("model."):], []).append(chunk)
+    for chunk in optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model):
+        for prefix in ("model.", "buffers."):
+            if chunk.fqn.startswith(prefix):
+                chunks.setdefault(chunk.fqn[len(prefix):], []).append(chunk)
     seen = set()
     for name, full in iter_weights(path):
         for chunk in chunks.get(name, []):
@@ -116,6 +118,6 @@ def init_from_weights(trainer, path: str) -> None:
     if missing:
         from meshtrain.config import ConfigError
 
-        raise ConfigError(f"checkpoint.init_from = {path} lacks {len(missing)} parameter(s) of "
+        raise ConfigError(f"checkpoint.init_from = {path} lacks {len(missing)} tensor(s) of "
                           f"this model, e.g. {', '.join(missing[:3])}.")
     trainer.engine.after_step(trainer.optimizer.shards)

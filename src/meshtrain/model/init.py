@@ -75,28 +75,38 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig)
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter of ``model`` from :func:`init_tensor` and reset its buffers.
+def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig) -> torch.Tensor:
+    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``.
 
-    ``model`` must carry its ``ModelConfig`` as ``model.config``. A sharded parameter carries
-    ``_meshtrain_full_shape`` and ``_meshtrain_shard`` (full tensor -> this rank's piece).
-    Buffers are reset by each module's ``reset_buffers()`` (MoE ``expert_bias`` to zeros, RoPE
-    caches cleared).
+    A parallel layout may have replaced a parameter by this rank's piece; it then records the
+    full shape (``_meshtrain_full_shape``) and how to cut the piece (``_meshtrain_shard``), so the
+    values match the unsplit model's. Only one full tensor exists at a time.
     """
-    config = model.config
-    for name, param in model.named_parameters():
-        # A parallel layout may have replaced a parameter by this rank's piece; it then records
-        # the full shape and how to cut the piece, so the values match the unsplit model's.
-        full_shape = getattr(param, "_meshtrain_full_shape", None)
-        value = init_tensor(name, full_shape or param.shape, seed, config)
-        if full_shape is not None:
-            value = param._meshtrain_shard(value)
-        param.copy_(value.to(device=param.device, dtype=param.dtype))
+    full_shape = getattr(param, "_meshtrain_full_shape", None)
+    value = init_tensor(name, full_shape or param.shape, seed, config)
+    return param._meshtrain_shard(value) if full_shape is not None else value
+
+
+def reset_buffers(model: nn.Module) -> None:
+    """Reset every module's buffers through its ``reset_buffers()`` (MoE ``expert_bias`` to
+    zeros, RoPE caches cleared)."""
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter of ``model`` with :func:`initial_value` and reset its buffers.
+
+    ``model`` must carry its ``ModelConfig`` as ``model.config``.
+    """
+    config = model.config
+    for name, param in model.named_parameters():
+        value = initial_value(name, param, seed, config)
+        param.copy_(value.to(device=param.device, dtype=param.dtype))
+    reset_buffers(model)
 
 
 def _attention_params(config: ModelConfig) -> int:

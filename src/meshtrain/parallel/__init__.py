@@ -53,8 +53,9 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
                               plan.pp_split)
         chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
         model._meshtrain_pipeline = (schedule, chunks)
+    init_values = None
     if any(p.is_meta for p in model.parameters()):
-        _materialize(model, mesh.device, plan)
+        init_values = _materialize(model, mesh.device, plan)
     apply_activation_checkpointing(model, plan.activation_checkpointing)
     if plan.compile_blocks:
         from meshtrain.parallel.compile import compile_blocks
@@ -64,26 +65,40 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
 
     grad_dtype = torch.bfloat16 if plan.grad_dtype == "bf16" else torch.float32
     model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
-                                                     plan.dp_shared_memory, grad_dtype)
+                                                     plan.dp_shared_memory, grad_dtype,
+                                                     init_values)
     return model
 
 
-def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan) -> None:
-    """Allocate a meta-built model on ``device`` and fill it with the name-seeded init."""
-    from meshtrain.model import init_weights, moe_layers
+def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan):
+    """Allocate a meta-built model on ``device``, uninitialised, and return the function that
+    gives each parameter's initial value (the name-seeded init of this rank's piece), for the
+    data-parallel engine to write straight into its flat buffers bucket by bucket (or only into
+    this rank's ZeRO-3 shard). The per-parameter storage ``to_empty`` reserves is never written,
+    so it never becomes resident, and is released when the engine rebinds the parameters: no
+    rank ever holds more than its buckets plus one full parameter.
+
+    On the meta device itself (a dry run, :mod:`meshtrain.dry_run`) only the dtype changes:
+    no storage, no init (returns None)."""
+    from meshtrain.model import moe_layers
+    from meshtrain.model.init import initial_value, reset_buffers
 
     # Moving off the meta device replaces the Parameter objects; keep the layout annotations
     # (``_meshtrain_*`` attributes) that the splits attached to them.
     notes = {name: {k: v for k, v in vars(p).items() if k.startswith("_meshtrain_")}
              for name, p in model.named_parameters()}
+    model.to(torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32)  # still meta: free
     model.to_empty(device=device)
-    model.to(torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32)
     for name, param in model.named_parameters():
         for key, value in notes[name].items():
             setattr(param, key, value)
-    init_weights(model, plan.init_seed)
+    reset_buffers(model)
     for moe in moe_layers(model):
         moe.expert_bias = moe.expert_bias.float()
+    if device.type == "meta":
+        return None
+    config, seed = model.config, plan.init_seed
+    return lambda name, param: initial_value(name, param, seed, config)
 
 
 def pipeline_stages(model: torch.nn.Module):

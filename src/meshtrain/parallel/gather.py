@@ -1,69 +1,172 @@
-"""Gather a parallelised model's full, unsharded weights onto rank 0 (for the final weights file).
+"""Stream a parallelised model's full, unsharded tensors one at a time (for the final weights).
 
-Every rank calls :func:`gather_full_state_dict`; rank 0 gets every parameter and persistent buffer
-of the *plain* model under its usual name, exactly as one process would hold them:
+Each pipeline stage holds its own tensors. Every rank of a stage builds a :class:`StageTensors`
+(the same tensor list, in the same order, on every rank of the stage) and then iterates it
+together with the stage's other ranks: each step is a collective for one tensor, which
 
-1. ``engine.full_state_dict()``: this rank's parameters in full over data parallelism (under ZeRO
-   the shards are all-gathered; a collective over dp);
-2. expert-parallel slices (``_meshtrain_ep_dim``) are all-gathered over ``ep`` (by the ranks of
-   each expert group that contains dp rank 0), in ep-rank order = expert order;
-3. tensor-parallel pieces (``_meshtrain_tp_dim``) are all-gathered over ``tp`` by the dp-rank-0
-   ranks and concatenated along that dim (tp-replicated tensors are taken as they are);
-4. the pipeline stages' dictionaries (held by the ranks at dp rank 0, tp rank 0) are collected on
-   rank 0 with one object all-gather over ``pp``.
+1. under ZeRO-3 is assembled on dp rank 0 from the pieces that the dp ranks' shards hold (each
+   piece sent point to point; only ranks whose shard overlaps the tensor send); otherwise every
+   rank uses its own copy (a view of its parameter buffer, or the persistent buffer itself);
+2. if expert-parallel (``_meshtrain_ep_dim``), is gathered over ``ep`` by the expert group that
+   contains dp rank 0 (edp rank 0), each slot's rows going to their expert's rows, so re-placed
+   experts (``_meshtrain_expert_placement``) come out in canonical expert order;
+3. if tensor-parallel (``_meshtrain_tp_dim``), is gathered over ``tp`` by the dp-rank-0 ranks and
+   concatenated along that dim (tp-replicated tensors are taken as they are).
+
+Gathers are one in-place broadcast per rank of the group (see :func:`_gather_along`). Afterwards
+every dp-rank-0 rank of the stage holds the full tensor, exactly as one process would hold it;
+the other ranks get ``None``. Nothing else stays alive: a rank holds the full tensor, its own
+piece and at most one more piece beyond its share, provided the caller drops each tensor before
+asking for the next.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-def _gather_along(tensor: torch.Tensor, comm, dim: int) -> torch.Tensor:
-    """All-gather equal pieces over ``comm`` and concatenate them along ``dim`` (rank order)."""
-    if not comm.active:
+@dataclass(frozen=True)
+class TensorSpec:
+    """One full tensor of a stage: its name, full shape, and whether tp splits it (then every tp
+    rank at dp rank 0 holds it after the gather; otherwise tp rank 0's copy is the reference)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_split: bool
+
+    @property
+    def nbytes_fp32(self) -> int:
+        """Its size in bytes as float32."""
+        return 4 * math.prod(self.shape)
+
+
+def _gather_along(tensor: torch.Tensor, comm, rank: int, dim: int,
+                  rows: list[int] | None = None) -> torch.Tensor:
+    """The equal pieces of ``comm``'s ranks (this one is ``rank``) concatenated along ``dim`` in
+    rank order, or, with ``rows``, gathered index ``i`` along ``dim`` placed at ``rows[i]``.
+
+    One broadcast per rank, each in place (a dim-0 piece straight into its slice of the result,
+    others through one piece-sized buffer), so a rank holds the result, its own piece and at
+    most one more piece: never a second full-size buffer (which gloo's all-gather allocates)."""
+    if not comm.active and rows is None:
         return tensor
     piece = tensor.contiguous()
-    out = torch.empty((comm.size * piece.numel(),), dtype=piece.dtype, device=piece.device)
-    comm.all_gather_into(out, piece.reshape(-1))
-    return torch.cat(list(out.view(comm.size, *piece.shape).unbind(0)), dim=dim)
+    k = piece.shape[dim]
+    shape = list(piece.shape)
+    shape[dim] *= max(comm.size, 1)
+    out = torch.empty(shape, dtype=piece.dtype, device=piece.device)
+    for r in range(max(comm.size, 1)):
+        if rows is None and dim == 0:  # a contiguous slice: broadcast into it
+            chunk = out.narrow(0, r * k, k)
+            if r == rank:
+                chunk.copy_(piece)
+            comm.broadcast(chunk, r)
+            continue
+        chunk = piece if r == rank else torch.empty_like(piece)
+        comm.broadcast(chunk, r)
+        if rows is None:
+            out.narrow(dim, r * k, k).copy_(chunk)
+        else:
+            index = torch.tensor(rows[r * k:(r + 1) * k], device=out.device)
+            out.index_copy_(dim, index, chunk)
+        del chunk
+    return out
 
 
-@torch.no_grad()
-def gather_full_state_dict(model: nn.Module, engine, mesh) -> dict[str, torch.Tensor] | None:
-    """The full model state (parameters + persistent buffers, CPU) on rank 0; None elsewhere.
+class StageTensors:
+    """The full tensors of this rank's pipeline stage, gathered one at a time (iterate it on
+    every rank of the stage together: each step is a collective).
 
-    A collective: every rank of the job must call it.
+    The tensors are the parameters of the data-parallel engine's buckets and the model's
+    persistent buffers (MoE expert biases), in sorted name order.
     """
-    values = engine.full_state_dict()  # collective over dp under ZeRO-3
-    params = dict(model.named_parameters())
-    persistent = model.state_dict(keep_vars=True)
-    for name, buffer in model.named_buffers():
-        if name in persistent and name not in values:
-            values[name] = buffer.detach().clone()
-    names = sorted(values)  # the same order on every rank of a tp / ep group
-    if mesh.edp_rank == 0:
-        for name in names:
-            dim = getattr(params.get(name), "_meshtrain_ep_dim", None)
-            if dim is not None:
-                values[name] = _gather_along(values[name], mesh.comm("ep"), dim)
-                placement = getattr(params[name], "_meshtrain_expert_placement", None)
-                if placement is not None and not placement.identity:
-                    slot_of = torch.argsort(torch.tensor(placement.slots))
-                    values[name] = values[name].index_select(dim, slot_of.to(values[name].device))
-    if mesh.dp_rank != 0:
-        return None
-    for name in names:
-        dim = getattr(params.get(name), "_meshtrain_tp_dim", None)
-        if dim is not None:
-            values[name] = _gather_along(values[name], mesh.comm("tp"), dim)
-    if mesh.tp_rank != 0:
-        return None
-    state = {name: value.detach().cpu() for name, value in values.items()}
-    pp = mesh.comm("pp")
-    if pp.active:
-        merged: dict[str, torch.Tensor] = {}
-        for stage_state in pp.all_gather_object(state):
-            merged.update(stage_state)
-        state = merged
-    return state if mesh.is_logging_rank else None
+
+    def __init__(self, model: nn.Module, engine, mesh):
+        self.mesh, self.engine = mesh, engine
+        self._slots = {s.name: (b, s) for b in engine.buckets for s in b.slots}
+        persistent = model.state_dict(keep_vars=True)
+        self._buffers = {name: buffer for name, buffer in model.named_buffers()
+                         if name in persistent and name not in self._slots}
+        names = sorted([*self._slots, *self._buffers])  # equal on every rank of a stage
+        self.specs = [self._spec(name) for name in names]
+
+    def _param(self, name: str) -> nn.Parameter | None:
+        entry = self._slots.get(name)
+        return entry[1].param if entry is not None else None
+
+    def _spec(self, name: str) -> TensorSpec:
+        if name in self._buffers:
+            return TensorSpec(name, tuple(self._buffers[name].shape), False)
+        param = self._param(name)
+        shape = list(self._slots[name][1].shape)
+        ep_dim = getattr(param, "_meshtrain_ep_dim", None)
+        if ep_dim is not None:
+            shape[ep_dim] *= self.mesh.comm("ep").size
+        tp_dim = getattr(param, "_meshtrain_tp_dim", None)
+        tp = self.mesh.comm("tp")
+        if tp_dim is not None:
+            shape[tp_dim] *= tp.size
+        return TensorSpec(name, tuple(shape), tp_dim is not None and tp.active)
+
+    def __iter__(self) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
+        """``(spec, full tensor or None)`` for every tensor of the stage, one at a time."""
+        for spec in self.specs:
+            yield spec, self.gather(spec.name)
+
+    @torch.no_grad()
+    def gather(self, name: str) -> torch.Tensor | None:
+        """The full tensor ``name`` on the stage's dp-rank-0 ranks, None elsewhere (collective
+        over the stage's ranks)."""
+        mesh = self.mesh
+        if name in self._buffers:
+            return self._buffers[name].detach() if mesh.dp_rank == 0 else None
+        value = self._local(name)
+        param = self._param(name)
+        ep_dim = getattr(param, "_meshtrain_ep_dim", None)
+        if ep_dim is not None and mesh.edp_rank == 0:
+            placement = getattr(param, "_meshtrain_expert_placement", None)
+            moved = placement is not None and not placement.identity
+            # Gathered in slot order; slot s holds expert placement.slots[s]: its row.
+            value = _gather_along(value, mesh.comm("ep"), mesh.ep_rank, ep_dim,
+                                  placement.slots if moved else None)
+        if mesh.dp_rank != 0:
+            return None
+        tp_dim = getattr(param, "_meshtrain_tp_dim", None)
+        if tp_dim is not None:
+            value = _gather_along(value, mesh.comm("tp"), mesh.tp_rank, tp_dim)
+        return value
+
+    def _local(self, name: str) -> torch.Tensor | None:
+        """This rank's piece of parameter ``name`` whole over data parallelism (under ZeRO-3
+        assembled on the bucket's axis rank 0: None on the other ranks)."""
+        bucket, slot = self._slots[name]
+        if self.engine.stage != 3:
+            return bucket.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        comm = self.engine.comms[bucket.axis]
+        me, size = bucket.shard_start // bucket.shard_numel, bucket.shard_numel
+        lo, hi = slot.offset, slot.offset + slot.numel
+        pieces = [(r, max(lo, r * size), min(hi, (r + 1) * size))
+                  for r in range(max(comm.size, 1))]
+        pieces = [(r, a, b) for r, a, b in pieces if a < b]  # the ranks holding a part of it
+        shard = bucket.param_shard
+        if me != 0:
+            mine = [("send", shard[a - me * size:b - me * size], 0, 0)
+                    for r, a, b in pieces if r == me]
+            for work in comm.exchange(mine):
+                work.wait()
+            return None
+        out = torch.empty(slot.numel, dtype=shard.dtype, device=shard.device)
+        receives = []
+        for r, a, b in pieces:
+            if r == 0:
+                out[a - lo:b - lo].copy_(shard[a:b])
+            else:
+                receives.append(("recv", out[a - lo:b - lo], r, 0))
+        for work in comm.exchange(receives):
+            work.wait()
+        return out.view(slot.shape)

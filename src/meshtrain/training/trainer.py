@@ -60,7 +60,10 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     """Owns the model, optimizer, data position and metrics of one process."""
 
-    def __init__(self, config: Config, mesh: ParallelMesh):
+    def __init__(self, config: Config, mesh: ParallelMesh, with_data: bool = True):
+        """``with_data = False`` builds the model state alone (model, engine, optimizer,
+        pipeline executor), no training or held-out data: what a dry run needs
+        (:mod:`meshtrain.dry_run`)."""
         self.config = config
         self.mesh = mesh
         self.device = mesh.device
@@ -69,9 +72,11 @@ class Trainer:
             config.model.vocab_size = self.tokenizer.vocab_size
         train, par = config.train, config.parallel
         self.document_layout_fn = self._document_layout_fn(config)
-        self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
-                              dp_size=mesh.dp, microbatches=par.microbatches)
-        self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
+        self.data = self.batches = None
+        if with_data:
+            self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
+                                  dp_size=mesh.dp, microbatches=par.microbatches)
+            self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         model = meta_model(config.model)  # no rank materialises more than its own piece
         self.plan = ParallelPlan.from_config(config)
@@ -82,10 +87,12 @@ class Trainer:
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
-        self.expert_placer = ExpertPlacer.build(self.model, self.engine, self.optimizer, mesh,
-                                                config)  # None unless ep > 1
+        self.expert_placer = self.evaluator = None
         self.ignore_index = IGNORE_INDEX
-        self.evaluator = Evaluator.build(self)  # None unless train.eval_every
+        if with_data:
+            self.expert_placer = ExpertPlacer.build(self.model, self.engine, self.optimizer,
+                                                    mesh, config)  # None unless ep > 1
+            self.evaluator = Evaluator.build(self)  # None unless train.eval_every
         self.nonfinite = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_skips,
                                         verbose=mesh.is_logging_rank)
         self.restarts = faults.restart_attempt()  # torch elastic's restart count (0 = first run)
@@ -345,21 +352,13 @@ class Trainer:
         return history
 
     def save_final(self) -> Path | None:
-        """Rank 0 writes ``RUN_DIR/final/model.safetensors`` (the full, unsharded model, gathered
-        over every axis) and ``config.json``."""
-        from meshtrain.parallel.gather import gather_full_state_dict
+        """Write the final weights to ``RUN_DIR/final`` (a collective: every rank takes part):
+        the full, unsharded fp32 tensors as sharded safetensors
+        (``model-0000i-of-0000K.safetensors`` + ``model.safetensors.index.json``) and
+        ``config.json``. Each pipeline stage's writers stream its tensors one at a time, gathered
+        over ZeRO-3 / ep / tp, so no rank holds the whole model; the index is written last
+        (:mod:`meshtrain.checkpoint.final_weights`). Returns the directory on rank 0, else None."""
+        from meshtrain.checkpoint.final_weights import save_final_weights
 
-        full = gather_full_state_dict(self.model, self.engine, self.mesh)  # a collective
-        self.mesh.barrier()
-        if not self.mesh.is_logging_rank:
-            return None
-        from safetensors.torch import save_file
-
-        out = self.run_dir / "final"
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().float().cpu().contiguous() for k, v in full.items()}
-        tmp = out / "model.safetensors.tmp"
-        save_file(state, str(tmp), metadata={"step": str(self.step)})
-        tmp.replace(out / "model.safetensors")
-        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        return out
+        return save_final_weights(self.model, self.engine, self.mesh, self.run_dir / "final",
+                                  json.dumps(self.config.to_dict(), indent=2), self.step)

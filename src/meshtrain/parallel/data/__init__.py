@@ -22,17 +22,19 @@ def _block_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list, l
 
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         bucket_mb: float, shared_memory: bool = True,
-                        grad_dtype: torch.dtype = torch.float32) -> DataParallelEngine:
+                        grad_dtype: torch.dtype = torch.float32,
+                        init_values=None) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
-    ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks. ``shared_memory``
-    and ``grad_dtype``: see :class:`DataParallelEngine`."""
+    ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks. ``shared_memory``,
+    ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`."""
     bucket_bytes = int(bucket_mb * 2**20)
     if zero < 3:
         return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
-                                  grad_dtype=grad_dtype)
+                                  grad_dtype=grad_dtype, init_values=init_values)
     blocks, block_params, root = _block_units(model)
     units = list(reversed(block_params)) + ([root] if root else [])
-    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units, grad_dtype=grad_dtype)
+    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units, grad_dtype=grad_dtype,
+                                init_values=init_values)
     n = len(blocks)
     block_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
     root_bucket = engine.buckets[n] if root else None

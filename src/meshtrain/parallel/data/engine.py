@@ -67,15 +67,20 @@ class DataParallelEngine:
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
                  units: list[list[tuple[str, torch.nn.Parameter]]] | None = None,
-                 shared_memory: bool = True, grad_dtype: torch.dtype = torch.float32):
+                 shared_memory: bool = True, grad_dtype: torch.dtype = torch.float32,
+                 init_values: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None):
         """``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
         when every rank of their group is on this host; ``grad_dtype``: the dtype gradients are
-        accumulated and reduced in (see the module docstring)."""
+        accumulated and reduced in (see the module docstring); ``init_values``: ``(name, param)
+        -> initial value`` for parameters that hold no values yet (a model materialised from
+        the meta device), written straight into the flat buffers; None = flatten the
+        parameters' current values."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
         self.grad_dtype = grad_dtype
+        self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
         self.comms = {"dp": comm, "edp": mesh.comm("edp")}
         self.dp_rank, self.edp_rank = dp_rank, mesh.edp_rank
@@ -112,6 +117,8 @@ class DataParallelEngine:
         self._next_launch = 0
         self._pending: list[tuple[object, Callable[[], None]]] = []
         self._syncing = True
+        self._streaming = False
+        self._fresh = [0] * len(self.buckets)
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -196,13 +203,20 @@ class DataParallelEngine:
             reason = "the ranks cannot map each other's memory: several hosts, or no /proc access"
         return f"data-parallel gradients reduce through gloo ({reason})"
 
+    @torch.no_grad()
     def _init_bucket(self, b: FlatBucket) -> None:
         full = b.new_buffer()
-        b.flatten_params_into(full)
+        if self._init_values is None:
+            b.flatten_params_into(full)
+        else:  # one parameter's value at a time, straight into the flat buffer
+            for s in b.slots:
+                full[s.offset:s.offset + s.numel].copy_(
+                    self._init_values(s.name, s.param).reshape(-1))
         b.param_buffer = full
         b.bind_params(full)
         if self.stage == 3:
             b.param_shard = b.shard(full).clone()
+            full.untyped_storage().resize_(0)  # only the shard stays (ZeRO-3 gathers on use)
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
             if not self._separate_grads(b):
@@ -235,12 +249,26 @@ class DataParallelEngine:
         self._next_launch = 0
 
     def begin_accumulation(self) -> None:
-        """Accumulate gradients locally, whatever the stage, until :meth:`sync_all` (used when a
-        pipeline schedule interleaves the micro-batches' backward passes)."""
+        """Start a step whose micro-batches' backward passes interleave (pipeline schedules),
+        finished by :meth:`sync_all`. Stages 0-1 accumulate in their gradient buffers. Stage 2
+        holds no full gradients: a bucket is reduce-scattered into its shard as soon as each of
+        its parameters has a new gradient (:meth:`_on_grad_ready`), at most two reductions in
+        flight; every dp rank of a pipeline stage runs the same schedule, so they issue these
+        collectives in the same order."""
         self._syncing = False
+        self._streaming = self.stage == 2
+        self._fresh = [0] * len(self.buckets)
 
     def sync_all(self) -> None:
-        """Reduce every bucket now (in order) and wait."""
+        """Reduce every bucket now (in order) and wait; when streaming (stage 2 under a
+        pipeline), only the buckets with gradients not yet reduced."""
+        if self._streaming:
+            self._streaming = False
+            for b in self.buckets:
+                if self._fresh[b.index]:
+                    self._launch(b)
+            self._drain()
+            return
         self._syncing = True
         self._next_launch = 0
         self.end_microbatch()
@@ -262,6 +290,13 @@ class DataParallelEngine:
             else:
                 total.add_(param.grad)
             param.grad = None
+        if self._streaming:
+            self._fresh[bucket.index] += 1
+            if self._fresh[bucket.index] >= len(bucket.slots):
+                self._fresh[bucket.index] = 0
+                self._launch(bucket)
+                self._drain(keep=2)
+            return
         if not self._syncing:
             return
         self._ready_count[bucket.index] += 1
@@ -328,11 +363,15 @@ class DataParallelEngine:
             while self._next_launch < len(self.buckets):
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
-        for handle, post in self._pending:
+        self._drain()
+
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for (and finish) the oldest reductions until at most ``keep`` are in flight."""
+        while len(self._pending) > keep:
+            handle, post = self._pending.pop(0)
             if handle is not None:
                 handle.wait()
             post()
-        self._pending.clear()
 
     # ------------------------------------------------------------------ optimizer glue
     @torch.no_grad()

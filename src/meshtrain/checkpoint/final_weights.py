@@ -1,0 +1,241 @@
+"""A run's final weights: sharded safetensors, streamed tensor by tensor by several writers.
+
+Layout (the Hugging Face sharded layout, with meshtrain tensor names, float32)::
+
+    RUN_DIR/final/
+        model-00001-of-0000K.safetensors ... model-0000K-of-0000K.safetensors
+        model.safetensors.index.json   {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+        config.json                    the run's full Config
+
+**Writers.** Each pipeline stage's tensors are written by that stage's dp-rank-0 ranks (one per
+tp rank), all stages at once. A tensor that tp splits goes to the stage's writer with the fewest
+bytes so far (after the gather every tp rank holds it); any other tensor to tp rank 0, whose copy
+is the reference. Each writer packs its tensors, in the stage's order, into files of at most
+``max_file_bytes`` (a larger tensor gets a file of its own). Files are numbered by (stage, tp
+rank, order), so their names depend only on the model and the layout.
+
+**Streaming.** Tensors come one at a time from :class:`~meshtrain.parallel.gather.StageTensors`
+(gathered over ZeRO-3 shards, ep and tp), are written at their planned offsets
+(:class:`~meshtrain.checkpoint.safetensors_io.ShardedWriter`: every header is fixed up front)
+and are dropped before the next is gathered. No rank holds more than about one full tensor
+beyond its own share.
+
+**Completeness.** Rank 0 first removes any previous ``final/`` (single file or sharded), so no
+old file mixes with the new ones. Each file is written under a ``.tmp`` name and renamed once
+complete. A rank whose writing fails stops writing but keeps taking part in the gathers, so no
+rank is left waiting; after the last tensor every rank learns every rank's outcome. Only if all
+files were written does rank 0 write ``config.json`` and then, last, the index (each by an atomic
+rename); otherwise every rank raises :class:`FinalWeightsError`. A directory without the index is
+incomplete, and the readers refuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtrain.checkpoint.safetensors_io import INDEX_NAME, ShardedWriter
+from meshtrain.errors import RunFailure
+from meshtrain.parallel.gather import StageTensors, TensorSpec
+
+MAX_FILE_BYTES = 2 * 2**30
+"""Largest file a writer packs several tensors into (a larger tensor gets a file of its own)."""
+
+FileSpec = tuple[int, list[tuple[str, tuple[int, ...]]]]
+"""One file of a stage: the tp rank that writes it and its ``(name, full shape)`` tensors."""
+
+
+class FinalWeightsError(RunFailure):
+    """Some rank could not write its final-weights files; no index was written."""
+
+
+def plan_stage_files(specs: list[TensorSpec], tp: int, max_file_bytes: int) -> list[FileSpec]:
+    """Assign a stage's tensors (in order) to its ``tp`` writers and pack each writer's tensors
+    into files of at most ``max_file_bytes``; returns the files, writer by writer, in order."""
+    loads = [0] * tp
+    owned: list[list[TensorSpec]] = [[] for _ in range(tp)]
+    for spec in specs:
+        candidates = range(tp) if spec.tp_split else (0,)
+        writer = min(candidates, key=lambda t: (loads[t], t))
+        loads[writer] += spec.nbytes_fp32
+        owned[writer].append(spec)
+    files: list[FileSpec] = []
+    for writer, mine in enumerate(owned):
+        current: list[tuple[str, tuple[int, ...]]] = []
+        size = 0
+        for spec in mine:
+            if current and size + spec.nbytes_fp32 > max_file_bytes:
+                files.append((writer, current))
+                current, size = [], 0
+            current.append((spec.name, spec.shape))
+            size += spec.nbytes_fp32
+        if current:
+            files.append((writer, current))
+    return files
+
+
+def file_names(layout: list[list[FileSpec]]) -> list[list[str]]:
+    """``model-0000i-of-0000K.safetensors`` for every file of every stage, numbered in stage
+    order (``layout[stage]`` = that stage's files)."""
+    total = sum(len(files) for files in layout)
+    names, number = [], 0
+    for files in layout:
+        names.append([f"model-{number + i + 1:05d}-of-{total:05d}.safetensors"
+                      for i in range(len(files))])
+        number += len(files)
+    return names
+
+
+class _Writer:
+    """This rank's files (none unless it is a writer), written one after another as their
+    tensors arrive; a failure is kept, and later tensors are ignored."""
+
+    def __init__(self, out: Path, files: list[tuple[str, FileSpec]], metadata: dict[str, str]):
+        self.out, self.files, self.metadata = out, files, metadata
+        self.file_of = {name: i for i, (_, (_, tensors)) in enumerate(files)
+                        for name, _ in tensors}
+        self.current: ShardedWriter | None = None
+        self.current_index = -1
+        self.error: BaseException | None = None
+        self.error_file = ""
+
+    def _open(self, index: int) -> None:
+        self._close()
+        file, (_, tensors) = self.files[index]
+        plan = [(name, shape, torch.float32) for name, shape in tensors]
+        self.current_index = index
+        self.current = ShardedWriter(self.out, plan, None, basename=file.removesuffix(
+            ".safetensors"), metadata=self.metadata)
+
+    def _close(self) -> None:
+        if self.current is not None:
+            try:
+                self.current.close()
+            except BaseException:
+                self.current.abort()  # no .tmp file left behind
+                raise
+            finally:
+                self.current = None
+
+    def add(self, name: str, value: torch.Tensor | None) -> None:
+        """Write tensor ``name`` if this rank writes it (and nothing failed yet)."""
+        index = self.file_of.get(name)
+        if index is None or self.error is not None:
+            return
+        try:
+            if index != self.current_index:
+                self._open(index)
+            self.current.write(name, value.detach().float())
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it (see finish)
+            self._fail(error)
+
+    def finish(self) -> None:
+        """Complete the last file (checks that each planned tensor was written)."""
+        if self.error is not None:
+            return
+        try:
+            self._close()
+        except Exception as error:  # noqa: BLE001
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self.error_file = self.files[self.current_index][0] if self.current_index >= 0 else "?"
+        if self.current is not None:
+            self.current.abort()  # delete the partial .tmp file
+            self.current = None
+
+
+def _agree(mesh, problem: str | None) -> list[str]:
+    """Every rank's problem (None = fine), on every rank (a collective over the whole job)."""
+    problems = [problem]
+    if dist.is_initialized() and mesh.world_size > 1:
+        problems = [None] * mesh.world_size
+        dist.all_gather_object(problems, problem)
+    return [p for p in problems if p]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _prepare(out: Path) -> str | None:
+    """Rank 0: an empty ``out`` (any previous final weights removed); a problem or None."""
+    try:
+        if out.exists() or out.is_symlink():
+            if out.is_dir() and not out.is_symlink():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
+        out.mkdir(parents=True)
+    except OSError as error:
+        return f"rank 0 could not prepare {out}: {error}"
+    return None
+
+
+def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_json: str,
+                       step: int, max_file_bytes: int | None = None) -> Path | None:
+    """Write the full model to ``out`` as sharded safetensors plus an index and ``config.json``
+    (a collective: every rank of the job calls it). ``config_json`` is the text of
+    ``config.json`` (the run's Config); ``step`` is recorded in each file's metadata. Returns
+    ``out`` on rank 0, None elsewhere; raises :class:`FinalWeightsError` on every rank if any
+    rank failed to write its files."""
+    out = Path(out)
+    tensors = StageTensors(model, engine, mesh)
+    stage_files = plan_stage_files(tensors.specs, mesh.tp, max_file_bytes or MAX_FILE_BYTES)
+    layout = mesh.comm("pp").all_gather_object(stage_files)  # names and shapes only
+    names = file_names(layout)
+    entries = [(name, shape, file) for stage, files in zip(names, layout, strict=True)
+               for file, (_, tensors_of_file) in zip(stage, files, strict=True)
+               for name, shape in tensors_of_file]
+    weight_map = {name: file for name, _, file in entries}
+    if len(weight_map) != len(entries):  # the same on every rank: every rank raises
+        raise ValueError("a tensor is held by more than one pipeline stage")
+    problems = _agree(mesh, _prepare(out) if mesh.is_logging_rank else None)
+    if problems:
+        raise FinalWeightsError(f"final weights not saved: {problems[0]}.")
+    mine = [(file, spec) for file, spec in zip(names[mesh.pp_rank], stage_files, strict=True)
+            if mesh.dp_rank == 0 and spec[0] == mesh.tp_rank]
+    writer = _Writer(out, mine, {"format": "pt", "step": str(step)})
+    for spec, value in tensors:
+        writer.add(spec.name, value)
+        del value  # before the next tensor is gathered
+    writer.finish()
+    problem = None
+    if writer.error is not None:
+        problem = (f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}) could not write "
+                   f"{writer.error_file}: {type(writer.error).__name__}: {writer.error}")
+    problems = _agree(mesh, problem)  # every write has ended: the barrier before the index
+    cause = writer.error
+    if not problems and mesh.is_logging_rank:
+        total = sum(4 * math.prod(shape) for _, shape, _ in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        try:
+            _write_atomically(out / "config.json", config_json)
+            _write_atomically(out / INDEX_NAME, json.dumps(index, indent=2))
+        except OSError as error:
+            cause, problem = error, f"rank 0 could not write {INDEX_NAME} or config.json: {error}"
+        problems = _agree(mesh, problem)
+    elif not problems:
+        problems = _agree(mesh, None)  # waits for rank 0's index
+    if problems:
+        raise FinalWeightsError(
+            f"final weights not saved to {out}: {'; '.join(problems)}. The directory has no "
+            f"{INDEX_NAME}, so it is incomplete and no reader accepts it.") from cause
+    return out if mesh.is_logging_rank else None

@@ -1,0 +1,209 @@
+"""``meshtrain train --dry-run``: one rank's real objects on meta over torch's fake process group.
+
+(a) a Llama-3-70B shape on 64 ranks through the CLI, fast, model states within 2 % of the
+planner; (b) on a tiny model the dry run's bytes equal a real run's, rank by rank; (c) bad input
+exits 2 with a message.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshtrain import cli, dry_run
+from meshtrain.distributed_run import run_distributed
+from tests.helpers import tiny_config
+
+MESHTRAIN = Path(sys.executable).with_name("meshtrain")
+LLAMA3_70B = ["model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
+              "model.ffn_dim=28672", "model.vocab_size=128256", "train.precision=bf16",
+              "train.seq_len=8192", "train.global_batch=64"]
+TP8_PP4_DP2 = ["parallel.tp=8", "parallel.pp=4", "parallel.zero=1", "parallel.microbatches=8"]
+MEM_KEYS = ("param_bytes", "grad_bytes", "optim_bytes")
+
+
+def _dry_run_cli(overrides: list[str], world: int, rank: int) -> tuple[dict, float]:
+    """The ``--json`` document of a dry run through the installed command, and its wall time."""
+    args = [str(MESHTRAIN), "train", "--dry-run", "--world", str(world), "--rank", str(rank),
+            "--json"]
+    for text in overrides:
+        args += ["--set", text]
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), elapsed
+
+
+def _model_states_diff(report: dict) -> float:
+    return report["estimate"]["rel_diff"]["model_states"]
+
+
+# ---------------------------------------------------------------------------- (a) 70B, 64 ranks
+@pytest.mark.parametrize("rank", [0, 63])
+def test_70b_tp8_pp4_dp2_zero1_matches_planner(rank):
+    """Even pipeline split (the planner's placement): every model state within 2 %."""
+    report, elapsed = _dry_run_cli(LLAMA3_70B + TP8_PP4_DP2 + ["parallel.pp_split=20,20,20,20"],
+                                   64, rank)
+    assert elapsed < 60
+    lay = report["layout"]
+    assert (lay["dp"], lay["tp"], lay["pp"], lay["zero"]) == (2, 8, 4, 1)
+    assert lay["coords"]["pp"] == rank // 16 and lay["coords"]["tp"] == rank % 8
+    assert abs(_model_states_diff(report)) < 0.02
+    for key in ("param", "grad", "optim"):
+        assert abs(report["estimate"]["rel_diff"][key]) < 0.02, key
+    b = report["bytes"]
+    assert b["total"] == sum(b[k] for k in ("param", "grad", "optim", "buffers",
+                                            "largest_transient"))
+    axes = report["collectives"]["axes"]
+    assert report["collectives"]["source"].startswith("measured")
+    assert {"dp", "tp", "pp"} <= set(axes)
+    assert axes["pp"]["ops"]["send"]["calls"] == 8 and axes["pp"]["ops"]["recv"]["calls"] == 8
+    # ZeRO-1: one reduce-scatter of every bucket's fp32 gradients and one all-gather of its
+    # bf16 parameters: the all-gather moves half the reduce-scatter's bytes.
+    dp = axes["dp"]["ops"]
+    assert dp["reduce_scatter"]["calls"] == dp["all_gather"]["calls"] == report["detail"]["buckets"]
+    assert dp["all_gather"]["bytes"] * 2 == pytest.approx(dp["reduce_scatter"]["bytes"], rel=1e-6)
+
+
+def test_70b_dp64_zero3_matches_planner():
+    report, elapsed = _dry_run_cli(LLAMA3_70B + ["parallel.zero=3"], 64, 5)
+    assert elapsed < 60
+    assert report["layout"]["dp"] == 64 and report["layout"]["coords"]["dp"] == 5
+    assert abs(_model_states_diff(report)) < 0.02
+    assert report["detail"]["largest_transient_kind"] == "zero3_gather"
+    dp = report["collectives"]["axes"]["dp"]["ops"]
+    assert dp["all_gather"]["calls"] == 2 * dp["reduce_scatter"]["calls"] == 2 * 81
+
+
+def test_70b_balanced_split_is_one_layer_off_the_planner():
+    """A known discrepancy: the runtime balances stages by cost (head included), giving pp stage
+    2 of 4 21 layers, while the planner assumes 20 per stage; the difference is one block."""
+    report, _ = _dry_run_cli(LLAMA3_70B + TP8_PP4_DP2, 64, 32)
+    assert len(report["layout"]["layers"]) == 21 and report["estimate"]["layers"] == 20
+    states = sum(report["bytes"][k] for k in ("param", "grad", "optim"))
+    one_block = (states - report["estimate"]["model_states"])
+    assert one_block == pytest.approx(report["estimate"]["model_states"] / 20, rel=0.002)
+
+
+# ---------------------------------------------------------------------------- (b) equals real
+def _real_memory(config_dicts: list[dict]) -> list[dict]:
+    """On every rank: one real training step of each config; its ``mem`` record."""
+    from meshtrain.config import Config
+    from meshtrain.training.trainer import Trainer
+    from meshtrain.worker import build_mesh
+
+    out = []
+    for data in config_dicts:
+        config = Config.from_dict(data)
+        trainer = Trainer(config, build_mesh(config))
+        out.append({k: trainer.train_step()["mem"][k] for k in MEM_KEYS})
+    return out
+
+
+def _dry_memory(config, world: int, rank: int) -> dict:
+    report = dry_run.report(config, world, rank)
+    return {f"{k}_bytes": report["bytes"][k] for k in ("param", "grad", "optim")}
+
+
+TWO_RANK_CASES = [("parallel.zero=0",), ("parallel.zero=1",), ("parallel.zero=2",),
+                  ("parallel.zero=3",), ("parallel.zero=1", "train.precision=bf16"),
+                  # ranks that hold different pieces: tp halves, pipeline stages
+                  ("parallel.tp=2", "parallel.dp=1"),
+                  ("parallel.pp=2", "parallel.dp=1", "parallel.microbatches=2")]
+
+
+def test_two_ranks_equal_real_run_rank_by_rank(tmp_path):
+    """dp2 with ZeRO 0-3 (and bf16 masters), tp2, pp2: the dry run of rank r reports the
+    param/grad/optim bytes that the real rank r's trainer reports after one step."""
+    configs = [tiny_config(*case, run_dir=str(tmp_path / str(i)), nproc=2)
+               for i, case in enumerate(TWO_RANK_CASES)]
+    real = run_distributed(2, _real_memory, [c.to_dict() for c in configs], timeout=600)
+    for i, case in enumerate(TWO_RANK_CASES):
+        for rank in (0, 1):
+            assert _dry_memory(tiny_config(*case, nproc=2), 2, rank) == real[rank][i], \
+                (case, rank)
+    assert real[0][5] == real[1][5] and real[0][6] != real[1][6]  # pp stages differ
+
+
+def test_one_process_equals_metrics_jsonl(tmp_path):
+    """A real one-process ``meshtrain train`` step's ``mem`` in metrics.jsonl, and the CLI's
+    dry run of rank 0 of 1, for bf16 (separate fp32 masters and gradients)."""
+    sets = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=64", "train.seq_len=16", "train.global_batch=8",
+            "data.max_bytes=200000", "train.precision=bf16", "parallel.zero=1",
+            f"train.run_dir={tmp_path}"]
+    args = [str(MESHTRAIN), "train", "--steps", "1"] + [x for s in sets for x in ("--set", s)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    mem = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["mem"]
+    report, _ = _dry_run_cli(sets, 1, 0)
+    assert {f"{k}_bytes": report["bytes"][k] for k in ("param", "grad", "optim")} == \
+        {k: mem[k] for k in MEM_KEYS}
+
+
+def test_derived_collectives_agree_with_measured_ones():
+    """The fallback (for steps that cannot run on meta, e.g. MoE routing) derives the dp and pp
+    traffic from the buckets and the schedule; on a dense model it matches the measured step
+    (less the scalar all-reduces it does not derive)."""
+    from meshtrain.mesh import shutdown_distributed
+
+    for case in (("parallel.zero=2", "parallel.microbatches=2"),
+                 ("parallel.zero=3", "parallel.microbatches=2"),
+                 ("parallel.pp=2", "parallel.zero=1", "parallel.microbatches=4")):
+        config = tiny_config(*case, nproc=4)
+        measured = dry_run.report(config, 4, 3)["collectives"]["axes"]
+        try:
+            derived = dry_run.derived_collectives(dry_run.build_rank(
+                tiny_config(*case, nproc=4), 4, 3), "test")["axes"]
+        finally:
+            shutdown_distributed()
+        for axis, entry in derived.items():
+            for op, per in entry["ops"].items():
+                assert measured[axis]["ops"][op] == per, (case, axis, op)
+
+
+def test_moe_falls_back_to_derived_collectives():
+    config = tiny_config("model.moe_experts=4", "parallel.ep=2", "parallel.zero=1", nproc=2)
+    report = dry_run.report(config, 2, 1)
+    assert report["collectives"]["source"].startswith("derived")
+    assert report["bytes"]["param"] > 0 and "dp" in report["collectives"]["axes"]
+
+
+def test_buffers_and_transients_follow_the_engine():
+    """ZeRO-0 reduces in place; ZeRO-1 keeps every bucket's reduce-scatter output (one gradient
+    shard in all) until the micro-batch ends; ZeRO-3 gathers the root unit plus two blocks."""
+    zero0 = dry_run.report(tiny_config("parallel.zero=0", nproc=2), 2, 0)
+    assert zero0["bytes"]["buffers"] == 0 and zero0["bytes"]["largest_transient"] == 0
+    zero1 = dry_run.report(tiny_config("parallel.zero=1", nproc=2), 2, 1)
+    assert zero1["detail"]["grad_reduce_outputs"] * 2 == zero1["bytes"]["grad"]
+    zero3 = dry_run.report(tiny_config("parallel.zero=3", nproc=2), 2, 0)
+    # fp32, dim 32, ffn 64, 4 heads / 2 kv heads of 8, vocab 264: blocks and root, padded to 2
+    block = 32 * 32 * 2 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32
+    root = 2 * 264 * 32 + 32
+    assert zero3["detail"]["transients"]["zero3_gather"] == 4 * (2 * block + root)
+
+
+def test_table_output(capsys):
+    assert cli.main(["train", "--dry-run", "--world", "2", "--rank", "1", "--set",
+                     "parallel.zero=2", "--set", "model.n_layers=2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 of 2" in out and "model states" in out and "reduce_scatter" in out
+
+
+# ---------------------------------------------------------------------------- (c) bad input
+@pytest.mark.parametrize("argv, message", [
+    (["--dry-run"], "--dry-run needs --world"),
+    (["--dry-run", "--world", "4", "--rank", "4"], "outside a world of 4"),
+    (["--world", "4"], "only apply with --dry-run"),
+    (["--dry-run", "--world", "6", "--set", "parallel.tp=4"], "not a multiple of tp"),
+    (["--dry-run", "--world", "3", "--set", "parallel.tp=3"], "parallel.tp = 3"),
+])
+def test_bad_input_exits_2(argv, message, capsys):
+    assert cli.main(["train", *argv]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())
