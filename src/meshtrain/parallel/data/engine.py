@@ -48,7 +48,11 @@ import torch
 import torch.distributed
 
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
+from meshtrain.parallel.data.mapped import MappedBuffer, mapped_buffers_supported
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
+
+STAGING_SLOTS = 3
+"""Reusable buffer pairs for stage-2/3 gradient reductions (so at most 3 in flight)."""
 
 
 @dataclasses.dataclass
@@ -60,6 +64,21 @@ class OptimizerShard:
     grad: Callable[[], torch.Tensor]
     decay_end: int
     bucket: FlatBucket
+
+
+def release_full_buffer(b: FlatBucket) -> None:
+    """Drop the memory of a ZeRO-3 bucket's full parameter buffer, keeping the tensor (and the
+    storage autograd saved views of) to be refilled by the next gather."""
+    if getattr(b, "mapped", None) is not None:
+        b.mapped.release()
+    else:
+        b.param_buffer.untyped_storage().resize_(0)
+
+
+def restore_full_buffer(b: FlatBucket) -> None:
+    """Give a released bucket buffer its memory back (contents undefined until gathered)."""
+    if getattr(b, "mapped", None) is None:
+        b.param_buffer.untyped_storage().resize_(b.padded_numel * b.param_buffer.element_size())
 
 
 class DataParallelEngine:
@@ -80,6 +99,8 @@ class DataParallelEngine:
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
         self.grad_dtype = grad_dtype
+        self._staging_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staging_next = 0
         self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
         self.comms = {"dp": comm, "edp": mesh.comm("edp")}
@@ -205,7 +226,12 @@ class DataParallelEngine:
 
     @torch.no_grad()
     def _init_bucket(self, b: FlatBucket) -> None:
-        full = b.new_buffer()
+        b.mapped = None
+        if self.stage == 3 and mapped_buffers_supported(b.device):
+            b.mapped = MappedBuffer(b.padded_numel, b.dtype)  # see parallel.data.mapped
+            full = b.mapped.tensor
+        else:
+            full = b.new_buffer()
         if self._init_values is None:
             b.flatten_params_into(full)
         else:  # one parameter's value at a time, straight into the flat buffer
@@ -216,7 +242,7 @@ class DataParallelEngine:
         b.bind_params(full)
         if self.stage == 3:
             b.param_shard = b.shard(full).clone()
-            full.untyped_storage().resize_(0)  # only the shard stays (ZeRO-3 gathers on use)
+            release_full_buffer(b)  # only the shard stays (ZeRO-3 gathers on use)
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
             if not self._separate_grads(b):
@@ -295,7 +321,6 @@ class DataParallelEngine:
             if self._fresh[bucket.index] >= len(bucket.slots):
                 self._fresh[bucket.index] = 0
                 self._launch(bucket)
-                self._drain(keep=2)
             return
         if not self._syncing:
             return
@@ -318,10 +343,29 @@ class DataParallelEngine:
             view.copy_(grad.reshape(-1))
             slot.param.grad = view.view(slot.shape)
 
-    def _gather_grads(self, b: FlatBucket) -> torch.Tensor:
-        """A fresh ``grad_dtype`` buffer holding every parameter's gradient since the bucket's
-        last reduction (zeros where none), leaving no ``.grad`` behind."""
-        buf = b.new_buffer(self.grad_dtype)
+    def _staging(self, b: FlatBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (full bucket, shard) pair of reusable ``grad_dtype`` buffers for one stage-2/3
+        reduction. ``STAGING_SLOTS`` pairs, sized for the largest bucket, are used in turn, and
+        the oldest reduction is finished before its pair is reused: at most that many
+        reductions are in flight, and no step allocates (or fragments the host heap with)
+        buffers of a bucket's size."""
+        self._drain(keep=STAGING_SLOTS - 1)
+        if not self._staging_pairs:
+            full = max(x.padded_numel for x in self.buckets)
+            shard = max(x.shard_numel for x in self.buckets)
+            device = b.device
+            self._staging_pairs = [
+                (torch.empty(full, dtype=self.grad_dtype, device=device),
+                 torch.empty(shard, dtype=self.grad_dtype, device=device))
+                for _ in range(STAGING_SLOTS)]
+        full, shard = self._staging_pairs[self._staging_next]
+        self._staging_next = (self._staging_next + 1) % STAGING_SLOTS
+        return full[:b.padded_numel], shard[:b.shard_numel]
+
+    def _gather_grads(self, b: FlatBucket, buf: torch.Tensor) -> torch.Tensor:
+        """Fill ``buf`` with every parameter's gradient since the bucket's last reduction
+        (zeros where none), leaving no ``.grad`` behind."""
+        buf.zero_()
         for s in b.slots:
             view = buf[s.offset:s.offset + s.numel]
             total = self._accumulated.pop(id(s.param), None)
@@ -346,8 +390,8 @@ class DataParallelEngine:
             in_place = out.data_ptr() == b.shard(b.grad_buffer).data_ptr()
             post = (lambda: None) if in_place else (lambda: b.shard(b.grad_buffer).copy_(out))
         else:
-            buf = self._gather_grads(b)
-            out = torch.empty(b.shard_numel, dtype=self.grad_dtype, device=b.device)
+            buf, out = self._staging(b)
+            self._gather_grads(b, buf)
             handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():

@@ -1,8 +1,9 @@
 """ZeRO-3 parameter gathering: each block's parameters exist in full only while it computes.
 
 Every transformer block is one bucket. At rest a rank holds only its shard of each bucket; the
-full flat buffer keeps its tensor but its storage is resized to zero bytes, so the parameters
-(views into it) cost nothing.
+full flat buffer keeps its tensor but its memory is released (storage resized to zero bytes; on
+the CPU an anonymous memory map whose pages are handed back, :mod:`.mapped`), so the
+parameters (views into it) cost nothing.
 
 - Forward: a block's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
   and starts prefetching the next block; its post-forward hook frees it again.
@@ -24,7 +25,11 @@ from __future__ import annotations
 import torch
 
 from meshtrain.parallel.data.buckets import FlatBucket
-from meshtrain.parallel.data.engine import DataParallelEngine
+from meshtrain.parallel.data.engine import (
+    DataParallelEngine,
+    release_full_buffer,
+    restore_full_buffer,
+)
 
 
 class ParameterGatherer:
@@ -56,13 +61,13 @@ class ParameterGatherer:
         return bucket.param_buffer.untyped_storage()
 
     def _free(self, bucket: FlatBucket) -> None:
-        self._storage(bucket).resize_(0)
+        release_full_buffer(bucket)
         self._gathered.discard(bucket.index)
 
     def _gather(self, bucket: FlatBucket, wait: bool) -> None:
         if bucket.index not in self._gathered and bucket.index not in self._handles:
+            restore_full_buffer(bucket)
             storage = self._storage(bucket)
-            storage.resize_(bucket.padded_numel * bucket.param_buffer.element_size())
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
             self._handles[bucket.index] = self.comm.all_gather_into(alias, bucket.param_shard,
