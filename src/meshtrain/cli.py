@@ -118,6 +118,13 @@ def _add_planner_parsers(sub) -> None:
     _add_run_options(est)
     add_hardware_options(est, gpus_required=False)
     add_plan_options(sub.add_parser("plan", help="rank parallel layouts for a model and cluster"))
+    prep = sub.add_parser("prepare", help="tokenize text sources once into memory-mapped shards")
+    prep.add_argument("sources", nargs="+", help=".txt/.jsonl/.parquet files, directories, globs")
+    prep.add_argument("--out", required=True, help="directory to write the prepared corpus to")
+    prep.add_argument("--tokenizer", default="bytes", help='"bytes" or a tokenizer.json path')
+    prep.add_argument("--text-field", default="text", help="jsonl field / parquet column")
+    prep.add_argument("--workers", type=int, default=1,
+                      help="tokenizer processes (large files are shared between them)")
     add_calibrate_options(sub.add_parser("calibrate",
                                          help="measure this machine into a profile JSON"))
 
@@ -283,9 +290,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "verify": cmd_verify, "generate": cmd_generate, "bench": cmd_bench,
-            "estimate": cmd_estimate, "plan": cmd_plan, "calibrate": cmd_calibrate,
-            "simulate": cmd_simulate, "convert": cmd_convert}
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """``meshtrain prepare``: see :mod:`meshtrain.data.prepare`."""
+    from meshtrain.data.prepare import prepare
+
+    meta = prepare(args.sources, args.out, args.tokenizer, args.text_field, args.workers,
+                   progress=sys.stderr.isatty())
+    state = "up to date (same sources, tokenizer and field; nothing rewritten)" \
+        if meta["up_to_date"] else "prepared"
+    print(f"meshtrain prepare: {args.out} {state}: {meta['tokens']} tokens, "
+          f"{meta['documents']} documents, {len(meta['shards'])} shards ({meta['dtype']})")
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "verify": cmd_verify,
+            "generate": cmd_generate, "bench": cmd_bench, "estimate": cmd_estimate,
+            "plan": cmd_plan, "calibrate": cmd_calibrate, "simulate": cmd_simulate,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

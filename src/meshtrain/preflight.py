@@ -84,13 +84,22 @@ def _check_bin(path: Path, vocab_size: int) -> int:
 
 def check_data_files(config: Config) -> None:
     """Every data file is readable and non-empty; ``.bin`` ids fit the vocabulary; a ``.bin``
-    corpus holds at least one sample; ``.parquet`` files open and have the text column."""
+    corpus holds at least one sample; ``.parquet`` files open and have the text column; a
+    prepared directory is finished, whole, and was written with ``data.tokenizer``."""
     data = config.data
     if data.source == "builtin":
         return
+    from meshtrain.data import is_prepared_dir, open_prepared
     from meshtrain.training.data import find_source_files
-    from meshtrain.training.tokenizer import tokenizer_vocab_size
+    from meshtrain.training.tokenizer import load_tokenizer, tokenizer_vocab_size
 
+    if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output
+        shards = open_prepared(Path(data.source).expanduser(), load_tokenizer(data.tokenizer))
+        total = sum(len(shard) for shard in shards)
+        if total < config.train.seq_len + 1:
+            raise ConfigError(f'data.source = "{data.source}" holds {total} tokens, fewer than one '
+                              f"sample needs (train.seq_len + 1 = {config.train.seq_len + 1}).")
+        return
     files = find_source_files(data.source)
     sizes = [_check_readable(path) for path in files]
     suffix = files[0].suffix.lower()

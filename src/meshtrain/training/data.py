@@ -280,11 +280,18 @@ def load_token_stream(data: DataConfig, tokenizer,
     - ``.bin``: already tokenized and taken as-is (no eos added): a headerless array of
       little-endian ``uint16`` token ids, or ``uint32`` when the tokenizer's ``vocab_size`` exceeds
       65535 (:func:`write_token_bin` writes one). Several ``.bin`` files are concatenated.
+    - a directory written by ``meshtrain prepare`` (:mod:`meshtrain.data.prepare`): its shards,
+      memory-mapped after checking they are complete and were written with ``tokenizer``
+      (``data.text_field`` and ``data.max_bytes`` do not apply; prepare decided the documents).
 
     Results are cached in-process per (source, files' sizes and mtimes, tokenizer), so building
     :class:`TrainData` twice in one process tokenizes once; with ``cache_dir`` tokenized text is
     also kept on disk there (worth it for slow Hugging Face tokenizers; bytes take ~0.2 s/4 MB).
     """
+    from meshtrain.data import is_prepared_dir, open_prepared
+
+    if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output: memory maps
+        return TokenShards(open_prepared(Path(data.source).expanduser(), tokenizer))
     builtin = data.source == BUILTIN_SOURCE
     files = [] if builtin else find_source_files(data.source)
     key = _stream_key(data, tokenizer, files)

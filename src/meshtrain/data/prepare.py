@@ -1,0 +1,523 @@
+"""``meshtrain prepare``: tokenize text sources once into a directory of memory-mappable shards.
+
+The directory's layout is in :mod:`meshtrain.data` and ``docs/data.md``.
+The sources are cut into pieces of about ``shard_bytes`` input bytes: ``.txt``/``.jsonl`` files
+at line starts, ``.parquet`` files at row groups; consecutive small pieces share a job. Each job
+becomes one shard, written by one of ``workers`` processes that read its pieces in bounded chunks,
+so memory does not grow with the input and several workers share one large file. The cut points
+do not depend on ``workers``, so the output is the same for any number of workers.
+
+The token stream is the one training from the same raw files builds
+(:func:`meshtrain.training.data.load_token_stream`): files in sorted order, each document (a
+``.txt`` file, a non-blank ``.jsonl`` line, a non-null parquet row) followed by the eos id (if
+any). A ``.txt`` document is tokenized piece by piece, cut after a newline followed by a non-space
+character: the same ids for the byte tokenizer and for Hugging Face tokenizers whose pre-tokenizer
+splits there (:func:`lines_split_safely`; otherwise each ``.txt`` file is tokenized whole).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import io
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import sys
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import numpy as np
+
+from meshtrain.config import ConfigError
+from meshtrain.data import (
+    FORMAT,
+    MARKER,
+    META,
+    is_complete,
+    is_prepared_dir,
+    read_meta,
+    token_dtype,
+    tokenizer_hash,
+)
+
+SHARD_BYTES = 16 << 20
+"""Input bytes per shard (a job of one worker)."""
+_READ_BYTES = 4 << 20  # bytes read (and decoded, tokenized, written) at a time
+_BATCH_CHARS = 1 << 20  # characters of jsonl/parquet documents tokenized together
+_SCAN_BYTES = 1 << 16
+_SAFE_LINE_START = re.compile(rb"\n(?=[\x21-\x7e])")  # a newline, then printable non-space ASCII
+_OWN_FILE = re.compile(r"(shard-\d{5}\.(bin|idx)|meta\.json|COMPLETE)(\.partial)?")
+_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+# -------------------------------------------------------------------------------------- reading
+
+
+def _text_chunks(path: str, start: int, end: int, final: bool):
+    """Bytes ``[start, end)`` of ``path`` decoded as Python's text mode does (UTF-8, bad bytes
+    replaced, universal newlines), in chunks of about ``_READ_BYTES``; reports bytes read."""
+    decoder = io.IncrementalNewlineDecoder(
+        codecs.getincrementaldecoder("utf-8")(errors="replace"), translate=True)
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        position = start
+        while position < end:
+            data = handle.read(min(_READ_BYTES, end - position))
+            if not data:
+                break
+            position += len(data)
+            _report(len(data))
+            yield decoder.decode(data, final=final and position >= end)
+
+
+def _line_number(path: str, offset: int) -> int:
+    """Lines (as text mode counts them) before byte ``offset`` of ``path``."""
+    return sum(chunk.count("\n") for chunk in _text_chunks(path, 0, offset, final=False))
+
+
+def _jsonl_texts(path: str, start: int, end: int, field: str):
+    """The documents of the lines in ``[start, end)``: ConfigError naming a bad line."""
+    carry, number = "", 0
+    chunks = itertools.chain(_text_chunks(path, start, end, final=True), [None])
+    for chunk in chunks:
+        lines = (carry + chunk).split("\n") if chunk is not None else [carry]
+        carry = lines.pop() if chunk is not None else ""
+        for line in lines:
+            number += 1
+            if not line.strip():
+                continue
+            try:
+                record, problem = json.loads(line), None
+            except json.JSONDecodeError as error:
+                record, problem = None, f"not valid JSON ({error.msg})."
+            if problem is None and (not isinstance(record, dict) or field not in record):
+                problem = (f'no "{field}" field (--text-field); each line must be a JSON object '
+                           f'like {{"{field}": "..."}}.')
+            elif problem is None and not isinstance(record[field], str):
+                problem = f'field "{field}" is {type(record[field]).__name__}, not a string.'
+            if problem:
+                where = _line_number(path, start) + number
+                raise ConfigError(f"{path}, line {where}: {problem}")
+            yield record[field]
+
+
+def _parquet_texts(path: str, first: int, last: int, field: str):
+    import pyarrow.parquet as pq
+
+    handle = pq.ParquetFile(path)
+    for group in range(first, last):
+        for batch in handle.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
+            yield from (text for text in batch.column(0).to_pylist() if text is not None)
+        _report(handle.metadata.row_group(group).total_byte_size)
+
+
+def _batches(texts, limit: int = _BATCH_CHARS):
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _safe_cut(text: str) -> int:
+    """Index just after the last newline followed by a non-space character (0: none)."""
+    cut = text.rfind("\n", 0, len(text) - 1)
+    while cut >= 0 and text[cut + 1].isspace():
+        cut = text.rfind("\n", 0, cut)
+    return cut + 1
+
+
+# ------------------------------------------------------------------------------------- encoding
+
+
+class _Encoder:
+    """Tokenizes text into ``dtype`` arrays the way :func:`encode_documents` does."""
+
+    def __init__(self, spec: str, dtype: str):
+        from meshtrain.training.tokenizer import ByteTokenizer, load_tokenizer
+
+        self.tokenizer = load_tokenizer(spec)
+        self.bytes = isinstance(self.tokenizer, ByteTokenizer)
+        self.dtype = np.dtype(dtype)
+        self.eos = self.tokenizer.eos_id
+
+    def text(self, text: str) -> np.ndarray:
+        """Ids of a piece of one document (no eos)."""
+        if self.bytes:
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int64).astype(self.dtype)
+
+    def documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of whole documents, each followed by eos; and each one's end offset."""
+        if self.bytes:
+            encoded = [text.encode("utf-8") for text in texts]
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+            flat = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(self.dtype)
+        else:
+            ids = self.tokenizer.encode_batch(texts)
+            lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+            flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64,
+                               int(lengths.sum())).astype(self.dtype)
+        ends = np.cumsum(lengths)
+        if self.eos is None:
+            return flat, ends
+        return np.insert(flat, ends, self.eos), ends + np.arange(1, len(ends) + 1)
+
+    def eos_array(self) -> np.ndarray:
+        """The eos id as a 1-token array (empty when the tokenizer has none)."""
+        return np.array([] if self.eos is None else [self.eos], dtype=self.dtype)
+
+
+def lines_split_safely(tokenizer) -> bool:
+    """Whether tokenizing text piece by piece, cut after a newline followed by a non-space
+    character, gives the ids of tokenizing it whole (checked on probe strings)."""
+    probes = ["The cat sat.\nThe dog ran!\n\nThe end\n", "x = 1\n    y = (2, 3)\nz\n\n\n  w\n",
+              "über naïve 123\n456 日本語\n«quoted»\n-- done", "a\nb\n c\td\r\ne"]
+    for text in probes:
+        cuts, rest = [], text
+        while (cut := _safe_cut(rest)) > 0:
+            cuts.insert(0, rest[cut:])
+            rest = rest[:cut]
+        pieces = [rest, *cuts]
+        if [i for piece in pieces for i in tokenizer.encode(piece)] != tokenizer.encode(text):
+            return False
+    return True
+
+
+# -------------------------------------------------------------------------------------- workers
+
+_PROGRESS = None  # a shared counter of input bytes read (worker processes)
+_STOP = None  # set by the parent when another job failed: stop early
+
+
+def _report(done: int) -> None:
+    if _STOP is not None and _STOP.is_set():
+        raise ConfigError("stopped: another worker failed")
+    if callable(_PROGRESS):
+        _PROGRESS(done)
+    elif _PROGRESS is not None:
+        with _PROGRESS.get_lock():
+            _PROGRESS.value += done
+
+
+def _init_worker(counter, stop) -> None:
+    global _PROGRESS, _STOP
+    _PROGRESS, _STOP = counter, stop
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+
+
+class _ShardWriter:
+    """Appends tokens and document ends to ``STEM.bin.partial``/``.idx.partial``; ``finish``
+    makes them durable and renames them into place."""
+
+    def __init__(self, stem: Path):
+        self.stem = stem
+        self.bin = open(f"{stem}.bin.partial", "wb")
+        self.idx = open(f"{stem}.idx.partial", "wb")
+        self.tokens = self.documents = 0
+
+    def write(self, tokens: np.ndarray, ends: np.ndarray | None = None) -> None:
+        tokens.tofile(self.bin)
+        if ends is not None and len(ends):
+            (np.asarray(ends, dtype=np.int64) + self.tokens).astype("<i8").tofile(self.idx)
+            self.documents += len(ends)
+        self.tokens += len(tokens)
+
+    def finish(self) -> None:
+        for handle in (self.bin, self.idx):
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        for kind in ("bin", "idx"):
+            os.replace(f"{self.stem}.{kind}.partial", f"{self.stem}.{kind}")
+
+
+def _tokenize_job(job: dict) -> dict:
+    """Worker: tokenize the pieces of one job into ``shard-NNNNN.bin``/``.idx``."""
+    encoder = _Encoder(job["tokenizer"], job["dtype"])
+    writer = _ShardWriter(Path(job["out"]) / f"shard-{job['index']:05d}")
+    try:
+        for path, kind, start, end, ends_file in job["pieces"]:
+            if kind == "txt":
+                carry = ""
+                for chunk in _text_chunks(path, start, end, final=ends_file):
+                    carry += chunk
+                    cut = len(carry) if encoder.bytes else _safe_cut(carry) if job["split"] else 0
+                    if cut:
+                        writer.write(encoder.text(carry[:cut]))
+                        carry = carry[cut:]
+                if carry:
+                    writer.write(encoder.text(carry))
+                if ends_file:
+                    writer.write(encoder.eos_array(), np.array([len(encoder.eos_array())]))
+                continue
+            texts = (_jsonl_texts(path, start, end, job["field"]) if kind == "jsonl"
+                     else _parquet_texts(path, start, end, job["field"]))
+            for batch in _batches(texts):
+                writer.write(*encoder.documents(batch))
+        writer.finish()
+    finally:
+        for handle in (writer.bin, writer.idx):
+            handle.close()
+    return {"file": writer.stem.name + ".bin", "tokens": writer.tokens,
+            "documents": writer.documents,
+            "sources": [{"path": p[0], "kind": p[1], "start": p[2], "end": p[3]}
+                        for p in job["pieces"]]}
+
+
+# ------------------------------------------------------------------------------------- planning
+
+
+def _cut_points(path: Path, size: int, step: int, pattern: re.Pattern) -> list[int]:
+    """``[0, ..., size]``: offsets about ``step`` apart, each just after a ``pattern`` match."""
+    points = [0]
+    with open(path, "rb") as handle:
+        target = step
+        while target < size:
+            handle.seek(target)
+            position, found = target, None
+            while found is None and (block := handle.read(_SCAN_BYTES)):
+                match = pattern.search(block)
+                if match:
+                    found = position + match.start() + 1
+                elif len(block) > 1:
+                    position += len(block) - 1
+                    handle.seek(position)
+                else:
+                    break
+            if found is None or found >= size:
+                break
+            points.append(found)
+            target = found + step
+    return [*points, size]
+
+
+def _parquet_groups(path: Path, field: str) -> list[int]:
+    """Uncompressed bytes of each row group; ConfigError when unreadable or without ``field``."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f'reading {path} needs the "pyarrow" package '
+                          '(pip install "meshtrain[data]").') from None
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for damaged files
+        raise ConfigError(f"{path}: not a readable Parquet file ({error}).") from None
+    schema = handle.schema_arrow
+    if field not in schema.names:
+        raise ConfigError(f'{path}: no column "{field}" (--text-field); columns: '
+                          f"{', '.join(schema.names)}.")
+    kind = str(schema.field(field).type)
+    if "string" not in kind:  # string, large_string, dictionary<values=string, ...>
+        raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings.')
+    meta = handle.metadata
+    return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+
+
+def _plan(files: list[Path], field: str, shard_bytes: int,
+          split: bool) -> tuple[list[list[tuple]], int]:
+    """The pieces of every job, in corpus order: ``(path, kind, start, end, ends_file)``; and
+    the input bytes workers will report (row-group sizes for parquet)."""
+    pieces: list[tuple[tuple, int]] = []
+    for path in files:
+        kind, size = _KINDS[path.suffix.lower()], path.stat().st_size
+        if kind == "parquet":
+            sizes = _parquet_groups(path, field)
+            pieces += [((str(path), kind, i, i + 1, i == len(sizes) - 1), s)
+                       for i, s in enumerate(sizes)]
+            continue
+        if kind == "txt" and not split:
+            points = [0, size]
+        else:
+            points = _cut_points(path, size, shard_bytes, _SAFE_LINE_START)
+        pieces += [((str(path), kind, a, b, b == size), b - a)
+                   for a, b in itertools.pairwise(points)]
+    jobs: list[list[tuple]] = []
+    filled = 0
+    for piece, size in pieces:
+        if not jobs or (filled + size > shard_bytes and filled):
+            jobs.append([])
+            filled = 0
+        jobs[-1].append(piece)
+        filled += size
+    return jobs, sum(size for _, size in pieces)
+
+
+def _source_files(sources: list[str], out: Path) -> list[Path]:
+    """The text files ``sources`` name, sorted as training sorts them; files under ``out``
+    (an earlier output) are left out. ConfigError for a missing, unreadable or empty one."""
+    from meshtrain.training.data import find_source_files
+
+    found: dict[Path, Path] = {}
+    for source in sources:
+        if is_prepared_dir(Path(source).expanduser()):
+            raise ConfigError(f'"{source}" is already a prepared corpus; give it to data.source '
+                              "to train from it.")
+        if not set("*?[") & set(source) and not Path(source).expanduser().exists():
+            raise ConfigError(f'source "{source}" does not exist; give .txt, .jsonl or .parquet '
+                              "files, directories or globs of them.")
+        try:
+            paths = find_source_files(source)
+        except ConfigError as error:  # its messages name the config key; here it is a source
+            raise ConfigError(str(error).replace("data.source: ", "source ", 1)) from None
+        for path in paths:
+            resolved = path.resolve()
+            if out.resolve() not in resolved.parents:
+                found.setdefault(resolved, path)
+    files = sorted(found.values())
+    if not files:
+        raise ConfigError(f"{', '.join(sources)}: no .txt, .jsonl or .parquet file to prepare.")
+    for path in files:
+        if path.suffix.lower() not in _KINDS:
+            raise ConfigError(f"{path}: meshtrain prepare reads text (.txt, .jsonl, .parquet); "
+                              ".bin files are already tokenized: give them to data.source.")
+        try:
+            with open(path, "rb") as handle:
+                handle.read(1)
+        except OSError as error:
+            raise ConfigError(f"{path}: cannot be read ({error.strerror or error}).") from None
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{path}: the file is empty; remove it or leave it out.")
+    return files
+
+
+# ------------------------------------------------------------------------------------ prepare
+
+
+def _clear(out: Path) -> None:
+    """Remove what ``meshtrain prepare`` wrote in ``out`` (the marker first); nothing else."""
+    (out / MARKER).unlink(missing_ok=True)
+    for path in out.iterdir():
+        if _OWN_FILE.fullmatch(path.name) and path.name != META:
+            path.unlink()
+    (out / META).unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w") as handle:
+        json.dump(data, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
+def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_field: str = "text",
+            workers: int = 1, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
+    """Tokenize ``sources`` (files, directories, globs) into the directory ``out``; return its
+    meta (with ``"up_to_date": True`` when an earlier run already prepared the same input).
+
+    Raises :class:`ConfigError` before any worker starts for a missing, unreadable or empty
+    source, a parquet file without the ``text_field`` column, a tokenizer that does not load, or
+    an ``out`` that is neither empty nor a prepared corpus; and after, for a bad ``.jsonl`` line
+    (no marker is then written). ``progress`` draws a progress bar on stderr. With ``workers``
+    > 1 the workers are started with multiprocessing's "spawn" (they do not inherit ``torch``),
+    so a script calling this must do so under ``if __name__ == "__main__":``.
+    """
+    from meshtrain.training.tokenizer import load_tokenizer
+
+    if workers < 1:
+        raise ConfigError(f"--workers = {workers} must be at least 1.")
+    if shard_bytes < 1:
+        raise ConfigError(f"shard_bytes = {shard_bytes} must be at least 1.")
+    out = Path(out).expanduser()
+    files = _source_files(sources, out)
+    try:
+        loaded = load_tokenizer(tokenizer)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("data.tokenizer:", "--tokenizer:", 1)) from None
+    identity = {"name": loaded.name, "hash": tokenizer_hash(loaded),
+                "vocab_size": loaded.vocab_size, "eos_id": loaded.eos_id}
+    stats = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+             for p in files]
+    key = [[str(p.resolve()), s["size"], s["mtime_ns"]] for p, s in zip(files, stats, strict=True)]
+    fingerprint = hashlib.sha256(json.dumps(
+        [FORMAT, key, text_field, identity["hash"], shard_bytes]).encode()).hexdigest()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a new or empty directory.")
+    if is_complete(out) and read_meta(out)["fingerprint"] == fingerprint:
+        return {**read_meta(out), "up_to_date": True}
+    if out.is_dir() and any(out.iterdir()) and not is_prepared_dir(out):
+        raise ConfigError(f"--out {out} exists and is not a prepared corpus (no {META} of "
+                          "meshtrain prepare); give a new or empty directory, nothing in it is "
+                          "deleted.")
+    split = lines_split_safely(loaded)  # always true for bytes
+    jobs, total = _plan(files, text_field, shard_bytes, split)
+    dtype = token_dtype(identity["vocab_size"])
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    _clear(out)
+    meta = {"format": FORMAT, "complete": False, "fingerprint": fingerprint,
+            "tokenizer": identity, "vocab_size": identity["vocab_size"], "dtype": dtype.name,
+            "text_field": text_field, "shard_bytes": shard_bytes, "sources": stats}
+    _write_json(out / META, meta)  # marks the directory as ours (unfinished) from the start
+    specs = [{"index": i, "pieces": pieces, "tokenizer": tokenizer, "field": text_field,
+              "dtype": dtype.str, "out": str(out), "split": split} for i, pieces in enumerate(jobs)]
+    try:
+        results = _run_jobs(specs, workers, progress, total)
+        if not sum(r["tokens"] for r in results):
+            raise ConfigError(f"{', '.join(sources)}: no document to prepare (only blank lines "
+                              "or null rows).")
+    except BaseException:
+        _clear(out)  # nothing half-written or complete-looking is left behind
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    meta.update(complete=True, tokens=sum(r["tokens"] for r in results),
+                documents=sum(r["documents"] for r in results), shards=results)
+    _write_json(out / META, meta)
+    marker = out / (MARKER + ".partial")
+    marker.write_text(fingerprint + "\n")
+    os.replace(marker, out / MARKER)  # atomic: only a finished directory has COMPLETE
+    directory = os.open(out, os.O_RDONLY)  # the renames themselves survive a power loss
+    os.fsync(directory)
+    os.close(directory)
+    return {**meta, "up_to_date": False}
+
+
+def _run_jobs(jobs: list[dict], workers: int, progress: bool, total: int) -> list[dict]:
+    """Run :func:`_tokenize_job` over ``jobs``: in this process when one worker (or one job)
+    suffices, else in ``workers`` spawned processes; a rich progress bar on stderr."""
+    global _PROGRESS
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = ("[progress.description]{task.description}", BarColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), disable=not progress) as bar:
+        task = bar.add_task("tokenizing", total=total)
+        if workers <= 1 or len(jobs) <= 1:
+            _PROGRESS = lambda done: bar.advance(task, done)  # noqa: E731
+            try:
+                return [_tokenize_job(job) for job in jobs]
+            finally:
+                _PROGRESS = None
+        context = multiprocessing.get_context("spawn")  # workers do not inherit torch
+        counter, stop = context.Value("q", 0), context.Event()
+        pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context,
+                                   initializer=_init_worker, initargs=(counter, stop))
+        futures = [pool.submit(_tokenize_job, job) for job in jobs]
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+                bar.update(task, completed=counter.value)
+                for future in done:
+                    future.result()  # the first failure is raised here
+            return [future.result() for future in futures]
+        except BrokenProcessPool:
+            from meshtrain.errors import RunFailure
+
+            raise RunFailure("a meshtrain prepare worker died (killed, or out of memory?); "
+                             "nothing was marked complete: run it again.") from None
+        finally:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
