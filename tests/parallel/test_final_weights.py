@@ -49,7 +49,14 @@ def _gather_cat(tensor, comm, dim):
 @torch.no_grad()
 def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
     """The former ``gather_full_state_dict``: the whole model (fp32, CPU) on rank 0."""
-    values = engine.full_state_dict()
+    values = {}
+    for b in engine.buckets:  # every parameter's full value (a collective under ZeRO-3)
+        full = b.param_buffer
+        if engine.stage == 3:
+            full = b.new_buffer()
+            engine.comms[b.axis].all_gather_into(full, b.param_shard)
+        for s in b.slots:
+            values[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
     params = dict(model.named_parameters())
     persistent = model.state_dict(keep_vars=True)
     for name, buffer in model.named_buffers():

@@ -48,7 +48,11 @@ import torch
 import torch.distributed
 
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
-from meshtrain.parallel.data.mapped import MappedBuffer, mapped_buffers_supported
+from meshtrain.parallel.data.mapped import (
+    MappedBuffer,
+    mapped_buffers_supported,
+    release_full_buffer,
+)
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 
 STAGING_SLOTS = 3
@@ -64,21 +68,6 @@ class OptimizerShard:
     grad: Callable[[], torch.Tensor]
     decay_end: int
     bucket: FlatBucket
-
-
-def release_full_buffer(b: FlatBucket) -> None:
-    """Drop the memory of a ZeRO-3 bucket's full parameter buffer, keeping the tensor (and the
-    storage autograd saved views of) to be refilled by the next gather."""
-    if getattr(b, "mapped", None) is not None:
-        b.mapped.release()
-    else:
-        b.param_buffer.untyped_storage().resize_(0)
-
-
-def restore_full_buffer(b: FlatBucket) -> None:
-    """Give a released bucket buffer its memory back (contents undefined until gathered)."""
-    if getattr(b, "mapped", None) is None:
-        b.param_buffer.untyped_storage().resize_(b.padded_numel * b.param_buffer.element_size())
 
 
 class DataParallelEngine:
@@ -513,20 +502,6 @@ class DataParallelEngine:
         grads = sum(nbytes(b.grad_buffer if self.stage < 2 else b.grad_shard)
                     for b in self.buckets)
         return {"param_bytes": params, "grad_bytes": grads}
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value (a collective under ZeRO-3: call on every rank)."""
-        out = {}
-        for b in self.buckets:
-            if self.stage == 3:
-                full = b.new_buffer()
-                self.comms[b.axis].all_gather_into(full, b.param_shard)
-            else:
-                full = b.param_buffer
-            for s in b.slots:
-                out[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-        return out
 
     @torch.no_grad()
     def check_replicas_in_sync(self) -> None:

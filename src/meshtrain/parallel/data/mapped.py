@@ -37,3 +37,18 @@ class MappedBuffer:
 def mapped_buffers_supported(device: torch.device) -> bool:
     """Whether buffers on ``device`` can be :class:`MappedBuffer` (CPU, ``madvise`` present)."""
     return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED")
+
+
+def release_full_buffer(b) -> None:
+    """Drop the memory of a ZeRO-3 bucket's full parameter buffer, keeping the tensor (and the
+    storage autograd saved views of) to be refilled by the next gather."""
+    if getattr(b, "mapped", None) is not None:
+        b.mapped.release()
+    else:
+        b.param_buffer.untyped_storage().resize_(0)
+
+
+def restore_full_buffer(b) -> None:
+    """Give a released bucket buffer its memory back (contents undefined until gathered)."""
+    if getattr(b, "mapped", None) is None:
+        b.param_buffer.untyped_storage().resize_(b.padded_numel * b.param_buffer.element_size())

@@ -25,11 +25,8 @@ from __future__ import annotations
 import torch
 
 from meshtrain.parallel.data.buckets import FlatBucket
-from meshtrain.parallel.data.engine import (
-    DataParallelEngine,
-    release_full_buffer,
-    restore_full_buffer,
-)
+from meshtrain.parallel.data.engine import DataParallelEngine
+from meshtrain.parallel.data.mapped import release_full_buffer, restore_full_buffer
 
 
 class ParameterGatherer:
