@@ -12,11 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
 from meshtrain.config import Config, ConfigError
-
-_BIN_CHUNK = 1 << 24  # ids checked per slice of a memory-mapped .bin file
 
 
 def check_before_launch(config: Config) -> None:
@@ -64,6 +60,7 @@ def _check_readable(path: Path) -> int:
 
 def _check_bin(path: Path, vocab_size: int) -> int:
     """Number of tokens in a ``.bin`` file; ConfigError on a ragged size or an id >= vocab."""
+    from meshtrain.data.shards import max_token
     from meshtrain.training.data import bin_dtype
 
     dtype = bin_dtype(vocab_size)
@@ -72,14 +69,14 @@ def _check_bin(path: Path, vocab_size: int) -> int:
         raise ConfigError(f"data.source: {path} has {size} bytes, not a whole number of "
                           f"{dtype.itemsize}-byte token ids ({dtype.name}, the .bin format for a "
                           f"vocabulary of {vocab_size}).")
-    tokens = np.memmap(path, dtype=dtype, mode="r")
-    for start in range(0, len(tokens), _BIN_CHUNK):
-        top = int(tokens[start:start + _BIN_CHUNK].max())
-        if top >= vocab_size:
-            raise ConfigError(
-                f"data.source: {path} holds token id {top}, outside the tokenizer's vocabulary "
-                f"of {vocab_size} (data.tokenizer = the tokenizer it was written with?).")
-    return len(tokens)
+    # Ordinary bounded reads, not a memory map: a map's pages would count in this process's
+    # resident memory, up to the whole corpus.
+    top = max_token(path, dtype)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"data.source: {path} holds token id {top}, outside the tokenizer's vocabulary "
+            f"of {vocab_size} (data.tokenizer = the tokenizer it was written with?).")
+    return size // dtype.itemsize
 
 
 def check_data_files(config: Config) -> None:

@@ -119,11 +119,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return _deferrable_linear(x, weight, bias)
 
 
-@torch.compiler.disable
 def _deferrable_linear(x: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    # Never traced by torch.compile (train.compile): the backward decides at run time whether
-    # a W queue is active, which a traced backward graph would freeze.
+    # Never traced by torch.compile (meshtrain.parallel.compile marks it): the backward decides
+    # at run time whether a W queue is active, which a traced backward graph would freeze.
     return _LinearWithBias.apply(x, weight, bias) if bias is not None else \
         _Linear.apply(x, weight, None)
 
@@ -166,7 +165,6 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
     return _deferrable_expert_matmul(x, w, e)
 
 
-@torch.compiler.disable
 def _deferrable_expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
     return _ExpertMatmul.apply(x, w, e)  # not traced: see _deferrable_linear
 

@@ -35,9 +35,26 @@ from __future__ import annotations
 import torch
 
 
+def _mark_eager_boundaries() -> None:
+    """Wrap the functions that must stay eager (tp region collectives, deferrable matmuls) in
+    ``torch.compiler.disable``, once. Done here rather than at import, so runs without
+    ``train.compile`` never import TorchDynamo (~70 MB of resident memory per process)."""
+    from meshtrain.model import weight_grad
+    from meshtrain.parallel.tensor import collectives
+
+    for module, name in ((collectives, "_pair"), (weight_grad, "_deferrable_linear"),
+                         (weight_grad, "_deferrable_expert_matmul")):
+        fn = getattr(module, name)
+        if not getattr(fn, "_meshtrain_eager", False):
+            wrapped = torch.compiler.disable(fn)
+            wrapped._meshtrain_eager = True
+            setattr(module, name, wrapped)
+
+
 def compile_blocks(model: torch.nn.Module) -> int:
     """Compile every transformer block's ``forward`` in place (its MoE layer left eager);
     returns how many were compiled."""
+    _mark_eager_boundaries()
     compiled = 0
     for block in model.layers.values():
         if getattr(block, "_meshtrain_compiled", False):

@@ -385,12 +385,16 @@ class GlobalBatchSampler:
         self._epochs: dict[int, Tensor] = {}
 
     def epoch_order(self, epoch: int) -> Tensor:
-        """The permutation of ``range(num_samples)`` that epoch ``epoch`` visits (int64 tensor)."""
+        """The permutation of ``range(num_samples)`` that epoch ``epoch`` visits (an int32
+        tensor, int64 beyond 2^31 samples)."""
         if epoch not in self._epochs:
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             if len(self._epochs) >= 2:  # a step spans at most two epochs when GB <= num_samples
                 self._epochs.pop(min(self._epochs))
-            self._epochs[epoch] = torch.randperm(self.num_samples, generator=generator)
+            # int32 halves the largest per-corpus allocation (the same permutation as int64)
+            dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
+            self._epochs[epoch] = torch.randperm(self.num_samples, generator=generator,
+                                                 dtype=dtype)
         return self._epochs[epoch]
 
     def global_indices(self, step: int) -> list[int]:

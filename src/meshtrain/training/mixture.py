@@ -83,7 +83,8 @@ class MixtureSampler:
             seed = (self.seed * 1_000_003 + source * 7_919 + epoch) % 2**63
             if len(self._epochs) >= 2 * len(self.sizes):
                 self._epochs.pop(next(iter(self._epochs)))
-            self._epochs[key] = torch.randperm(self.sizes[source],
+            dtype = torch.int32 if self.sizes[source] < 2**31 else torch.int64
+            self._epochs[key] = torch.randperm(self.sizes[source], dtype=dtype,
                                                generator=torch.Generator().manual_seed(seed))
         return self._epochs[key]
 

@@ -76,10 +76,9 @@ class _ForwardBackwardPair(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.comm), None, None, None
 
 
-@torch.compiler.disable
 def _pair(x: torch.Tensor, comm: CountedComm, forward_op, backward_op) -> torch.Tensor:
-    # An explicit graph break under train.compile: the collectives run eagerly between the
-    # compiled pieces of a block (meshtrain.parallel.compile).
+    # An explicit graph break under train.compile (meshtrain.parallel.compile marks it): the
+    # collectives run eagerly between the compiled pieces of a block.
     return _ForwardBackwardPair.apply(x, comm, forward_op, backward_op) if comm.active else x
 
 
