@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     config = Config.from_dict(json.loads(open(args[0]).read()), origin=args[0])
     try:
-        return run(config, args[1] if len(args) > 1 else "train")
+        status = run(config, args[1] if len(args) > 1 else "train")
     except Exception as error:  # the launcher explains it from the error file
         record_error_file(error)
         # Leave at once: a normal interpreter exit can wait seconds on the process group's
@@ -141,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(error, ConfigError) else 1)
+    # Done: run the exit handlers, then leave without the interpreter's finalisation, where
+    # tensors still referenced from c10d's C++ threads can abort the process (SIGABRT,
+    # "terminate called without an active exception") after a run that succeeded.
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(status)
 
 
 if __name__ == "__main__":
