@@ -56,7 +56,7 @@ from meshtrain.parallel.data.mapped import (
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 
 STAGING_SLOTS = 3
-"""Reusable buffer pairs for stage-2/3 gradient reductions (so at most 3 in flight)."""
+"""Reusable buffer pairs for stage-2/3 gradient reductions (see ``_staging``)."""
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ class DataParallelEngine:
         self.model, self.comm, self.stage = model, comm, stage
         self.grad_dtype = grad_dtype
         self._staging_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._staging_next = 0
+        self._free_slots: list[int] = []
         self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
         self.comms = {"dp": comm, "edp": mesh.comm("edp")}
@@ -332,24 +332,44 @@ class DataParallelEngine:
             view.copy_(grad.reshape(-1))
             slot.param.grad = view.view(slot.shape)
 
-    def _staging(self, b: FlatBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """A (full bucket, shard) pair of reusable ``grad_dtype`` buffers for one stage-2/3
-        reduction. ``STAGING_SLOTS`` pairs, sized for the largest bucket, are used in turn, and
-        the oldest reduction is finished before its pair is reused: at most that many
-        reductions are in flight, and no step allocates (or fragments the host heap with)
-        buffers of a bucket's size."""
-        self._drain(keep=STAGING_SLOTS - 1)
+    def _staging(self, b: FlatBucket) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A free ``(slot, full bucket, shard)`` of reusable ``grad_dtype`` buffers for one
+        stage-2/3 reduction. ``STAGING_SLOTS`` pairs sized for the largest bucket are reused: a
+        pair is busy while a bucket accumulates into it (:meth:`stage_gradients`) or its
+        reduction is in flight; when none is free the oldest reduction is finished (a pair is
+        added only when every one is bound to a bucket still accumulating). So no step
+        allocates (or fragments the host heap with) buffers of a bucket's size."""
         if not self._staging_pairs:
-            full = max(x.padded_numel for x in self.buckets)
-            shard = max(x.shard_numel for x in self.buckets)
-            device = b.device
-            self._staging_pairs = [
-                (torch.empty(full, dtype=self.grad_dtype, device=device),
-                 torch.empty(shard, dtype=self.grad_dtype, device=device))
-                for _ in range(STAGING_SLOTS)]
-        full, shard = self._staging_pairs[self._staging_next]
-        self._staging_next = (self._staging_next + 1) % STAGING_SLOTS
-        return full[:b.padded_numel], shard[:b.shard_numel]
+            self._free_slots = list(range(STAGING_SLOTS))
+            self._staging_pairs = [self._new_staging_pair(b) for _ in range(STAGING_SLOTS)]
+        while not self._free_slots and self._pending:
+            self._drain(keep=len(self._pending) - 1)
+        if not self._free_slots:
+            self._staging_pairs.append(self._new_staging_pair(b))
+            self._free_slots.append(len(self._staging_pairs) - 1)
+        slot = self._free_slots.pop(0)
+        full, shard = self._staging_pairs[slot]
+        return slot, full[:b.padded_numel], shard[:b.shard_numel]
+
+    def _new_staging_pair(self, b: FlatBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        full = max(x.padded_numel for x in self.buckets)
+        shard = max(x.shard_numel for x in self.buckets)
+        return (torch.empty(full, dtype=self.grad_dtype, device=b.device),
+                torch.empty(shard, dtype=self.grad_dtype, device=b.device))
+
+    def stage_gradients(self, b: FlatBucket) -> None:
+        """Before bucket ``b``'s backward (ZeRO-3: when its block is re-gathered): bind its
+        parameters' ``.grad`` to a zeroed staging buffer, so autograd accumulates in place there
+        and the bucket is reduce-scattered from it, with no gradient tensor allocated. Only for
+        gradients in the parameters' own dtype and outside pipeline streaming."""
+        if (self.stage < 2 or self._streaming or self._separate_grads(b)
+                or getattr(b, "staged", None) is not None
+                or any(s.param.grad is not None for s in b.slots)):
+            return
+        slot, full, shard = self._staging(b)
+        full.zero_()
+        b.bind_grads(full)
+        b.staged = (slot, full, shard)
 
     def _gather_grads(self, b: FlatBucket, buf: torch.Tensor) -> torch.Tensor:
         """Fill ``buf`` with every parameter's gradient since the bucket's last reduction
@@ -379,12 +399,19 @@ class DataParallelEngine:
             in_place = out.data_ptr() == b.shard(b.grad_buffer).data_ptr()
             post = (lambda: None) if in_place else (lambda: b.shard(b.grad_buffer).copy_(out))
         else:
-            buf, out = self._staging(b)
-            self._gather_grads(b, buf)
+            staged, b.staged = getattr(b, "staged", None), None
+            if staged is not None:  # autograd accumulated straight into the staging buffer
+                slot, buf, out = staged
+                for s in b.slots:
+                    s.param.grad = None
+            else:
+                slot, buf, out = self._staging(b)
+                self._gather_grads(b, buf)
             handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
                 b.grad_shard.add_(out)
+                self._free_slots.append(slot)
             if self.on_bucket_reduced is not None:
                 self.on_bucket_reduced(b)
         self._pending.append((handle, post))

@@ -109,6 +109,7 @@ class ParameterGatherer:
 
     def _pre_backward(self, i: int) -> None:
         self._in_backward.add(i)
+        self.engine.stage_gradients(self.block_buckets[i])
         self._gather(self.block_buckets[i], wait=True)
         if i > 0:
             self._gather(self.block_buckets[i - 1], wait=False)
