@@ -18,7 +18,7 @@ unless ``parallel.grad_reduce_dtype = bf16``) and is compared with the *fp32* on
 reference, so the report says how far bf16 training is from the exact answer, not from another
 bf16 run. bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation), which
 moves a loss of ~6 by up to ~1.5e-2 and the gradient norm by up to ~3 % over five steps on the
-tiny models of the tests. The default bf16 tolerances are 5e-2 on the loss and 1e-1 relative on
+tiny models of the tests. The default bf16 tolerances are 5e-2 on the loss and 5e-2 relative on
 the gradient norm (measured differences are in ``docs/parallelism.md``); a dropped reduction or a
 wrong scale moves the gradient norm by a factor (sqrt 2 or 2 at dp 2).
 """
@@ -34,7 +34,7 @@ from meshtrain.config import Config
 LOSS_TOLERANCE_FP32 = 2e-4
 GRAD_NORM_RTOL_FP32 = 1e-3
 LOSS_TOLERANCE_BF16 = 5e-2
-GRAD_NORM_RTOL_BF16 = 1e-1
+GRAD_NORM_RTOL_BF16 = 5e-2
 
 
 def reference_config(config: Config) -> Config:

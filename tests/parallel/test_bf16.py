@@ -3,7 +3,7 @@
 Every layout runs in bf16 (bf16 parameters and activations, fp32 master weights, gradients
 accumulated over micro-batches and reduced in fp32) and is compared with the *fp32* one-process
 run by :func:`meshtrain.verify.compare` at the bf16 tolerances of :mod:`meshtrain.verify`
-(5e-2 on the loss, 1e-1 relative on the gradient norm): bf16 rounding alone moves these tiny
+(5e-2 on the loss, 5e-2 relative on the gradient norm): bf16 rounding alone moves these tiny
 models' losses by up to ~1.5e-2 and their gradient norms by ~3 % in five steps.
 """
 
@@ -48,7 +48,6 @@ def test_bf16_layouts_match_the_fp32_one_process_reference(axis):
                               timeout=900)[0]
     for config, records in zip(cases, results, strict=True):
         reference = run_layout(reference_config(config), 1, STEPS)
-        assert all(isinstance(r["loss"], float) for r in reference)
         report = compare(records, reference, LOSS_TOLERANCE_BF16, GRAD_NORM_RTOL_BF16)
         assert report["ok"], (config.parallel, report)
 

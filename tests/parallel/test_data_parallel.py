@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshtrain.distributed_run import run_distributed
+from meshtrain.parallel.data.checks import check_replicas_in_sync
 from meshtrain.verify import LOSS_TOLERANCE_FP32, run_layout
 from tests.helpers import assert_layouts_match_one_process, tiny_config, train_many
 
@@ -90,7 +91,7 @@ def check_replica_divergence_detected() -> str:
         with torch.no_grad():
             next(trainer.model.parameters()).add_(1e-3)
     try:
-        engine.check_replicas_in_sync()
+        check_replicas_in_sync(engine)
     except RuntimeError as error:
         return str(error)
     return "no error"

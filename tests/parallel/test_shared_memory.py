@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from meshtrain.distributed_run import run_distributed
 from meshtrain.parallel.comm import CommLog, CountedComm
+from meshtrain.parallel.data.checks import reduces_in_shared_memory, reduction_summary
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
@@ -156,7 +157,7 @@ def train_with_and_without_shared_memory(zero: int) -> tuple[list, list, bool, b
         records = [trainer.train_step() for _ in range(4)]
         engine = data_parallel_engine(trainer.model)
         runs.append(([(r["loss"], r["grad_norm"]) for r in records],
-                     engine.reduces_in_shared_memory, engine.reduction_summary()))
+                     reduces_in_shared_memory(engine), reduction_summary(engine)))
     (with_shm, used, said), (without, unused, said_not) = runs
     assert said == "data-parallel gradients reduce through shared memory (2 ranks on one host)"
     assert said_not == ("data-parallel gradients reduce through gloo "

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
+from meshtrain.training.builtin_corpus import builtin_corpus_texts
 from meshtrain.training.data import (
     GlobalBatchSampler,
     PackedDataset,
     TrainData,
-    builtin_corpus_texts,
     find_source_files,
     load_token_stream,
     write_token_bin,

@@ -73,7 +73,9 @@ def hf_tokenizer(tmp_path_factory) -> str:
 @pytest.fixture
 def small_reads(monkeypatch):
     """Tiny read chunks, so chunk edges fall inside characters, CRLF pairs and lines."""
-    monkeypatch.setattr(prep, "_READ_BYTES", 7)
+    from meshtrain.data import prepare_readers
+
+    monkeypatch.setattr(prepare_readers, "READ_BYTES", 7)
 
 
 # ------------------------------------------------------------------------------- round trips

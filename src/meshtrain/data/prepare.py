@@ -17,9 +17,7 @@ splits there (:func:`lines_split_safely`; otherwise each ``.txt`` file is tokeni
 
 from __future__ import annotations
 
-import codecs
 import hashlib
-import io
 import itertools
 import json
 import multiprocessing
@@ -43,88 +41,19 @@ from meshtrain.data import (
     token_dtype,
     tokenizer_hash,
 )
+from meshtrain.data.prepare_readers import (
+    batches,
+    jsonl_texts,
+    parquet_texts,
+    text_chunks,
+)
 
 SHARD_BYTES = 16 << 20
 """Input bytes per shard (a job of one worker)."""
-_READ_BYTES = 4 << 20  # bytes read (and decoded, tokenized, written) at a time
-_BATCH_CHARS = 1 << 20  # characters of jsonl/parquet documents tokenized together
 _SCAN_BYTES = 1 << 16
 _SAFE_LINE_START = re.compile(rb"\n(?=[\x21-\x7e])")  # a newline, then printable non-space ASCII
 _OWN_FILE = re.compile(r"(shard-\d{5}\.(bin|idx)|meta\.json|COMPLETE)(\.partial)?")
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
-
-
-# -------------------------------------------------------------------------------------- reading
-
-
-def _text_chunks(path: str, start: int, end: int, final: bool):
-    """Bytes ``[start, end)`` of ``path`` decoded as Python's text mode does (UTF-8, bad bytes
-    replaced, universal newlines), in chunks of about ``_READ_BYTES``; reports bytes read."""
-    decoder = io.IncrementalNewlineDecoder(
-        codecs.getincrementaldecoder("utf-8")(errors="replace"), translate=True)
-    with open(path, "rb") as handle:
-        handle.seek(start)
-        position = start
-        while position < end:
-            data = handle.read(min(_READ_BYTES, end - position))
-            if not data:
-                break
-            position += len(data)
-            _report(len(data))
-            yield decoder.decode(data, final=final and position >= end)
-
-
-def _line_number(path: str, offset: int) -> int:
-    """Lines (as text mode counts them) before byte ``offset`` of ``path``."""
-    return sum(chunk.count("\n") for chunk in _text_chunks(path, 0, offset, final=False))
-
-
-def _jsonl_texts(path: str, start: int, end: int, field: str):
-    """The documents of the lines in ``[start, end)``: ConfigError naming a bad line."""
-    carry, number = "", 0
-    chunks = itertools.chain(_text_chunks(path, start, end, final=True), [None])
-    for chunk in chunks:
-        lines = (carry + chunk).split("\n") if chunk is not None else [carry]
-        carry = lines.pop() if chunk is not None else ""
-        for line in lines:
-            number += 1
-            if not line.strip():
-                continue
-            try:
-                record, problem = json.loads(line), None
-            except json.JSONDecodeError as error:
-                record, problem = None, f"not valid JSON ({error.msg})."
-            if problem is None and (not isinstance(record, dict) or field not in record):
-                problem = (f'no "{field}" field (--text-field); each line must be a JSON object '
-                           f'like {{"{field}": "..."}}.')
-            elif problem is None and not isinstance(record[field], str):
-                problem = f'field "{field}" is {type(record[field]).__name__}, not a string.'
-            if problem:
-                where = _line_number(path, start) + number
-                raise ConfigError(f"{path}, line {where}: {problem}")
-            yield record[field]
-
-
-def _parquet_texts(path: str, first: int, last: int, field: str):
-    import pyarrow.parquet as pq
-
-    handle = pq.ParquetFile(path)
-    for group in range(first, last):
-        for batch in handle.iter_batches(batch_size=1024, row_groups=[group], columns=[field]):
-            yield from (text for text in batch.column(0).to_pylist() if text is not None)
-        _report(handle.metadata.row_group(group).total_byte_size)
-
-
-def _batches(texts, limit: int = _BATCH_CHARS):
-    batch, size = [], 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= limit:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def _safe_cut(text: str) -> int:
@@ -248,7 +177,7 @@ def _tokenize_job(job: dict) -> dict:
         for path, kind, start, end, ends_file in job["pieces"]:
             if kind == "txt":
                 carry = ""
-                for chunk in _text_chunks(path, start, end, final=ends_file):
+                for chunk in text_chunks(path, start, end, final=ends_file, report=_report):
                     carry += chunk
                     cut = len(carry) if encoder.bytes else _safe_cut(carry) if job["split"] else 0
                     if cut:
@@ -259,9 +188,9 @@ def _tokenize_job(job: dict) -> dict:
                 if ends_file:
                     writer.write(encoder.eos_array(), np.array([len(encoder.eos_array())]))
                 continue
-            texts = (_jsonl_texts(path, start, end, job["field"]) if kind == "jsonl"
-                     else _parquet_texts(path, start, end, job["field"]))
-            for batch in _batches(texts):
+            texts = (jsonl_texts(path, start, end, job["field"], _report) if kind == "jsonl"
+                     else parquet_texts(path, start, end, job["field"], _report))
+            for batch in batches(texts):
                 writer.write(*encoder.documents(batch))
         writer.finish()
     finally:

@@ -22,11 +22,11 @@ from torch import Tensor
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
 from meshtrain.data.shards import TokenShards, max_token, open_bin
+from meshtrain.training.builtin_corpus import builtin_corpus_texts
 from meshtrain.training.tokenizer import ByteTokenizer
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
 BUILTIN_SOURCE = "builtin"
-_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -90,45 +90,6 @@ def find_source_files(source: str) -> list[Path]:
         raise ConfigError(f'data.source: "{source}" mixes pre-tokenized .bin files with text '
                           "files; point it at one kind only.")
     return found
-
-
-def _sorted_stdlib_sources(directory: str):
-    """Yield ``.py`` files under ``directory`` in sorted relative-path order, lazily."""
-    with os.scandir(directory) as scan:
-        entries = sorted(scan, key=lambda e: e.name)
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            if entry.name not in _SKIPPED_DIRS:
-                yield from _sorted_stdlib_sources(entry.path)
-        elif entry.name.endswith(".py") and entry.is_file():
-            yield entry.path
-
-
-def builtin_corpus_texts(max_bytes: int) -> list[str]:
-    """Real text present on every machine with no download: the standard library's own sources.
-
-    Reads the running interpreter's ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` in
-    sorted relative-path order, skipping ``site-packages`` and test directories, as UTF-8 (bad
-    bytes replaced). It stops once ``max_bytes`` (UTF-8 bytes) are collected; the last file is cut
-    at a character boundary so the total never exceeds ``max_bytes``. Deterministic for a given
-    Python installation.
-    """
-    texts: list[str] = []
-    remaining = max_bytes
-    for filename in _sorted_stdlib_sources(sysconfig.get_paths()["stdlib"]):
-        if remaining <= 0:
-            break
-        with open(filename, "rb") as handle:
-            data = handle.read(remaining + 4)  # +4: a whole last character is decodable
-        text = data.decode("utf-8", errors="replace")
-        encoded = text.encode("utf-8")
-        if len(encoded) > remaining:
-            text = encoded[:remaining].decode("utf-8", errors="ignore")
-            encoded = text.encode("utf-8")
-        if text:
-            texts.append(text)
-            remaining -= len(encoded)
-    return texts
 
 
 def _jsonl_texts(path: Path, field: str) -> list[str]:
@@ -348,6 +309,17 @@ class PackedDataset:
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
+def rank_microbatches(indices: list, dp_rank: int, dp_size: int,
+                      microbatches: int) -> list[list]:
+    """Data-parallel rank ``dp_rank``'s contiguous share of a global batch's ``indices``, cut
+    into ``microbatches`` equal lists (every sampler and the evaluator split batches this way,
+    so the sequences of a batch never depend on the layout)."""
+    per_rank = len(indices) // dp_size
+    per_micro = per_rank // microbatches
+    mine = indices[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [mine[j * per_micro:(j + 1) * per_micro] for j in range(microbatches)]
+
+
 class GlobalBatchSampler:
     """Deterministic assignment of samples to steps, data-parallel ranks and micro-batches.
 
@@ -410,10 +382,8 @@ class GlobalBatchSampler:
 
     def local_microbatch_indices(self, step: int) -> list[list[int]]:
         """This rank's share of step ``step``, split into ``microbatches`` equal lists."""
-        per_rank = self.global_batch // self.dp_size
-        per_micro = per_rank // self.microbatches
-        mine = self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        return [mine[j * per_micro : (j + 1) * per_micro] for j in range(self.microbatches)]
+        return rank_microbatches(self.global_indices(step), self.dp_rank, self.dp_size,
+                                 self.microbatches)
 
     def advance(self) -> None:
         """Move past the current step."""
@@ -447,19 +417,6 @@ def hold_out_tail(tokens: TokenShards, fraction: float,
         if boundary >= 0:
             cut = boundary + 1
     return tokens.slice(0, cut), tokens.slice(cut, len(tokens))
-
-
-def held_out_tokens(data_cfg: DataConfig, tokenizer, held_out: TokenShards | None,
-                    cache_dir: str | Path | None = None) -> TokenShards | None:
-    """The evaluation stream: ``data.valid_source`` tokenized like the training source, or the
-    tail :class:`TrainData` held out (``data.valid_fraction``); None when neither is set."""
-    if data_cfg.valid_source:
-        import dataclasses
-
-        valid = dataclasses.replace(data_cfg, source=data_cfg.valid_source, valid_source="",
-                                    valid_fraction=0.0)
-        return load_token_stream(valid, tokenizer, cache_dir)
-    return held_out
 
 
 class TrainData:

@@ -29,7 +29,20 @@ from meshtrain.config import ConfigError
 from meshtrain.model import moe_layers
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.pipeline.schedules import forward_only
-from meshtrain.training.data import PackedDataset, held_out_tokens
+from meshtrain.training.data import PackedDataset, load_token_stream, rank_microbatches
+
+
+def held_out_tokens(data_cfg, tokenizer, held_out, cache_dir=None):
+    """The evaluation stream: ``data.valid_source`` tokenized like the training source, or the
+    tail :class:`~meshtrain.training.data.TrainData` held out (``data.valid_fraction``); None
+    when neither is set (a :class:`~meshtrain.data.shards.TokenShards`)."""
+    if data_cfg.valid_source:
+        import dataclasses
+
+        valid = dataclasses.replace(data_cfg, source=data_cfg.valid_source, valid_source="",
+                                    valid_fraction=0.0)
+        return load_token_stream(valid, tokenizer, cache_dir)
+    return held_out
 
 
 class Evaluator:
@@ -79,12 +92,10 @@ class Evaluator:
 
     def local_microbatches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of held-out batch ``batch`` (see the module docstring)."""
-        n, per_rank = len(self.dataset), self.global_batch // self.dp
-        per_micro = per_rank // self.microbatches
-        first = batch * self.global_batch + self.dp_rank * per_rank
-        mine = [(first + i) % n for i in range(per_rank)]
-        return [self.dataset.batch(mine[j * per_micro:(j + 1) * per_micro])
-                for j in range(self.microbatches)]
+        n, first = len(self.dataset), batch * self.global_batch
+        indices = [(first + i) % n for i in range(self.global_batch)]
+        return [self.dataset.batch(micro) for micro in
+                rank_microbatches(indices, self.dp_rank, self.dp, self.microbatches)]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

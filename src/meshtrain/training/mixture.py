@@ -113,10 +113,10 @@ class MixtureSampler:
 
     def local_microbatch_indices(self, step: int) -> list[list[int]]:
         """This rank's share of step ``step``, split into ``microbatches`` equal lists."""
-        per_rank = self.global_batch // self.dp_size
-        per_micro = per_rank // self.microbatches
-        mine = self.global_indices(step)[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        return [mine[j * per_micro:(j + 1) * per_micro] for j in range(self.microbatches)]
+        from meshtrain.training.data import rank_microbatches
+
+        return rank_microbatches(self.global_indices(step), self.dp_rank, self.dp_size,
+                                 self.microbatches)
 
     def advance(self) -> None:
         """Move past the current step (its samples count as consumed)."""

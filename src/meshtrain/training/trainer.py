@@ -29,6 +29,7 @@ from meshtrain.parallel import (
     parallelize,
     pipeline_stages,
 )
+from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_summary
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
@@ -263,7 +264,7 @@ class Trainer:
             self.expert_placer.end_step(moe_summary, self.moe_stats.last_loads, self.step + 1)
         every = self.config.parallel.check_replicas_every
         if every and (self.step + 1) % every == 0:
-            self.engine.check_replicas_in_sync()
+            check_replicas_in_sync(self.engine)
         elapsed = timing.elapsed(start, timing.stamp(self.device))  # waits for the step's work
         self.step += 1
         tokens = int(global_tokens)
@@ -332,7 +333,7 @@ class Trainer:
         writer = None
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
-            summary = self.engine.reduction_summary()
+            summary = reduction_summary(self.engine)
             if summary:
                 print(f"meshtrain: {summary}", flush=True)
         history = []

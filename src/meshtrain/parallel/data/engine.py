@@ -45,7 +45,6 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.distributed
 
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
 from meshtrain.parallel.data.mapped import (
@@ -53,10 +52,8 @@ from meshtrain.parallel.data.mapped import (
     mapped_buffers_supported,
     release_full_buffer,
 )
+from meshtrain.parallel.data.staging import StagingPool
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
-
-STAGING_SLOTS = 3
-"""Reusable buffer pairs for stage-2/3 gradient reductions (see ``_staging``)."""
 
 
 @dataclasses.dataclass
@@ -88,8 +85,6 @@ class DataParallelEngine:
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
         self.grad_dtype = grad_dtype
-        self._staging_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._free_slots: list[int] = []
         self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
         self.comms = {"dp": comm, "edp": mesh.comm("edp")}
@@ -112,6 +107,9 @@ class DataParallelEngine:
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
+        self.staging = StagingPool(grad_dtype, max(b.padded_numel for b in self.buckets),
+                                   max(b.shard_numel for b in self.buckets),
+                                   self.buckets[0].device)
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
             raise ValueError(f"buckets cover {covered} parameters but the model has {len(named)}")
@@ -165,7 +163,7 @@ class DataParallelEngine:
         collective timeout, which the reducer's barriers honour too."""
         if self.stage >= 2:
             return {}
-        axes = sorted({b.axis for b in self.buckets if self._shareable(b)})
+        axes = sorted({b.axis for b in self.buckets if self.shareable(b)})
         reducers = {}
         for axis in axes:
             comm = self.comms[axis]
@@ -174,13 +172,13 @@ class DataParallelEngine:
                 reducers[axis] = reducer
         return reducers
 
-    def _shareable(self, b: FlatBucket) -> bool:
+    def shareable(self, b: FlatBucket) -> bool:
         """Whether ``b``'s gradient buffer can be reduced through shared memory."""
         return self.grad_dtype == torch.float32 and b.device.type == "cpu"
 
     def _new_grad_buffer(self, b: FlatBucket) -> torch.Tensor:
         reducer = self.shared_reducers.get(b.axis)
-        if reducer is None or not self._shareable(b):
+        if reducer is None or not self.shareable(b):
             return b.new_buffer(self.grad_dtype)
         return reducer.new_buffer(self.comms[b.axis], b.padded_numel, self.grad_dtype)
 
@@ -188,30 +186,6 @@ class DataParallelEngine:
         """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
         (fp32 main gradients of bf16 parameters): autograd's ``.grad`` cannot be a view of it."""
         return self.grad_dtype != b.dtype
-
-    @property
-    def reduces_in_shared_memory(self) -> bool:
-        """True when at least one bucket's gradients are reduced through shared memory."""
-        return self.stage < 2 and any(self.comms[b.axis].shares(b.grad_buffer)
-                                      for b in self.buckets)
-
-    def reduction_summary(self) -> str | None:
-        """One line for the run's log on how dp gradients are reduced on CPU, and why not
-        through shared memory when they are not; None without data parallelism or off CPU."""
-        if not self.comm.active or self.buckets[0].device.type != "cpu":
-            return None
-        if self.reduces_in_shared_memory:
-            return (f"data-parallel gradients reduce through shared memory ({self.comm.size} "
-                    "ranks on one host)")
-        if not self.shared_memory_requested:
-            reason = "parallel.dp_shared_memory = false"
-        elif self.stage >= 2:
-            reason = f"ZeRO stage {self.stage} reduces a fresh buffer each micro-batch"
-        elif not any(self._shareable(b) for b in self.buckets):
-            reason = "shared memory takes fp32 buckets only"
-        else:
-            reason = "the ranks cannot map each other's memory: several hosts, or no /proc access"
-        return f"data-parallel gradients reduce through gloo ({reason})"
 
     @torch.no_grad()
     def _init_bucket(self, b: FlatBucket) -> None:
@@ -332,31 +306,6 @@ class DataParallelEngine:
             view.copy_(grad.reshape(-1))
             slot.param.grad = view.view(slot.shape)
 
-    def _staging(self, b: FlatBucket) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """A free ``(slot, full bucket, shard)`` of reusable ``grad_dtype`` buffers for one
-        stage-2/3 reduction. ``STAGING_SLOTS`` pairs sized for the largest bucket are reused: a
-        pair is busy while a bucket accumulates into it (:meth:`stage_gradients`) or its
-        reduction is in flight; when none is free the oldest reduction is finished (a pair is
-        added only when every one is bound to a bucket still accumulating). So no step
-        allocates (or fragments the host heap with) buffers of a bucket's size."""
-        if not self._staging_pairs:
-            self._free_slots = list(range(STAGING_SLOTS))
-            self._staging_pairs = [self._new_staging_pair(b) for _ in range(STAGING_SLOTS)]
-        while not self._free_slots and self._pending:
-            self._drain(keep=len(self._pending) - 1)
-        if not self._free_slots:
-            self._staging_pairs.append(self._new_staging_pair(b))
-            self._free_slots.append(len(self._staging_pairs) - 1)
-        slot = self._free_slots.pop(0)
-        full, shard = self._staging_pairs[slot]
-        return slot, full[:b.padded_numel], shard[:b.shard_numel]
-
-    def _new_staging_pair(self, b: FlatBucket) -> tuple[torch.Tensor, torch.Tensor]:
-        full = max(x.padded_numel for x in self.buckets)
-        shard = max(x.shard_numel for x in self.buckets)
-        return (torch.empty(full, dtype=self.grad_dtype, device=b.device),
-                torch.empty(shard, dtype=self.grad_dtype, device=b.device))
-
     def stage_gradients(self, b: FlatBucket) -> None:
         """Before bucket ``b``'s backward (ZeRO-3: when its block is re-gathered): bind its
         parameters' ``.grad`` to a zeroed staging buffer, so autograd accumulates in place there
@@ -366,7 +315,7 @@ class DataParallelEngine:
                 or getattr(b, "staged", None) is not None
                 or any(s.param.grad is not None for s in b.slots)):
             return
-        slot, full, shard = self._staging(b)
+        slot, full, shard = self.staging.take(b, self._drain_oldest)
         full.zero_()
         b.bind_grads(full)
         b.staged = (slot, full, shard)
@@ -405,13 +354,13 @@ class DataParallelEngine:
                 for s in b.slots:
                     s.param.grad = None
             else:
-                slot, buf, out = self._staging(b)
+                slot, buf, out = self.staging.take(b, self._drain_oldest)
                 self._gather_grads(b, buf)
             handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
                 b.grad_shard.add_(out)
-                self._free_slots.append(slot)
+                self.staging.release(slot)
             if self.on_bucket_reduced is not None:
                 self.on_bucket_reduced(b)
         self._pending.append((handle, post))
@@ -424,6 +373,13 @@ class DataParallelEngine:
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
         self._drain()
+
+    def _drain_oldest(self) -> bool:
+        """Finish the oldest reduction in flight; False when none is."""
+        if not self._pending:
+            return False
+        self._drain(keep=len(self._pending) - 1)
+        return True
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for (and finish) the oldest reductions until at most ``keep`` are in flight."""
@@ -529,23 +485,3 @@ class DataParallelEngine:
         grads = sum(nbytes(b.grad_buffer if self.stage < 2 else b.grad_shard)
                     for b in self.buckets)
         return {"param_bytes": params, "grad_bytes": grads}
-
-    @torch.no_grad()
-    def check_replicas_in_sync(self) -> None:
-        """Raise if any replicated parameter differs from its first replica's copy (dp rank 0,
-        or edp rank 0 for expert buckets; a sanity check)."""
-        if self.stage == 3 or not self.comm.active:
-            return
-        for b in self.buckets:
-            comm = self.comms[b.axis]
-            if not comm.active:
-                continue
-            reference = b.param_buffer.clone()
-            comm.broadcast(reference, 0)
-            diff_t = (reference - b.param_buffer).abs().max().reshape(1).float()
-            comm.all_reduce(diff_t, op=torch.distributed.ReduceOp.MAX)  # every rank agrees
-            diff = float(diff_t)
-            if diff > 0:
-                names = ", ".join(s.name for s in b.slots[:4])
-                raise RuntimeError(f"data-parallel replicas diverged by {diff:.3e} in bucket "
-                                   f"{b.index} ({names}, ...)")
