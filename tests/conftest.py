@@ -1,9 +1,13 @@
 """Suite-wide settings: reuse spawned gloo workers across multi-process tests (see
-meshtrain.distributed_run.WorkerPool); each test still gets fresh meshes and groups."""
+tests/distributed.py's WorkerPool), for the tests' own ranks and for meshtrain commands the tests
+call in this process; each test still gets fresh meshes and groups."""
 
 import os
 
-os.environ.setdefault("MESHTRAIN_REUSE_WORKERS", "1")
+from tests.distributed import REUSE_ENV, use_pool_for_meshtrain_commands
+
+os.environ.setdefault(REUSE_ENV, "1")
+use_pool_for_meshtrain_commands()
 
 # Pipeline messages are matched as NCCL matches them (per pair, in order, no tags) and every
 # send waits until its receive is posted (NCCL's rendezvous), so no test passes only because

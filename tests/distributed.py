@@ -1,5 +1,166 @@
-"""The multi-process test harness: see :mod:`meshtrain.distributed_run`."""
+"""The multi-process test harness: ``run_distributed(world_size, fn, *args)`` on gloo ranks.
 
-from meshtrain.distributed_run import DistributedTestError, run_distributed
+Every multi-process test runs its ranks through :func:`run_distributed` here. It runs them as
+:func:`meshtrain.distributed_run.run_distributed` does (spawned workers, gloo on a free loopback
+port, one intra-op thread each, a timeout), but with ``MESHTRAIN_REUSE_WORKERS=1`` (which
+``tests/conftest.py`` sets) it reuses a :class:`WorkerPool` across tests: spawning a worker costs
+an interpreter start and a ``torch`` import, seconds each on a busy 2-core machine, and that
+dominated the multi-process tests. Any rank's failure is raised in the test as a
+:class:`DistributedTestError` carrying that rank's traceback.
 
-__all__ = ["DistributedTestError", "run_distributed"]
+:func:`use_pool_for_meshtrain_commands` makes meshtrain's own commands, called in the test
+process (``meshtrain bench``, ``verify``, ``calibrate`` through ``meshtrain.cli.main``), take
+their workers from the same pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import meshtrain.distributed_run as meshtrain_workers
+from meshtrain.distributed_run import WorkerError, collect_results, free_port, join_local_group
+
+REUSE_ENV = "MESHTRAIN_REUSE_WORKERS"
+"""``1``: pool the workers (the suite's default, set in ``tests/conftest.py``)."""
+
+
+class DistributedTestError(WorkerError, AssertionError):
+    """A rank raised, crashed or timed out (a test failure; the CLI treats it as a worker's
+    failure, exit status 1)."""
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one (a pooled worker's task created them)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    for group in list(c10d._world.pg_map.keys()):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
+def _pool_worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
+                 threads: int) -> None:
+    import torch.distributed as dist
+
+    join_local_group(rank, world_size, port, threads)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, "ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - every failure must reach the test
+            results.put((rank, "error", traceback.format_exc()))
+        _destroy_subgroups()
+        if not dist.is_initialized():
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned workers joined once into a gloo group, reused for many tasks.
+
+    A pool runs task after task in the same processes, destroying the sub-groups each task
+    created. Any failure or timeout kills the pool (a rank may be stuck in a collective); the
+    next task gets a fresh one.
+    """
+
+    def __init__(self, world_size: int, threads: int):
+        ctx = mp.get_context("spawn")
+        self.world_size, self.threads = world_size, threads
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_worker, daemon=True,
+                                  args=(r, world_size, port, self.tasks[r], self.results,
+                                        threads)) for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def alive(self) -> bool:
+        """True while every worker is running."""
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; the pool is closed if anything goes wrong."""
+        for task in self.tasks:
+            task.put((fn, args))
+        try:
+            return collect_results(self.procs, self.results, self.world_size, timeout)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers (politely, or at once with ``kill``)."""
+        for proc, task in zip(self.procs, self.tasks, strict=True):
+            if not kill and proc.is_alive():
+                task.put(None)
+        for proc in self.procs:
+            proc.join(timeout=0.5 if kill else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class PoolCache:
+    """At most one live pool (bounded memory and sockets), replaced when the size changes."""
+
+    def __init__(self):
+        self.pool: WorkerPool | None = None
+
+    def get(self, world_size: int, threads: int) -> WorkerPool:
+        """A live pool of ``world_size`` workers with ``threads`` threads each."""
+        pool = self.pool
+        if pool is None or not pool.alive() or (pool.world_size, pool.threads) != (
+                world_size, threads):
+            if pool is not None:
+                pool.close(kill=not pool.alive())
+            self.pool = WorkerPool(world_size, threads)
+        return self.pool
+
+    def close(self) -> None:
+        """Stop the pool, if there is one."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+_pools = PoolCache()
+atexit.register(_pools.close)
+_fresh_workers = meshtrain_workers.run_distributed
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0,
+                    threads: int = 1) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank.
+
+    ``fn`` must be importable (a module-level function) because workers are spawned. Pooled
+    workers with ``MESHTRAIN_REUSE_WORKERS=1``, fresh ones otherwise; a failing rank raises
+    :class:`DistributedTestError`.
+    """
+    try:
+        if os.environ.get(REUSE_ENV) == "1":
+            return _pools.get(world_size, threads).run(fn, args, timeout)
+        return _fresh_workers(world_size, fn, *args, timeout=timeout, threads=threads)
+    except DistributedTestError:
+        raise
+    except WorkerError as error:
+        raise DistributedTestError(str(error)) from None
+
+
+def use_pool_for_meshtrain_commands() -> None:
+    """Make :func:`meshtrain.distributed_run.run_distributed` this module's
+    :func:`run_distributed`, so commands run in the test process reuse the pool too (the
+    package's callers import it when they run, so they all see the replacement)."""
+    meshtrain_workers.run_distributed = run_distributed

@@ -31,7 +31,6 @@ def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int
                                      timeout: float = 900) -> list[list[dict]]:
     """Train each config on ``world`` processes and assert its losses and gradient norms match
     its one-process reference within meshtrain.verify's fp32 tolerances; returns the records."""
-    from meshtrain.distributed_run import run_distributed
     from meshtrain.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
@@ -39,6 +38,7 @@ def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int
         reference_config,
         run_layout,
     )
+    from tests.distributed import run_distributed
 
     results = run_distributed(world, train_many, [c.to_dict() for c in cases], steps,
                               timeout=timeout)[0]

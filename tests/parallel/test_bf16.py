@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 
-from meshtrain.distributed_run import run_distributed
 from meshtrain.verify import (
     GRAD_NORM_RTOL_BF16,
     LOSS_TOLERANCE_BF16,
@@ -22,6 +21,7 @@ from meshtrain.verify import (
     reference_config,
     run_layout,
 )
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
 STEPS = 5

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from meshtrain.distributed_run import run_distributed
 from meshtrain.verify import LOSS_TOLERANCE_FP32
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
 TOTAL, SPLIT = 6, 4

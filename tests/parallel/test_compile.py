@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.distributed_run import run_distributed
 from meshtrain.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
@@ -17,6 +16,7 @@ from meshtrain.verify import (
     reference_config,
     run_layout,
 )
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
 STEPS = 3

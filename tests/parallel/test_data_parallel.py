@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.distributed_run import run_distributed
 from meshtrain.parallel.data.checks import check_replicas_in_sync
 from meshtrain.verify import LOSS_TOLERANCE_FP32, run_layout
+from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config, train_many
 
 STEPS = 5  # the "five steps of losses and gradient norms"

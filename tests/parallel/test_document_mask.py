@@ -57,7 +57,6 @@ def _short_documents(tmp_path) -> str:
 
 
 def test_document_mask_matches_one_process_under_every_axis(tmp_path):
-    from meshtrain.distributed_run import run_distributed
     from meshtrain.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
@@ -65,6 +64,7 @@ def test_document_mask_matches_one_process_under_every_axis(tmp_path):
         reference_config,
         run_layout,
     )
+    from tests.distributed import run_distributed
     from tests.helpers import train_many
 
     source = f"data.source={_short_documents(tmp_path)}"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError
-from meshtrain.distributed_run import run_distributed
 from meshtrain.verify import LOSS_TOLERANCE_FP32, reference_config, run_layout
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
 STEPS = 4

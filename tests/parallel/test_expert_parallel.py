@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from meshtrain.config import Config
-from meshtrain.distributed_run import run_distributed
 from meshtrain.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
@@ -18,6 +17,7 @@ from meshtrain.verify import (
     reference_config,
     run_layout,
 )
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
 STEPS = 2

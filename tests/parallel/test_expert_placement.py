@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from meshtrain.config import Config, ConfigError, load_config
-from meshtrain.distributed_run import run_distributed
 from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.expert import ExpertParallelExperts
 from meshtrain.parallel.expert.move import param_segments
@@ -27,6 +26,7 @@ from meshtrain.verify import (
     compare,
     reference_config,
 )
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32")

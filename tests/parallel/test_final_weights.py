@@ -26,8 +26,8 @@ import torch
 from meshtrain.checkpoint.final_weights import file_names, plan_stage_files
 from meshtrain.checkpoint.safetensors_io import INDEX_NAME, TensorReader
 from meshtrain.config import Config, ConfigError
-from meshtrain.distributed_run import DistributedTestError, run_distributed
 from meshtrain.parallel.gather import TensorSpec
+from tests.distributed import DistributedTestError, run_distributed
 from tests.helpers import tiny_config
 
 STEPS = 2

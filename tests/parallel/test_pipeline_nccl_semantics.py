@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from meshtrain.distributed_run import DistributedTestError, run_distributed
+from tests.distributed import DistributedTestError, run_distributed
 from tests.helpers import adjacent_communication, tiny_config, train_many
 
 STEPS = 3

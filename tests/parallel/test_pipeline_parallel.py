@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from meshtrain.distributed_run import run_distributed
+from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config, train_many
 
 STEPS = 3

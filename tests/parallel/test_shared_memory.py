@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.distributed_run import run_distributed
 from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.data.checks import reduces_in_shared_memory, reduction_summary
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
+from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
 

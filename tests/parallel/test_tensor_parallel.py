@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.distributed_run import run_distributed
+from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
 STEPS = 3

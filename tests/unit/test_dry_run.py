@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain import cli, dry_run
-from meshtrain.distributed_run import run_distributed
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
 MESHTRAIN = Path(sys.executable).with_name("meshtrain")
