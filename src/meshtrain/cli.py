@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="process counts of the scaling suite (default 1,2,4)")
     bench.add_argument("--plot", default="", metavar="PNG",
                        help="write the scaling suite's tokens/s against processes as a PNG")
-    bench.add_argument("--same-allocator", action="store_true",
-                       help="start the peer's processes with meshtrain's malloc settings too "
-                            "(compares the frameworks' work alone; see docs/performance.md)")
+    bench.add_argument("--same-allocator", action=argparse.BooleanOptionalAction, default=True,
+                       help="start the peer's processes with meshtrain's malloc settings too, "
+                            "so the ratios compare the frameworks' work alone (the default; "
+                            "--no-same-allocator: the peers get glibc's defaults); the "
+                            "allocator suite measures what the settings gain")
     _add_planner_parsers(sub)
     sim = sub.add_parser("simulate", help="time a pipeline schedule (bubble, memory, timeline)")
     sim.add_argument("--schedule", required=True,
@@ -159,6 +161,13 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
     return config, world
 
 
+def requested_device(args: argparse.Namespace) -> str:
+    """The ``train.device`` a train-like command asks for (its config file and ``--set``s), read
+    before anything imports torch."""
+    path = args.config if args.config else default_config_path()
+    return load_config(path, args.overrides).train.device
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """``meshtrain train``."""
     from meshtrain.launch import in_existing_job, job_rank, launch, write_run_config
@@ -215,8 +224,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import json
 
     from meshtrain.bench import BenchOptions, format_table, run_bench
-    from meshtrain.distributed_run import DistributedTestError
-    from meshtrain.launch import LaunchError
 
     try:
         procs = tuple(int(n) for n in args.procs.split(",") if n.strip())
@@ -226,10 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     options = BenchOptions(suites=args.suites, steps=args.steps, warmup=args.warmup,
                            repeats=args.repeats, overrides=args.overrides, procs=procs,
                            plot=args.plot, same_allocator=args.same_allocator)
-    try:
-        results = run_bench(options)
-    except DistributedTestError as error:
-        raise LaunchError(str(error)) from None
+    results = run_bench(options)  # a failing worker: WorkerError, exit status 1
     print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0
 
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None and args.command == "train":  # the real command line, not a test's call
             from meshtrain.host_allocator import reexec_with_allocator_env
 
-            reexec_with_allocator_env()
+            reexec_with_allocator_env(requested_device(args))
         return COMMANDS[args.command](args)
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)

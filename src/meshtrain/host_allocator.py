@@ -26,11 +26,16 @@ and the local launcher passes them on to the workers it spawns.
 
 A user's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` win over these.
 ``MESHTRAIN_HOST_ALLOCATOR=default`` keeps glibc's defaults. Nothing is set off Linux or on a C
-library other than glibc (the variables mean nothing there).
+library other than glibc (the variables mean nothing there), and nothing for a job that trains on
+a GPU (``train.device = "cuda"``, or ``"auto"`` with an NVIDIA GPU visible): its activations and
+gradients live in CUDA's caching allocator, not in ``malloc``, and the settings were measured on
+CPU training only. That decision is taken before torch is imported, so it looks for the GPU
+cheaply (:func:`gpu_visible`: an NVIDIA device node that ``CUDA_VISIBLE_DEVICES`` does not hide).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import sys
@@ -57,11 +62,37 @@ def uses_glibc() -> bool:
     return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
-def allocator_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of :data:`ALLOCATOR_ENV` that ``environ`` (default: ``os.environ``) lacks.
+def gpu_visible(environ: MutableMapping[str, str] | None = None, dev_dir: str = "/dev") -> bool:
+    """Whether a CUDA GPU looks visible to this process, without importing torch: an NVIDIA
+    device node (``/dev/nvidia0``, ...) exists and ``CUDA_VISIBLE_DEVICES`` (of ``environ``,
+    default ``os.environ``) is not set to hide every device (empty, or a negative index first)."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return False
+    return bool(glob.glob(os.path.join(dev_dir, "nvidia[0-9]*")))
 
-    Empty when the user opted out (``MESHTRAIN_HOST_ALLOCATOR=default``), off glibc, or when every
-    variable is already set (a user's own value is never replaced).
+
+def job_uses_gpu(device: str, environ: MutableMapping[str, str] | None = None,
+                 dev_dir: str = "/dev") -> bool:
+    """Whether a job whose ``train.device`` is ``device`` trains on a GPU: ``"cuda"`` does,
+    ``"cpu"`` does not, ``"auto"`` does when :func:`gpu_visible`."""
+    device = device.strip().lower()
+    if device.startswith("cuda"):
+        return True
+    if device == "cpu":
+        return False
+    return gpu_visible(environ, dev_dir)
+
+
+def allocator_env(environ: MutableMapping[str, str] | None = None,
+                  device: str = "cpu") -> dict[str, str]:
+    """The variables of :data:`ALLOCATOR_ENV` that ``environ`` (default: ``os.environ``) lacks,
+    for processes training on ``device`` (a ``train.device`` value).
+
+    Empty when the user opted out (``MESHTRAIN_HOST_ALLOCATOR=default``), off glibc, for a job on
+    a GPU (:func:`job_uses_gpu`), or when every variable is already set (a user's own value is
+    never replaced).
     """
     environ = os.environ if environ is None else environ
     choice = environ.get(OPT_OUT_ENV, "tuned").strip().lower()
@@ -69,7 +100,7 @@ def allocator_env(environ: MutableMapping[str, str] | None = None) -> dict[str, 
         raise ConfigError(f'{OPT_OUT_ENV} = "{environ[OPT_OUT_ENV]}" is not a choice; valid: '
                          '"tuned" (meshtrain\'s malloc settings, the default) or "default" '
                          "(glibc's own).")
-    if choice == "default" or not uses_glibc():
+    if choice == "default" or not uses_glibc() or job_uses_gpu(device, environ):
         return {}
     return {key: value for key, value in ALLOCATOR_ENV.items() if key not in environ}
 
@@ -90,16 +121,18 @@ def allocator_environment() -> Iterator[dict[str, str]]:
             os.environ.pop(key, None)
 
 
-def reexec_with_allocator_env() -> None:
+def reexec_with_allocator_env(device: str = "auto") -> None:
     """Replace this process with itself under :data:`ALLOCATOR_ENV`, if any variable is missing.
 
-    Re-runs the interpreter with the same command line (``sys.orig_argv``: interpreter options,
-    ``-m``/``-c``/script and arguments) and the same process id, so torchrun's and SLURM's
-    bookkeeping are unaffected. Call it before importing torch: only the interpreter start-up
-    (~50 ms) is repeated. Returns without doing anything when nothing is missing, after one
-    re-exec already, or when the original command line is not known.
+    ``device`` is the job's ``train.device``: a job on a GPU is never re-executed
+    (:func:`allocator_env` is empty for it). Re-runs the interpreter with the same command line
+    (``sys.orig_argv``: interpreter options, ``-m``/``-c``/script and arguments) and the same
+    process id, so torchrun's and SLURM's bookkeeping are unaffected. Call it before importing
+    torch: only the interpreter start-up (~50 ms) is repeated. Returns without doing anything
+    when nothing is missing, after one re-exec already, or when the original command line is not
+    known.
     """
-    added = allocator_env()
+    added = allocator_env(device=device)
     argv = getattr(sys, "orig_argv", None)
     if not added or os.environ.get(REEXEC_MARK_ENV) == "1" or not argv or not sys.executable:
         return

@@ -1,5 +1,5 @@
-"""meshtrain's glibc ``malloc`` settings: which variables are added, the opt-out, and the
-re-exec that puts them into a process before it starts for real."""
+"""meshtrain's glibc ``malloc`` settings: which variables are added, the opt-out, none for a job
+on a GPU, and the re-exec that puts them into a process before it starts for real."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from meshtrain.host_allocator import (
     OPT_OUT_ENV,
     allocator_env,
     allocator_environment,
+    gpu_visible,
+    job_uses_gpu,
     uses_glibc,
 )
 
@@ -56,11 +58,46 @@ def test_environment_block_adds_then_removes(monkeypatch):
     assert not any(k in os.environ for k in ALLOCATOR_ENV)
 
 
+def _dev(tmp_path, *nodes: str) -> str:
+    """A stand-in for ``/dev`` holding ``nodes``."""
+    for node in nodes:
+        (tmp_path / node).touch()
+    return str(tmp_path)
+
+
+def test_a_gpu_is_seen_from_its_device_node_unless_cuda_visible_devices_hides_it(tmp_path):
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "none").mkdir()
+    gpu = _dev(tmp_path / "gpu", "nvidia0", "nvidiactl")
+    none = _dev(tmp_path / "none", "nvidiactl", "null")  # the control node alone is no GPU
+    assert gpu_visible({}, gpu)
+    assert gpu_visible({"CUDA_VISIBLE_DEVICES": "0,1"}, gpu)
+    assert not gpu_visible({"CUDA_VISIBLE_DEVICES": ""}, gpu)
+    assert not gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"}, gpu)
+    assert not gpu_visible({}, none)
+
+
+def test_the_device_setting_decides_before_the_visible_gpus(tmp_path):
+    (tmp_path / "gpu").mkdir()
+    (tmp_path / "none").mkdir()
+    gpu, none = _dev(tmp_path / "gpu", "nvidia0"), _dev(tmp_path / "none")
+    assert job_uses_gpu("cuda", {}, none) and job_uses_gpu("cuda:1", {}, none)
+    assert not job_uses_gpu("cpu", {}, gpu)
+    assert job_uses_gpu("auto", {}, gpu) and not job_uses_gpu("auto", {}, none)
+    assert not job_uses_gpu("auto", {"CUDA_VISIBLE_DEVICES": ""}, gpu)
+
+
+def test_no_settings_for_a_job_on_a_gpu():
+    assert allocator_env({}, device="cuda") == {}
+    assert allocator_env({"CUDA_VISIBLE_DEVICES": ""}, device="auto") == (
+        ALLOCATOR_ENV if uses_glibc() else {})  # no GPU visible: a CPU job
+
+
 PROBE = """
 import os, sys
 from meshtrain.host_allocator import reexec_with_allocator_env
 print("start", os.getpid(), flush=True)
-reexec_with_allocator_env()
+reexec_with_allocator_env(os.environ.get("PROBE_DEVICE", "cpu"))
 print("run", os.getpid(), os.environ.get("MALLOC_MMAP_THRESHOLD_"),
       os.environ.get("MALLOC_TRIM_THRESHOLD_"), sys.argv[1:], flush=True)
 """
@@ -92,3 +129,21 @@ def test_no_reexec_when_opted_out():
     lines = _probe({OPT_OUT_ENV: "default"})
     assert [line[0] for line in lines] == ["start", "run"]
     assert lines[1][2].startswith("None None")
+
+
+def test_no_reexec_for_a_job_on_a_gpu():
+    lines = _probe({"PROBE_DEVICE": "cuda"})
+    assert [line[0] for line in lines] == ["start", "run"]
+    assert lines[1][2].startswith("None None")
+
+
+def test_train_reads_the_device_from_its_config_and_overrides(tmp_path):
+    from meshtrain.cli import build_parser, requested_device
+
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\ndevice = "cuda"\n')
+    parse = build_parser().parse_args
+    assert requested_device(parse(["train", "--config", str(config)])) == "cuda"
+    assert requested_device(parse(["train", "--config", str(config),
+                                   "--set", "train.device=cpu"])) == "cpu"
+    assert requested_device(parse(["train"])) == "auto"  # the built-in demo's
