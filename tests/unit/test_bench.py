@@ -1,6 +1,6 @@
-"""``meshtrain bench``: the JSON document of tiny runs of every suite, argument errors, the
-suite registry, the tables. The runs check the output's shape and that both sides train the same
-numbers, never the speed."""
+"""``meshtrain bench``: the JSON document of tiny runs of every suite, the summary arithmetic on
+hand-made runs, argument errors, the suite registry, the tables. The runs check the output's
+shape and that both sides train the same numbers, never the speed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import json
 
 import pytest
 
-from meshtrain.bench import SUITES, Suite, format_table, register_suite
+from meshtrain.bench import SUITES, BenchOptions, Suite, format_table, register_suite
+from meshtrain.bench.base import bench_config, summarise_run
+from meshtrain.bench.runner import suite_result
 from meshtrain.cli import main
 from meshtrain.host_allocator import allocator_env
 
@@ -38,14 +40,15 @@ def _bench_json(*args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pair_results() -> dict[str, dict]:
-    """One call for every two-process pair suite (one warm parent, one JSON document)."""
-    results = _bench_json("--suite", ",".join(PAIR_SUITES), *ONE_QUICK_RUN, *TINY)
+    """One call for every two-process pair suite (one warm parent, one JSON document), the
+    peers with glibc's default malloc settings (``--no-same-allocator``)."""
+    results = _bench_json("--suite", ",".join(PAIR_SUITES), "--no-same-allocator",
+                          *ONE_QUICK_RUN, *TINY)
     assert [r["suite"] for r in results] == list(PAIR_SUITES)
     return {r["suite"]: r for r in results}
 
 
-def _check_result(result: dict, suite: str, world: int,
-                  same_allocator: bool = False) -> None:
+def _check_result(result: dict, suite: str, world: int, same_allocator: bool = True) -> None:
     assert result["suite"] == suite
     assert result["world_size"] == world
     assert isinstance(result["peer"], str) and result["peer"]
@@ -56,11 +59,8 @@ def _check_result(result: dict, suite: str, world: int,
         assert len(result[f"{side}_peak_bytes_per_rank"]) == world
         assert len(result[f"{side}_runs_tokens_per_s"]) == 1
         assert result[f"{side}_cpu_tokens_per_s"] > 0
-    assert result["ratio"] == pytest.approx(
-        result["meshtrain_tokens_per_s"] / result["peer_tokens_per_s"])
-    assert result["cpu_ratio"] == pytest.approx(
-        result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"])
-    # One run per side: the paired ratio is that pair's quotient, the ratio of the medians.
+    assert result["ratio"] > 0 and result["cpu_ratio"] > 0  # arithmetic: test_summary_*
+    # One run per side: the median of run-by-run quotients is the quotient of the medians.
     assert result["paired_ratio"] == pytest.approx(result["ratio"])
     assert (result["steps"], result["warmup"], result["repeats"]) == (2, 0, 1)
     assert result["tokens_per_step"] == 4 * 32
@@ -70,25 +70,71 @@ def _check_result(result: dict, suite: str, world: int,
     # Same data, same initial weights, same optimizer: both sides train the same numbers.
     assert result["meshtrain_first_loss"] == pytest.approx(result["peer_first_loss"], rel=1e-4)
     assert result["meshtrain_last_loss"] == pytest.approx(result["peer_last_loss"], rel=1e-3)
-    # meshtrain's side starts with its launcher's malloc settings; the peer with its own unless
-    # --same-allocator.
+    # meshtrain's side starts with its launcher's malloc settings; the peer with the same ones
+    # unless --no-same-allocator.
     assert result["meshtrain_allocator_env"] == allocator_env()
     assert result["peer_allocator_env"] == (allocator_env() if same_allocator else {})
 
 
 def test_single_suite_json():
     pytest.importorskip("transformers")
-    [result] = _bench_json("--suite", "single", "--same-allocator", *ONE_QUICK_RUN, *TINY)
-    _check_result(result, "single", 1, same_allocator=True)
+    [result] = _bench_json("--suite", "single", *ONE_QUICK_RUN, *TINY)
+    _check_result(result, "single", 1)
 
 
 @pytest.mark.parametrize("suite", PAIR_SUITES)
 def test_pair_suite_json(pair_results, suite):
     result = pair_results[suite]
-    _check_result(result, suite, 2)
+    _check_result(result, suite, 2, same_allocator=False)
     assert result["peer"] == SUITES[suite].peer
     # pp: the same micro-batches on both sides (2 x pp of them unless --set)
     assert result["shape"]["microbatches"] == (4 if suite == "pp" else 1)
+
+
+def test_allocator_suite_is_meshtrain_with_and_without_its_malloc_settings():
+    [result] = _bench_json("--suite", "allocator", *ONE_QUICK_RUN, *TINY)
+    _check_result(result, "allocator", 1, same_allocator=False)  # its peer never gets them
+    # Both sides are the same meshtrain run: bit for bit the same losses.
+    assert result["meshtrain_first_loss"] == result["peer_first_loss"]
+    assert result["meshtrain_last_loss"] == result["peer_last_loss"]
+    assert "allocator: meshtrain with its malloc settings" in format_table([result])
+
+
+def _rank(step_times, cpu_times, peak, base):
+    return {"step_times": step_times, "step_cpu_times": cpu_times, "tokens_per_step": 128,
+            "peak_bytes": peak, "base_bytes": base, "losses": [5.0, 4.0], "threads": 1}
+
+
+def test_summary_of_one_run_by_hand():
+    run = summarise_run([_rank([0.5, 0.25, 1.0], [0.2, 0.4, 0.3], 100, 40),
+                         _rank([0.4, 0.5, 0.2], [0.1, 0.8, 0.5], 120, 50)])
+    # A step lasts as long as its slowest rank: 0.5, 0.5, 1.0 s; median 0.5 s, 128 tokens a step.
+    assert run["step_time_s"] == 0.5 and run["tokens_per_s"] == 256.0
+    assert run["mean_tokens_per_s"] == 3 * 128 / 2.0
+    # CPU: each rank's median (0.3 s, 0.5 s), the slower one.
+    assert run["cpu_tokens_per_s"] == 128 / 0.5
+    assert run["peak_bytes"] == [100, 120] and run["train_bytes"] == [60, 70]
+
+
+def _run(tokens_per_s: float, cpu_tokens_per_s: float) -> dict:
+    return {"tokens_per_s": tokens_per_s, "cpu_tokens_per_s": cpu_tokens_per_s,
+            "mean_tokens_per_s": tokens_per_s, "peak_bytes": [1, 2], "train_bytes": [1, 1],
+            "losses": [5.0, 4.0], "threads": 1}
+
+
+def test_summary_ratios_of_three_repeats_by_hand():
+    options = BenchOptions(steps=2, warmup=0, repeats=3, overrides=TINY[1::2])
+    config, world = bench_config(SUITES["dp"], options.overrides, 2)
+    runs = {"meshtrain": [_run(100, 90), _run(300, 110), _run(200, 100)],
+            "peer": [_run(150, 50), _run(100, 80), _run(400, 60)]}
+    result = suite_result(SUITES["dp"], config, world, options, runs)
+    # Medians 200 and 150 tokens/s; run by run 100/150, 300/100, 200/400 -> median 2/3.
+    assert result["meshtrain_tokens_per_s"] == 200 and result["peer_tokens_per_s"] == 150
+    assert result["ratio"] == pytest.approx(4 / 3)
+    assert result["paired_ratio"] == pytest.approx(2 / 3)
+    # CPU medians 100 and 60.
+    assert result["cpu_ratio"] == pytest.approx(5 / 3)
+    assert result["meshtrain_runs_tokens_per_s"] == [100, 300, 200]
 
 
 def test_scaling_suite_json_and_plot(tmp_path):

@@ -2,8 +2,9 @@
 
 Like :mod:`meshtrain.bench.peers`, each trains the bench shape on meshtrain's data, from
 meshtrain's name-seeded initial weights (``meshtrain.model.build_model`` on every rank, identical
-everywhere, then handed to the PyTorch API, which keeps each rank's piece), with
-``torch.optim.AdamW(foreach=True)``, meshtrain's LR schedule, global-norm clipping and loss.
+everywhere, then handed to the PyTorch API, which keeps each rank's piece), with fused
+``torch.optim.AdamW`` (:func:`meshtrain.bench.peers.adamw`), meshtrain's LR schedule,
+global-norm clipping and loss.
 
 - :func:`fsdp2_worker` (``zero3``): ``fully_shard`` on every block, then on the root.
 - :func:`dtensor_tp_worker` (``tp``): ``parallelize_module`` with the standard Megatron plan:

@@ -2,7 +2,8 @@
 
 Every peer trains the bench shape on the same data as meshtrain (the same
 :class:`~meshtrain.training.data.TrainData` sequences at every step, the same micro-batching),
-from the same initial weights, with ``torch.optim.AdamW(foreach=True)`` using meshtrain's
+from the same initial weights, with ``torch.optim.AdamW(fused=True)`` (the fastest AdamW torch
+has on the device; ``foreach=True`` where torch has no fused kernel for it) using meshtrain's
 hyper-parameters, weight-decay grouping (matrices only), learning-rate schedule and global-norm
 clipping, and the same loss (summed token cross-entropy over the step's token count). So the
 first-step losses of both sides agree, which the bench reports as a sanity check.
@@ -75,14 +76,34 @@ def build_hf_llama(config: Config) -> torch.nn.Module:
     return model.train()
 
 
+def has_fused_adamw(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has a fused AdamW kernel for parameters of ``device`` and ``dtype``
+    (tried on a one-element parameter: torch checks only at the first step)."""
+    probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        torch.optim.AdamW([probe], fused=True).step()
+    except RuntimeError:
+        return False
+    return True
+
+
 def adamw(model: torch.nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    """``torch.optim.AdamW(foreach=True)`` with meshtrain's hyper-parameters and decay groups."""
+    """``torch.optim.AdamW`` with meshtrain's hyper-parameters and decay groups, fused.
+
+    The fused kernel (one pass over each group, what a user tuning for speed picks, and the
+    kernel meshtrain's own optimizer runs) where torch has it for the parameters' device and
+    dtype (CPU and CUDA in torch 2.13, DTensor shards included); ``foreach=True`` otherwise.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    fused = all(has_fused_adamw(device, dtype)
+                for device, dtype in {(p.device, p.dtype) for p in params})
+    kernel = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr,
                              betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-                             foreach=True)
+                             **kernel)
 
 
 def local_value(tensor: torch.Tensor) -> torch.Tensor:

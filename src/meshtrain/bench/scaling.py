@@ -24,17 +24,16 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from meshtrain.bench.runner import (
-    THREADS_PER_PROCESS,
+from meshtrain.bench.base import (
     BenchOptions,
     Suite,
     bench_config,
     check_requirements,
+    run_once,
     shape_of,
     summarise_run,
 )
 from meshtrain.config import Config, ConfigError
-from meshtrain.host_allocator import allocator_environment
 
 SCALING_AXES = ("dp", "tp", "pp")
 """The axes the suite scales, each alone."""
@@ -80,8 +79,6 @@ def check_scaling(suite: Suite, options: BenchOptions) -> None:
 
 def run_scaling(suite: Suite, options: BenchOptions, log: Callable[[str], None]) -> dict:
     """Measure every layout ``options.repeats`` times (cycled) and return the suite's document."""
-    from meshtrain.distributed_run import run_distributed
-
     configs: dict[tuple[str, int], Config] = {}
     skipped = []
     for axis, procs in scaling_points(options):
@@ -93,10 +90,8 @@ def run_scaling(suite: Suite, options: BenchOptions, log: Callable[[str], None])
     runs: dict[tuple[str, int], list[dict]] = {point: [] for point in configs}
     for repeat in range(options.repeats):
         for (axis, procs), config in configs.items():
-            with allocator_environment():  # as `meshtrain train` starts its workers
-                ranks = run_distributed(procs, suite.meshtrain_worker, config.to_dict(),
-                                        options.warmup, options.steps,
-                                        timeout=options.timeout_s, threads=THREADS_PER_PROCESS)
+            # with the malloc settings `meshtrain train` gives its workers
+            ranks = run_once(procs, suite.meshtrain_worker, config, options, True)
             run = summarise_run(ranks)
             runs[(axis, procs)].append(run)
             log(f"bench scaling: repeat {repeat + 1}/{options.repeats} {axis} = {procs:<2} "

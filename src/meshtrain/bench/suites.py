@@ -12,14 +12,17 @@ To add a suite (say ``zero3``: meshtrain ZeRO-3 vs FSDP2 ``fully_shard``):
    meshtrain_worker=meshtrain_worker, peer_worker=...))`` below.
 
 The runner then validates, alternates, summarises and prints it like every other suite. A suite
-that is not one meshtrain/peer pair passes ``run`` and ``check`` instead (see ``scaling``).
+that is not one meshtrain/peer pair passes ``run`` and ``check`` instead (see ``scaling``). Peers
+start with meshtrain's ``malloc`` settings (unless ``--no-same-allocator``); ``allocator``
+measures what those settings gain, meshtrain against itself under glibc's defaults
+(``peer_allocator=False``).
 """
 
 from __future__ import annotations
 
+from meshtrain.bench.base import Suite, register_suite
 from meshtrain.bench.parallel_peers import dtensor_tp_worker, fsdp2_worker, pipelining_worker
 from meshtrain.bench.peers import ddp_worker, hf_llama_worker
-from meshtrain.bench.runner import Suite, register_suite
 from meshtrain.bench.scaling import check_scaling, run_scaling
 from meshtrain.bench.workers import meshtrain_worker
 from meshtrain.config import Config, ConfigError
@@ -77,38 +80,52 @@ def configure_pp(config: Config) -> None:
         par.microbatches = 2 * PP_DEGREE
 
 
+def configure_allocator(config: Config) -> None:
+    """One process, as the ``single`` suite; both sides are meshtrain."""
+    _only_dp(config, 1)
+
+
 register_suite(Suite(
     name="single", world_size=1,
-    peer="transformers LlamaForCausalLM (sdpa) + torch.optim.AdamW",
+    peer="transformers LlamaForCausalLM (sdpa) + torch.optim.AdamW(fused=True)",
     description="one process: Trainer.train_step() vs a plain PyTorch loop over HF Llama",
     configure=configure_single, meshtrain_worker=meshtrain_worker, peer_worker=hf_llama_worker,
     requires=("transformers",)))
 
 register_suite(Suite(
     name="dp", world_size=2,
-    peer="torch DistributedDataParallel + torch.optim.AdamW",
+    peer="torch DistributedDataParallel + torch.optim.AdamW(fused=True)",
     description="2 processes: meshtrain dp=2 vs DDP around the same meshtrain model",
     configure=configure_dp, meshtrain_worker=meshtrain_worker, peer_worker=ddp_worker))
 
 register_suite(Suite(
     name="zero3", world_size=2,
-    peer="torch FSDP2 fully_shard (per block + root) + torch.optim.AdamW",
+    peer="torch FSDP2 fully_shard (per block + root) + torch.optim.AdamW(fused=True)",
     description="2 processes: meshtrain dp=2 ZeRO-3 vs FSDP2 on the same meshtrain model, fp32",
     configure=configure_zero3, meshtrain_worker=meshtrain_worker, peer_worker=fsdp2_worker))
 
 register_suite(Suite(
     name="tp", world_size=TP_DEGREE,
     peer="DTensor parallelize_module (Colwise/Rowwise, vocab-split embedding/head, "
-         "loss_parallel) + torch.optim.AdamW",
+         "loss_parallel) + torch.optim.AdamW(fused=True)",
     description="2 processes: meshtrain tp=2 vs DTensor tensor parallel on the same model",
     configure=configure_tp, meshtrain_worker=meshtrain_worker, peer_worker=dtensor_tp_worker))
 
 register_suite(Suite(
     name="pp", world_size=PP_DEGREE,
-    peer="torch.distributed.pipelining PipelineStage + Schedule1F1B + torch.optim.AdamW",
+    peer="torch.distributed.pipelining PipelineStage + Schedule1F1B + "
+         "torch.optim.AdamW(fused=True)",
     description="2 processes: meshtrain pp=2 1F1B vs torch pipelining 1F1B, same split and "
                 "micro-batches",
     configure=configure_pp, meshtrain_worker=meshtrain_worker, peer_worker=pipelining_worker))
+
+register_suite(Suite(
+    name="allocator", world_size=1,
+    peer="meshtrain itself with glibc's default malloc settings",
+    description="one process: meshtrain with the malloc settings its launcher gives every "
+                "training process vs the same run without them (what the settings gain)",
+    configure=configure_allocator, meshtrain_worker=meshtrain_worker,
+    peer_worker=meshtrain_worker, peer_allocator=False))
 
 register_suite(Suite(
     name="scaling", world_size=4,
