@@ -29,14 +29,29 @@ def _tokens(n: int = 24, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, CONFIG.dim, generator=torch.Generator().manual_seed(seed))
 
 
-def test_aux_loss_is_switch_formula_over_the_forward_tokens():
+# Four tokens whose router probabilities over the 4 experts are chosen: the router reads the first
+# four input features (identity weights), and a token's features are log-probabilities, so its
+# softmax gives them back exactly. Top-2 (hand-picked): {0, 1}, {1, 2}, {0, 3}, {0, 1}.
+ROUTER_PROBS = [[0.4, 0.3, 0.2, 0.1],
+                [0.1, 0.4, 0.3, 0.2],
+                [0.5, 0.1, 0.1, 0.3],
+                [0.6, 0.2, 0.15, 0.05]]
+# f_i (share of the 8 assignments): 3/8, 3/8, 1/8, 1/8. P_i (mean probability): 1.6/4 = 0.4,
+# 1.0/4 = 0.25, 0.75/4 = 0.1875, 0.65/4 = 0.1625. sum f_i P_i = (1.2 + 0.75 + 0.1875 + 0.1625) / 8
+# = 0.2875; times E = 4 and coef 0.1: 0.115 (the uniform minimum would be 0.1).
+HAND_AUX_LOSS = 0.115
+
+
+def test_aux_loss_is_the_switch_loss_of_a_hand_computed_routing():
     moe = _moe(moe_balance="aux-loss", moe_aux_coef=0.1)
-    x = _tokens()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:, :4] = torch.eye(4)
+    x = torch.zeros(4, CONFIG.dim)
+    x[:, :4] = torch.tensor(ROUTER_PROBS).log()
     moe(x)
-    scores = torch.softmax(x @ moe.router.weight.T, dim=-1)
-    counts = moe.last_stats["tokens_per_expert"].float()
-    expected = 0.1 * 4 * ((counts / counts.sum()) * scores.mean(dim=0)).sum()
-    torch.testing.assert_close(moe.last_stats["aux_loss"], expected)
+    assert moe.last_stats["tokens_per_expert"].tolist() == [3, 3, 1, 1]
+    assert moe.last_stats["aux_loss"].item() == pytest.approx(HAND_AUX_LOSS, rel=1e-6)
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
