@@ -1,8 +1,8 @@
 """Gradient reduction through shared memory between the ranks of one host.
 
 On CPU, gloo moves every byte of an all-reduce through loopback TCP: a two-process all-reduce of
-a 13 MB gradient bucket took 13.6 ms on an idle two-core VM and 26 ms of a 0.62 s data-parallel
-step under training load, while summing the same bytes through shared memory took 4.5 ms
+a 13 MB gradient bucket took 13.6 ms on an idle two-core VM and 18–20 ms of a 0.6 s
+data-parallel step in training, while summing the same bytes through shared memory took 4.5 ms
 (``docs/performance.md``, measured 2026-11-30). When every rank of a data-parallel group runs on
 this host, :class:`SharedMemoryReducer` places each rank's flat gradient buffer in anonymous
 shared memory (a ``memfd``) that every other rank of the group maps as well, and reduces it in
