@@ -65,7 +65,7 @@ def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
     names = sorted(values)
     if mesh.edp_rank == 0:
         for name in names:
-            dim = shardings[name].ep_dim
+            dim = shardings.get(name).ep_dim
             if dim is not None:
                 values[name] = _gather_cat(values[name], mesh.comm("ep"), dim)
                 placement = shardings[name].expert_placement
@@ -75,7 +75,7 @@ def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
     if mesh.dp_rank != 0:
         return None
     for name in names:
-        dim = shardings[name].tp_dim
+        dim = shardings.get(name).tp_dim
         if dim is not None:
             values[name] = _gather_cat(values[name], mesh.comm("tp"), dim)
     if mesh.tp_rank != 0:

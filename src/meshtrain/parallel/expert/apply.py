@@ -6,7 +6,7 @@ layer. The layer's ``experts`` module is replaced by :class:`ExpertParallelExper
 the parameter names (``layers.<i>.moe.experts.w1`` ...) and describes each expert parameter, like
 a tensor-parallel shard, by a :class:`~meshtrain.parallel.sharding.ParamSharding` in the model's
 sharding table: the full shape and where its slice sits (so the name-seeded initialisation gives
-the same weights as one process and checkpoints see where the slice sits), ``ep_dim = 0`` and
+the same weights as one process and checkpoints place the slice), ``ep_dim = 0`` and
 ``dp_axis = "edp"`` (the data-parallel engine reduces, and under ZeRO shards, them over the ranks
 holding the same experts).
 
