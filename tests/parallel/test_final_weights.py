@@ -57,7 +57,7 @@ def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
             engine.comms[b.axis].all_gather_into(full, b.param_shard)
         for s in b.slots:
             values[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
-    params = dict(model.named_parameters())
+    shardings = engine.shardings
     persistent = model.state_dict(keep_vars=True)
     for name, buffer in model.named_buffers():
         if name in persistent and name not in values:
@@ -65,17 +65,17 @@ def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
     names = sorted(values)
     if mesh.edp_rank == 0:
         for name in names:
-            dim = getattr(params.get(name), "_meshtrain_ep_dim", None)
+            dim = shardings.get(name).ep_dim
             if dim is not None:
                 values[name] = _gather_cat(values[name], mesh.comm("ep"), dim)
-                placement = getattr(params[name], "_meshtrain_expert_placement", None)
+                placement = shardings[name].expert_placement
                 if placement is not None and not placement.identity:
                     slot_of = torch.argsort(torch.tensor(placement.slots))
                     values[name] = values[name].index_select(dim, slot_of)
     if mesh.dp_rank != 0:
         return None
     for name in names:
-        dim = getattr(params.get(name), "_meshtrain_tp_dim", None)
+        dim = shardings.get(name).tp_dim
         if dim is not None:
             values[name] = _gather_cat(values[name], mesh.comm("tp"), dim)
     if mesh.tp_rank != 0:

@@ -106,12 +106,12 @@ def layer_by_layer(sequence_parallel: bool) -> dict[str, float]:
     from meshtrain.training.optimizer import FlatAdamW
 
     engine.reduce_partial_grads(FlatAdamW(engine, config.train).shards)
+    from meshtrain.parallel.state import shardings_of
+
     ref_params = dict(reference.named_parameters())
+    shardings = shardings_of(model)
     for name, param in model.named_parameters():
-        ref_grad = ref_params[name].grad
-        shard = getattr(param, "_meshtrain_shard", None)
-        if shard is not None:
-            ref_grad = shard(ref_grad)
+        ref_grad = shardings[name].local_piece(ref_params[name].grad)
         diffs[f"grad {name}"] = float((param.grad - ref_grad).abs().max())
     return diffs
 

@@ -94,7 +94,8 @@ def test_expert_parallel_experts_on_one_rank_equal_grouped_experts():
     comm = CountedComm("ep", None, 1, CommLog())
     local = ExpertParallelExperts(moe.experts, comm, ep_rank=0, ep_size=1)
     torch.testing.assert_close(local.w1, moe.experts.w1)
-    assert local.w1._meshtrain_dp_axis == "edp" and local.w1._meshtrain_full_shape == (4, 32, 16)
+    record = local.param_shardings["w1"]
+    assert record.dp_axis == "edp" and record.full_shape == (4, 32, 16) and record.ep_dim == 0
     x, counts = _tokens(10), [3, 0, 5, 2]
     torch.testing.assert_close(local(x, counts), moe.experts(x, counts))
 
@@ -105,8 +106,9 @@ def test_expert_slice_takes_its_experts_of_the_full_tensor():
     second = ExpertParallelExperts(moe.experts, comm, ep_rank=1, ep_size=2)
     torch.testing.assert_close(second.w2, moe.experts.w2[2:4])
     full = torch.arange(4 * 16 * 32.0).view(4, 16, 32)
-    torch.testing.assert_close(second.w2._meshtrain_shard(full), full[2:4])
-    assert second.w2._meshtrain_global_offset == (2, 0, 0)
+    record = second.param_shardings["w2"]
+    torch.testing.assert_close(record.local_piece(full), full[2:4])
+    assert record.global_offset(3) == (2, 0, 0) and record.expert_rows() == [2, 3]
 
 
 def test_bias_balancing_does_not_depend_on_micro_batching():

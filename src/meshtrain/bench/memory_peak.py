@@ -26,7 +26,7 @@ from pathlib import Path
 
 _HOOK = '''
 import atexit, json, os
-def _meshtrain_vmhwm_hook():
+def _record_vmhwm():
     out = os.environ.get("MESHTRAIN_VMHWM_DIR")
     rank = os.environ.get("RANK")
     if not out or rank is None or os.environ.get("LOCAL_WORLD_SIZE") is None:
@@ -35,7 +35,7 @@ def _meshtrain_vmhwm_hook():
         kb = [int(line.split()[1]) for line in f if line.startswith("VmHWM:")][0]
     with open(os.path.join(out, "rank%s.%d.json" % (rank, os.getpid())), "w") as f:
         json.dump({"rank": int(rank), "pid": os.getpid(), "vmhwm_bytes": kb * 1024}, f)
-atexit.register(_meshtrain_vmhwm_hook)
+atexit.register(_record_vmhwm)
 '''
 
 #: ~85M parameters (dim 768, 12 layers, ffn 2048) and a tiny model whose run is the baseline.

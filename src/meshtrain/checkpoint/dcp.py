@@ -9,11 +9,11 @@ chunks it owns:
   parameter is a flat range of that (possibly tensor-parallel) parameter, which splits into a few
   boxes (a partial row, whole rows, a partial row — recursively per dimension);
 - the box is then moved to full-tensor coordinates by the piece's offset (tensor parallelism's
-  split dimension, expert parallelism's first expert), recorded on the parameter as
-  ``_meshtrain_global_offset``. Expert-parallel parameters whose experts were re-placed
-  (:mod:`meshtrain.parallel.expert.placement`) hold experts in any order: their boxes are cut
-  into runs of consecutive experts and each run goes to its experts' rows, so checkpoints stay in
-  canonical expert order whatever the placement.
+  split dimension, expert parallelism's first expert), from the parameter's sharding record
+  (:class:`~meshtrain.parallel.sharding.ParamSharding`). Expert-parallel parameters whose experts
+  were re-placed (:mod:`meshtrain.parallel.expert.placement`) hold experts in any order: their
+  boxes are cut into runs of consecutive experts and each run goes to its experts' rows, so
+  checkpoints stay in canonical expert order whatever the placement.
 
 Copies held by several ranks (replicas over dp without ZeRO, over tp for norms) produce identical
 write items that DCP's planner de-duplicates. Loading asks DCP for exactly the boxes the *new*
@@ -49,8 +49,6 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_read_item_for_byteio,
     create_read_items_for_chunk_list,
 )
-
-from meshtrain.parallel.expert.placement import expert_rows
 
 
 @dataclass
@@ -107,16 +105,17 @@ def optimizer_chunks(optimizer) -> list[Chunk]:
     """Chunks of every parameter's fp32 master value and Adam moments held by this rank."""
     chunks: list[Chunk] = []
     sharded = optimizer.engine.stage >= 1
+    shardings = optimizer.engine.shardings
     for shard, exp_avg, exp_avg_sq in zip(optimizer.shards, optimizer.exp_avg,
                                           optimizer.exp_avg_sq, strict=True):
         bucket = shard.bucket
         base = bucket.shard_start if sharded else 0
         for slot, start, length in bucket.segments(sharded):
-            param = slot.param
-            full = tuple(getattr(param, "_meshtrain_full_shape", None) or slot.shape)
-            shift = getattr(param, "_meshtrain_global_offset", None) or (0,) * len(full)
+            record = shardings[slot.name]
+            full = record.full_shape_of(slot.shape)
+            shift = record.global_offset(len(full))
             first = base + start - slot.offset  # flat position inside the parameter
-            rows = expert_rows(param)
+            rows = record.expert_rows()
             for box in flat_range_boxes(slot.shape, first, first + length):
                 for offsets, sizes, where in _global_boxes(*box, shift, rows):
                     at = start + _flat_index(offsets, slot.shape) - first

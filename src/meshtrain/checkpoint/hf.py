@@ -287,7 +287,7 @@ def _eos_id(tokenizer: str) -> int | None:
         return None
 
 
-def _open_meshtrain_source(path: Path):
+def _open_weights_source(path: Path):
     """``(run Config, named tensor iterator, source dir or None, default dtype)`` of a source."""
     try:
         kind, directory, doc = _classify(path)
@@ -330,7 +330,7 @@ def convert_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = 
     copied along; ``hf_config.json`` of an imported model is the base of the written config.
     """
     src, out = Path(src), Path(out)
-    config, tensors, directory, default_dtype = _open_meshtrain_source(src)
+    config, tensors, directory, default_dtype = _open_weights_source(src)
     if out.exists() and any(_same_dir(out, d) for d in (src, directory) if d is not None):
         raise ConfigError(f"--out {out} is the source directory; choose another.")
     base = None

@@ -22,11 +22,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshtrain.config import ModelConfig
+
+if TYPE_CHECKING:
+    from meshtrain.parallel.sharding import ParamSharding, ShardingTable
 
 # Wrapper prefixes that activation checkpointing / torch.compile insert into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -75,16 +79,18 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig)
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
 
 
-def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig) -> torch.Tensor:
+def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig,
+                  sharding: ParamSharding | None = None) -> torch.Tensor:
     """The initial value (fp32, CPU) of this rank's piece of parameter ``name``.
 
-    A parallel layout may have replaced a parameter by this rank's piece; it then records the
-    full shape (``_meshtrain_full_shape``) and how to cut the piece (``_meshtrain_shard``), so the
-    values match the unsplit model's. Only one full tensor exists at a time.
+    A parallel layout may have replaced a parameter by this rank's piece; its sharding record
+    (``sharding``, :class:`~meshtrain.parallel.sharding.ParamSharding`) then gives the full shape
+    and cuts the piece, so the values match the unsplit model's. Only one full tensor exists at
+    a time.
     """
-    full_shape = getattr(param, "_meshtrain_full_shape", None)
-    value = init_tensor(name, full_shape or param.shape, seed, config)
-    return param._meshtrain_shard(value) if full_shape is not None else value
+    if sharding is None or not sharding.is_piece:
+        return init_tensor(name, param.shape, seed, config)
+    return sharding.local_piece(init_tensor(name, sharding.full_shape, seed, config))
 
 
 def reset_buffers(model: nn.Module) -> None:
@@ -97,14 +103,16 @@ def reset_buffers(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: nn.Module, seed: int, shardings: ShardingTable | None = None) -> None:
     """Fill every parameter of ``model`` with :func:`initial_value` and reset its buffers.
 
-    ``model`` must carry its ``ModelConfig`` as ``model.config``.
+    ``model`` must carry its ``ModelConfig`` as ``model.config``; ``shardings``: the sharding
+    records of a parallelised model's parameters (None: every parameter is whole).
     """
     config = model.config
     for name, param in model.named_parameters():
-        value = initial_value(name, param, seed, config)
+        value = initial_value(name, param, seed, config,
+                              shardings[name] if shardings is not None else None)
         param.copy_(value.to(device=param.device, dtype=param.dtype))
     reset_buffers(model)
 

@@ -3,7 +3,10 @@
 :func:`parallelize` applies a :class:`~meshtrain.parallel.plan.ParallelPlan` in one fixed order:
 tensor parallel -> expert parallel -> pipeline split -> activation checkpointing -> data parallel
 (ZeRO). Axes that a plan leaves at degree 1 are skipped, so with every degree 1 the result is the
-plain model (plus activation checkpointing if asked for).
+plain model (plus activation checkpointing if asked for). What the splits decide is kept in the
+model's :class:`~meshtrain.parallel.state.ParallelState` (``model.parallel_state``): one sharding
+record per parameter (:class:`~meshtrain.parallel.sharding.ParamSharding`), the pipeline stages
+and the data-parallel engine.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import torch
 
 from meshtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from meshtrain.parallel.plan import ParallelPlan
+from meshtrain.parallel.sharding import ParamSharding, ShardingTable
+from meshtrain.parallel.state import ParallelState, attach_parallel_state, parallel_state
 
 if TYPE_CHECKING:
     from meshtrain.mesh import ParallelMesh
 
-__all__ = ["ParallelPlan", "data_parallel_engine", "parallelize", "pipeline_stages"]
+__all__ = ["ParallelPlan", "ParallelState", "ParamSharding", "ShardingTable",
+           "data_parallel_engine", "parallel_state", "parallelize", "pipeline_stages"]
 
 
 def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) -> torch.nn.Module:
@@ -32,16 +38,16 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         if getattr(plan, axis) != getattr(mesh, axis):
             raise ValueError(f"plan.{axis} = {getattr(plan, axis)} but the mesh has "
                              f"{axis} = {getattr(mesh, axis)}")
+    state = attach_parallel_state(model)
     if plan.tp > 1:
         from meshtrain.parallel.tensor.apply import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.comm("tp"), mesh.tp_rank, plan.tp_rules,
-                              plan.sequence_parallel)
+                              plan.sequence_parallel, state.shardings)
     if plan.ep > 1:
         from meshtrain.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, mesh.comm("ep"), mesh.ep_rank)
-    model._meshtrain_pipeline = None
+        apply_expert_parallel(model, mesh.comm("ep"), mesh.ep_rank, state.shardings)
     if plan.pp > 1:
         from meshtrain.parallel.pipeline import build_schedule, check_schedule
         from meshtrain.parallel.pipeline.stage import split_model, stage_layers
@@ -52,10 +58,11 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         layers = stage_layers(model.config, model.config.vocab_size, schedule.num_stages,
                               plan.pp_split)
         chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
-        model._meshtrain_pipeline = (schedule, chunks)
+        state.pipeline = (schedule, chunks)
+    state.shardings.align(name for name, _ in model.named_parameters())
     init_values = None
     if any(p.is_meta for p in model.parameters()):
-        init_values = _materialize(model, mesh.device, plan)
+        init_values = _materialize(model, mesh.device, plan, state.shardings)
     apply_activation_checkpointing(model, plan.activation_checkpointing)
     if plan.compile_blocks:
         from meshtrain.parallel.compile import compile_blocks
@@ -64,52 +71,48 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     from meshtrain.parallel.data import apply_data_parallel
 
     grad_dtype = torch.bfloat16 if plan.grad_dtype == "bf16" else torch.float32
-    model._meshtrain_dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
-                                                     plan.dp_shared_memory, grad_dtype,
-                                                     init_values)
+    state.dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
+                                          plan.dp_shared_memory, grad_dtype, init_values)
     return model
 
 
-def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan):
+def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan,
+                 shardings: ShardingTable):
     """Allocate a meta-built model on ``device``, uninitialised, and return the function that
     gives each parameter's initial value (the name-seeded init of this rank's piece), for the
     data-parallel engine to write straight into its flat buffers bucket by bucket (or only into
     this rank's ZeRO-3 shard). The per-parameter storage ``to_empty`` reserves is never written,
     so it never becomes resident, and is released when the engine rebinds the parameters: no
-    rank ever holds more than its buckets plus one full parameter.
+    rank ever holds more than its buckets plus one full parameter. The parameters' sharding
+    records (``shardings``, by name) say which piece each one is.
 
     On the meta device itself (a dry run, :mod:`meshtrain.dry_run`) only the dtype changes:
     no storage, no init (returns None)."""
     from meshtrain.model import moe_layers
     from meshtrain.model.init import initial_value, reset_buffers
 
-    # Moving off the meta device replaces the Parameter objects; keep the layout annotations
-    # (``_meshtrain_*`` attributes) that the splits attached to them.
-    notes = {name: {k: v for k, v in vars(p).items() if k.startswith("_meshtrain_")}
-             for name, p in model.named_parameters()}
+    # Moving off the meta device replaces the Parameter objects; the records are keyed by name.
     model.to(torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32)  # still meta: free
     model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        for key, value in notes[name].items():
-            setattr(param, key, value)
     reset_buffers(model)
     for moe in moe_layers(model):
         moe.expert_bias = moe.expert_bias.float()
     if device.type == "meta":
         return None
     config, seed = model.config, plan.init_seed
-    return lambda name, param: initial_value(name, param, seed, config)
+    return lambda name, param: initial_value(name, param, seed, config, shardings[name])
 
 
 def pipeline_stages(model: torch.nn.Module):
     """``(schedule, chunks by stage)`` when ``model`` was split into pipeline stages, else None."""
-    return getattr(model, "_meshtrain_pipeline", None)
+    state = parallel_state(model)
+    return state.pipeline if state is not None else None
 
 
 def data_parallel_engine(model: torch.nn.Module):
     """The :class:`~meshtrain.parallel.data.DataParallelEngine` that :func:`parallelize`
     installed on ``model`` (it owns the flat parameter/gradient buffers)."""
-    engine = getattr(model, "_meshtrain_dp_engine", None)
-    if engine is None:
+    state = parallel_state(model)
+    if state is None or state.dp_engine is None:
         raise ValueError("model has not been through meshtrain.parallel.parallelize")
-    return engine
+    return state.dp_engine

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from meshtrain.parallel.state import attach_parallel_state
+
 
 def checkpoint_module(module: torch.nn.Module) -> None:
     """Make ``module`` recompute its forward during backward instead of storing activations."""
-    if getattr(module, "_meshtrain_checkpointed", False):
-        return
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -26,23 +26,28 @@ def checkpoint_module(module: torch.nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-    module._meshtrain_checkpointed = True
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
-    """Apply ``mode`` (``none``, ``full``, ``selective``); returns how many modules were wrapped."""
+    """Apply ``mode`` (``none``, ``full``, ``selective``) to ``model``, each module once (the
+    model's :class:`~meshtrain.parallel.state.ParallelState` lists the wrapped ones); returns
+    how many modules were wrapped now."""
     if mode == "none":
         return 0
-    wrapped = 0
-    for block in model.layers.values():
+    if mode not in ("full", "selective"):
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}")
+    done = attach_parallel_state(model).checkpointed
+    targets = []
+    for key, block in model.layers.items():
         if mode == "full":
-            checkpoint_module(block)
-            wrapped += 1
+            targets.append((f"layers.{key}", block))
             continue
-        if mode != "selective":
-            raise ValueError(f"unknown activation checkpointing mode {mode!r}")
-        for _name, sub in block.named_modules():
-            if type(sub).__name__ in ("AttentionCore", "MLPActivation"):
-                checkpoint_module(sub)
-                wrapped += 1
+        targets += [(f"layers.{key}.{name}", sub) for name, sub in block.named_modules()
+                    if type(sub).__name__ in ("AttentionCore", "MLPActivation")]
+    wrapped = 0
+    for name, module in targets:
+        if name not in done:
+            checkpoint_module(module)
+            done.add(name)
+            wrapped += 1
     return wrapped

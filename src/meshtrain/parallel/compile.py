@@ -32,37 +32,42 @@ torchtitan / Megatron choice.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from meshtrain.parallel.state import attach_parallel_state
 
+
+@functools.cache
 def _mark_eager_boundaries() -> None:
     """Wrap the functions that must stay eager (tp region collectives, deferrable matmuls) in
-    ``torch.compiler.disable``, once. Done here rather than at import, so runs without
-    ``train.compile`` never import TorchDynamo (~70 MB of resident memory per process)."""
+    ``torch.compiler.disable``, once per process (cached). Done here rather than at import, so
+    runs without ``train.compile`` never import TorchDynamo (~70 MB of resident memory per
+    process)."""
     from meshtrain.model import weight_grad
     from meshtrain.parallel.tensor import collectives
 
     for module, name in ((collectives, "_pair"), (weight_grad, "_deferrable_linear"),
                          (weight_grad, "_deferrable_expert_matmul")):
-        fn = getattr(module, name)
-        if not getattr(fn, "_meshtrain_eager", False):
-            wrapped = torch.compiler.disable(fn)
-            wrapped._meshtrain_eager = True
-            setattr(module, name, wrapped)
+        setattr(module, name, torch.compiler.disable(getattr(module, name)))
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
-    """Compile every transformer block's ``forward`` in place (its MoE layer left eager);
-    returns how many were compiled."""
+    """Compile every transformer block's ``forward`` in place (its MoE layer left eager), each
+    once (the model's :class:`~meshtrain.parallel.state.ParallelState` lists the compiled
+    blocks); returns how many were compiled now."""
     _mark_eager_boundaries()
+    done = attach_parallel_state(model).compiled
     compiled = 0
-    for block in model.layers.values():
-        if getattr(block, "_meshtrain_compiled", False):
+    for key, block in model.layers.items():
+        name = f"layers.{key}"
+        if name in done:
             continue
         moe = getattr(block, "moe", None)
         if moe is not None:
             moe.forward = torch.compiler.disable(moe.forward, recursive=True)
         block.forward = torch.compile(block.forward)
-        block._meshtrain_compiled = True
+        done.add(name)
         compiled += 1
     return compiled

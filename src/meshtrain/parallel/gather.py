@@ -7,10 +7,10 @@ together with the stage's other ranks: each step is a collective for one tensor,
 1. under ZeRO-3 is assembled on dp rank 0 from the pieces that the dp ranks' shards hold (each
    piece sent point to point; only ranks whose shard overlaps the tensor send); otherwise every
    rank uses its own copy (a view of its parameter buffer, or the persistent buffer itself);
-2. if expert-parallel (``_meshtrain_ep_dim``), is gathered over ``ep`` by the expert group that
-   contains dp rank 0 (edp rank 0), each slot's rows going to their expert's rows, so re-placed
-   experts (``_meshtrain_expert_placement``) come out in canonical expert order;
-3. if tensor-parallel (``_meshtrain_tp_dim``), is gathered over ``tp`` by the dp-rank-0 ranks and
+2. if expert-parallel (its sharding record's ``ep_dim``), is gathered over ``ep`` by the expert
+   group that contains dp rank 0 (edp rank 0), each slot's rows going to their expert's rows, so
+   re-placed experts (the record's ``expert_placement``) come out in canonical expert order;
+3. if tensor-parallel (the record's ``tp_dim``), is gathered over ``tp`` by the dp-rank-0 ranks and
    concatenated along that dim (tp-replicated tensors are taken as they are).
 
 Gathers are one in-place broadcast per rank of the group (see :func:`_gather_along`). Afterwards
@@ -88,6 +88,7 @@ class StageTensors:
 
     def __init__(self, model: nn.Module, engine, mesh):
         self.mesh, self.engine = mesh, engine
+        self.shardings = engine.shardings
         self._slots = {s.name: (b, s) for b in engine.buckets for s in b.slots}
         persistent = model.state_dict(keep_vars=True)
         self._buffers = {name: buffer for name, buffer in model.named_buffers()
@@ -95,19 +96,15 @@ class StageTensors:
         names = sorted([*self._slots, *self._buffers])  # equal on every rank of a stage
         self.specs = [self._spec(name) for name in names]
 
-    def _param(self, name: str) -> nn.Parameter | None:
-        entry = self._slots.get(name)
-        return entry[1].param if entry is not None else None
-
     def _spec(self, name: str) -> TensorSpec:
         if name in self._buffers:
             return TensorSpec(name, tuple(self._buffers[name].shape), False)
-        param = self._param(name)
+        record = self.shardings[name]
         shape = list(self._slots[name][1].shape)
-        ep_dim = getattr(param, "_meshtrain_ep_dim", None)
+        ep_dim = record.ep_dim
         if ep_dim is not None:
             shape[ep_dim] *= self.mesh.comm("ep").size
-        tp_dim = getattr(param, "_meshtrain_tp_dim", None)
+        tp_dim = record.tp_dim
         tp = self.mesh.comm("tp")
         if tp_dim is not None:
             shape[tp_dim] *= tp.size
@@ -126,17 +123,17 @@ class StageTensors:
         if name in self._buffers:
             return self._buffers[name].detach() if mesh.dp_rank == 0 else None
         value = self._local(name)
-        param = self._param(name)
-        ep_dim = getattr(param, "_meshtrain_ep_dim", None)
+        record = self.shardings[name]
+        ep_dim = record.ep_dim
         if ep_dim is not None and mesh.edp_rank == 0:
-            placement = getattr(param, "_meshtrain_expert_placement", None)
+            placement = record.expert_placement
             moved = placement is not None and not placement.identity
             # Gathered in slot order; slot s holds expert placement.slots[s]: its row.
             value = _gather_along(value, mesh.comm("ep"), mesh.ep_rank, ep_dim,
                                   placement.slots if moved else None)
         if mesh.dp_rank != 0:
             return None
-        tp_dim = getattr(param, "_meshtrain_tp_dim", None)
+        tp_dim = record.tp_dim
         if tp_dim is not None:
             value = _gather_along(value, mesh.comm("tp"), mesh.tp_rank, tp_dim)
         return value

@@ -16,6 +16,7 @@ under ZeRO, sharded) over exactly the ranks that hold its parameters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -113,33 +114,19 @@ class FlatBucket:
                 out.append((s, a - lo, b - a))
         return out
 
-    def shard_state_slices(self) -> list[tuple[str, int, int, int]]:
-        """For each parameter overlapping this rank's shard: ``(name, param_start, shard_start,
-        length)`` — which flat elements of the parameter this shard holds, and where."""
-        out = []
-        lo, hi = self.shard_start, self.shard_start + self.shard_numel
-        for s in self.slots:
-            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
-            if a < b:
-                out.append((s.name, a - s.offset, a - lo, b - a))
-        return out
-
-
-def reduce_axis(param: torch.nn.Parameter) -> str:
-    """The axis over which ``param``'s gradient is reduced: ``"edp"`` for expert-parallel expert
-    weights (marked ``_meshtrain_dp_axis`` by :mod:`meshtrain.parallel.expert`), else ``"dp"``."""
-    return getattr(param, "_meshtrain_dp_axis", "dp")
-
 
 def bucket_by_size_and_axis(named_params: list[tuple[str, torch.nn.Parameter]],
-                            bucket_bytes: int) -> list[tuple[str, list]]:
-    """Like :func:`bucket_by_size`, with one open bucket per reduction axis: parameters of
-    different axes never share a bucket, and buckets are emitted in the order they fill up
-    (so each axis's buckets keep the gradient-ready order). Returns ``(axis, params)`` pairs."""
+                            bucket_bytes: int, axis_of: Callable[[str], str],
+                            ) -> list[tuple[str, list]]:
+    """Group parameters (given in expected gradient-ready order) into buckets of about
+    ``bucket_bytes`` each (a parameter larger than that gets a bucket of its own), with one open
+    bucket per reduction axis (``axis_of(name)``: ``"dp"`` or ``"edp"``): parameters of
+    different axes never share a bucket, and buckets are emitted in the order they fill up (so
+    each axis's buckets keep the gradient-ready order). Returns ``(axis, params)`` pairs."""
     out: list[tuple[str, list]] = []
     open_buckets: dict[str, tuple[list, int]] = {}
     for name, param in named_params:
-        axis = reduce_axis(param)
+        axis = axis_of(name)
         current, size = open_buckets.get(axis, ([], 0))
         nbytes = param.numel() * param.element_size()
         if current and size + nbytes > bucket_bytes:
@@ -149,22 +136,3 @@ def bucket_by_size_and_axis(named_params: list[tuple[str, torch.nn.Parameter]],
         open_buckets[axis] = (current, size + nbytes)
     out += [(axis, current) for axis, (current, _) in open_buckets.items() if current]
     return out
-
-
-def bucket_by_size(named_params: list[tuple[str, torch.nn.Parameter]], bucket_bytes: int,
-                   ) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Split parameters (given in expected gradient-ready order) into groups of about
-    ``bucket_bytes`` each; a parameter larger than that gets a group of its own."""
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    current: list[tuple[str, torch.nn.Parameter]] = []
-    size = 0
-    for name, param in named_params:
-        nbytes = param.numel() * param.element_size()
-        if current and size + nbytes > bucket_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append((name, param))
-        size += nbytes
-    if current:
-        groups.append(current)
-    return groups

@@ -32,7 +32,8 @@ On one host, the gradient buffers of stages 0 and 1 (fp32, CPU) live in shared m
 rank of the group maps, and are reduced there instead of through gloo's loopback TCP
 (:mod:`meshtrain.parallel.shared_memory`; ``parallel.dp_shared_memory``).
 
-Expert parallelism: expert weights (marked by :mod:`meshtrain.parallel.expert`) are held only by
+Expert parallelism: expert weights (recorded ``dp_axis = "edp"`` in the model's sharding table by
+:mod:`meshtrain.parallel.expert`) are held only by
 the ``dp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
 :func:`~meshtrain.parallel.data.buckets.bucket_by_size_and_axis`) that are reduced, and under
 ZeRO sharded, over ``edp``; every other parameter reduces over ``dp``. ZeRO-3 is not combined with
@@ -46,7 +47,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis, reduce_axis
+from meshtrain.parallel.data.buckets import FlatBucket, ParamSlot, bucket_by_size_and_axis
 from meshtrain.parallel.data.mapped import (
     MappedBuffer,
     mapped_buffers_supported,
@@ -54,6 +55,7 @@ from meshtrain.parallel.data.mapped import (
 )
 from meshtrain.parallel.data.staging import StagingPool
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
+from meshtrain.parallel.state import shardings_of
 
 
 @dataclasses.dataclass
@@ -84,6 +86,7 @@ class DataParallelEngine:
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
         comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
         self.model, self.comm, self.stage = model, comm, stage
+        self.shardings = shardings_of(model)  # every parameter's sharding record
         self.grad_dtype = grad_dtype
         self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
@@ -98,12 +101,13 @@ class DataParallelEngine:
         if stage == 3:
             if units is None:
                 raise ValueError("ZeRO-3 needs the model's units (one bucket per block)")
-            if any(reduce_axis(p) != "dp" for _, p in named):
+            if any(self.shardings[n].dp_axis != "dp" for n, _ in named):
                 raise ValueError("ZeRO-3 is not combined with expert parallelism")
             groups = [("dp", unit) for unit in units]
         else:
             # Gradients become ready roughly in reverse registration order.
-            groups = bucket_by_size_and_axis(list(reversed(named)), bucket_bytes)
+            groups = bucket_by_size_and_axis(list(reversed(named)), bucket_bytes,
+                                             lambda name: self.shardings[name].dp_axis)
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
@@ -134,21 +138,20 @@ class DataParallelEngine:
         self._partial_runs = [self._runs(b, self._has_partial_grad) for b in self.buckets]
 
     # ------------------------------------------------------------------ other axes
-    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
+    def _counts_in_norm(self, slot: ParamSlot) -> bool:
         """Each parameter counts once in the gradient norm: a copy replicated over tp counts on
         tp rank 0 only (a tp-split parameter counts on every rank: each holds another piece)."""
-        return self.tp_rank == 0 or not getattr(param, "_meshtrain_tp_replicated", False)
+        return self.tp_rank == 0 or not self.shardings[slot.name].tp_replicated
 
-    @staticmethod
-    def _has_partial_grad(param: torch.nn.Parameter) -> bool:
-        return getattr(param, "_meshtrain_tp_partial_grad", False)
+    def _has_partial_grad(self, slot: ParamSlot) -> bool:
+        return self.shardings[slot.name].tp_partial_grad
 
     def _runs(self, b: FlatBucket, keep) -> list[tuple[int, int]]:
         """Contiguous ``(start, length)`` runs of this rank's optimizer gradient of bucket ``b``
         (full buffer at stage 0, shard otherwise) covering the parameters ``keep`` accepts."""
         runs: list[tuple[int, int]] = []
         for slot, start, length in b.segments(sharded=self.stage >= 1):
-            if not keep(slot.param):
+            if not keep(slot):
                 continue
             if runs and runs[-1][0] + runs[-1][1] == start:
                 runs[-1] = (runs[-1][0], runs[-1][1] + length)

@@ -3,16 +3,16 @@
 Ep rank ``r`` (the position of this rank among ``ep`` consecutive data-parallel ranks, see
 :class:`~meshtrain.mesh.ParallelMesh`) holds experts ``[r * E/ep, (r + 1) * E/ep)`` of every MoE
 layer. The layer's ``experts`` module is replaced by :class:`ExpertParallelExperts`, which keeps
-the parameter names (``layers.<i>.moe.experts.w1`` ...) and records, like a tensor-parallel shard,
-the full shape and how to cut its slice (``_meshtrain_full_shape`` / ``_meshtrain_shard`` /
-``_meshtrain_global_offset``), so the name-seeded initialisation gives the same weights as one
-process and checkpoints see where the slice sits. Expert parameters are marked
-``_meshtrain_dp_axis = "edp"`` (the data-parallel engine reduces, and under ZeRO shards, them over
-the ranks holding the same experts) and ``_meshtrain_ep_dim = 0``.
+the parameter names (``layers.<i>.moe.experts.w1`` ...) and describes each expert parameter, like
+a tensor-parallel shard, by a :class:`~meshtrain.parallel.sharding.ParamSharding` in the model's
+sharding table: the full shape and where its slice sits (so the name-seeded initialisation gives
+the same weights as one process and checkpoints place the slice), ``ep_dim = 0`` and
+``dp_axis = "edp"`` (the data-parallel engine reduces, and under ZeRO shards, them over the ranks
+holding the same experts).
 
 Which expert sits in which slot can change during training (dynamic expert placement,
 :mod:`meshtrain.parallel.expert.placement`): the module's :class:`LayerPlacement` (shared with its
-parameters as ``_meshtrain_expert_placement``) maps slots to experts, and :meth:`forward`
+parameters' records as ``expert_placement``) maps slots to experts, and :meth:`forward`
 reorders its rows into slot order around the all-to-alls. The contiguous split is the identity
 placement, which skips the reordering.
 
@@ -24,20 +24,25 @@ tp rank runs the same all-to-alls within its own ep group (see
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from meshtrain.model.moe import GroupedExperts, moe_layers, recomputing_in_backward
+from meshtrain.model.moe import GroupedExperts, MoE, recomputing_in_backward
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.expert.dispatch import combine, dispatch, plan_dispatch
 from meshtrain.parallel.expert.placement import LayerPlacement
-from meshtrain.parallel.tensor.layers import mark_replicated, mark_sharded
+from meshtrain.parallel.sharding import ParamSharding, ShardingTable
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 class ExpertParallelExperts(GroupedExperts):
-    """This rank's slice of a :class:`GroupedExperts`, reached through all-to-all dispatch."""
+    """This rank's slice of a :class:`GroupedExperts`, reached through all-to-all dispatch.
+
+    ``param_shardings``: the record of each expert parameter (local name ->
+    :class:`~meshtrain.parallel.sharding.ParamSharding`)."""
 
     def __init__(self, experts: GroupedExperts, comm: CountedComm, ep_rank: int, ep_size: int):
         total = experts.num_experts
@@ -52,6 +57,7 @@ class ExpertParallelExperts(GroupedExperts):
         lo = ep_rank * local  # the first expert under the identity (initial) placement
         self.placement = placement = LayerPlacement(total, ep_size, ep_rank)
         self.rows_received = 0
+        self.param_shardings: dict[str, ParamSharding] = {}
         for name in EXPERT_WEIGHTS:
             full = getattr(experts, name, None)
             if full is None:
@@ -59,14 +65,9 @@ class ExpertParallelExperts(GroupedExperts):
             param = nn.Parameter(torch.empty((local, *full.shape[1:]), dtype=full.dtype,
                                              device=full.device))
             setattr(self, name, param)
-            mark_sharded(param, tuple(full.shape),
-                         lambda w: w[torch.tensor(placement.local_experts(), device=w.device)],
-                         None, (lo,) + (0,) * (full.ndim - 1))
-            if getattr(full, "_meshtrain_tp_replicated", False):
-                mark_replicated(param, partial_grad=False)
-            param._meshtrain_dp_axis = "edp"
-            param._meshtrain_ep_dim = 0
-            param._meshtrain_expert_placement = placement
+            self.param_shardings[name] = ParamSharding.piece(
+                full.shape, param.shape, (lo,) + (0,) * (full.ndim - 1), ep_dim=0,
+                dp_axis="edp", expert_placement=placement)
             if not full.is_meta:
                 with torch.no_grad():
                     param.copy_(full[lo:lo + local])
@@ -104,10 +105,19 @@ class ExpertParallelExperts(GroupedExperts):
         return rows
 
 
-def apply_expert_parallel(model: nn.Module, comm: CountedComm, ep_rank: int) -> int:
-    """Replace every MoE layer's experts by this ep rank's slice (in place); returns the number
-    of MoE layers changed."""
-    layers = moe_layers(model)
-    for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, comm, ep_rank, comm.size)
+def apply_expert_parallel(model: nn.Module, comm: CountedComm, ep_rank: int,
+                          shardings: ShardingTable) -> int:
+    """Replace every MoE layer's experts by this ep rank's slice (in place) and record their
+    layout in ``shardings`` (the model's table; experts replicated over tp stay recorded so);
+    returns the number of MoE layers changed."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    for name, moe in layers:
+        experts = ExpertParallelExperts(moe.experts, comm, ep_rank, comm.size)
+        prefix = f"{name}.experts" if name else "experts"
+        for local, record in experts.param_shardings.items():
+            replicated = shardings.get(f"{prefix}.{local}").tp_replicated
+            if replicated:
+                record = dataclasses.replace(record, tp_replicated=True, tp_partial_grad=False)
+            shardings[f"{prefix}.{local}"] = record
+        moe.experts = experts
     return len(layers)

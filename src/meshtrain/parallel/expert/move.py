@@ -88,17 +88,19 @@ def param_segments(shard: int, offset: int, per_expert: int, old: list[int], new
     return out
 
 
-def plan_moves(shards, changes: dict[int, list[int]], ep: int, edp: int,
+def plan_moves(shards, shardings, changes: dict[int, list[int]], ep: int, edp: int,
                sharded: bool) -> list[Segment]:
     """Every transfer of every expert bucket for the placement ``changes`` (``id`` of a
-    :class:`~meshtrain.parallel.expert.placement.LayerPlacement` -> its new slots)."""
+    :class:`~meshtrain.parallel.expert.placement.LayerPlacement` -> its new slots);
+    ``shardings``: the model's :class:`~meshtrain.parallel.sharding.ShardingTable`, which
+    gives each expert parameter's placement."""
     segments: list[Segment] = []
     for index, shard in enumerate(shards):
         bucket = shard.bucket
         if bucket.axis != "edp":
             continue
         for slot in bucket.slots:
-            placement = getattr(slot.param, "_meshtrain_expert_placement", None)
+            placement = shardings[slot.name].expert_placement
             if placement is None or id(placement) not in changes:
                 continue
             per_expert = slot.numel // slot.shape[0]
@@ -116,7 +118,8 @@ def move_expert_state(engine, optimizer, comm: CountedComm, dp_rank: int, ep: in
     then refresh the parameters of the touched buckets. Returns the elements this rank received.
     """
     dp = max(comm.size, 1)
-    segments = plan_moves(optimizer.shards, changes, ep, dp // ep, engine.stage >= 1)
+    segments = plan_moves(optimizer.shards, engine.shardings, changes, ep, dp // ep,
+                          engine.stage >= 1)
     if not segments:
         return 0
     states = [(shard.master, m, v) for shard, m, v in zip(optimizer.shards, optimizer.exp_avg,

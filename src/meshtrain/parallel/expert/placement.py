@@ -28,12 +28,14 @@ exactly one ep rank, so buckets, gradient reduction, ZeRO sharding and the gradi
 untouched. Its limit: a rank's load cannot fall below its hottest expert's.
 
 **Layout-free state.** Checkpoints store full logical tensors in canonical expert order: the
-checkpoint writer cuts expert parameters into per-expert boxes through the placement
-(:func:`expert_rows`), and the final-weights gather reorders the rows it gathers over ep, so a
-checkpoint loads into any layout, with or without placement. The placements and the current
-window are saved in the checkpoint's metadata (:meth:`ExpertPlacer.state_dict`); resuming at the
-same ``ep`` moves the experts back to the saved placement (so the run continues exactly), at
-another ``ep`` it starts from the identity, keeping the window.
+checkpoint writer cuts expert parameters into per-expert boxes through the placement (read from
+the parameters' sharding records,
+:meth:`~meshtrain.parallel.sharding.ParamSharding.expert_rows`), and the final-weights gather
+reorders the rows it gathers over ep, so a checkpoint loads into any layout, with or without
+placement. The placements and the current window are saved in the checkpoint's metadata
+(:meth:`ExpertPlacer.state_dict`); resuming at the same ``ep`` moves the experts back to the saved
+placement (so the run continues exactly), at another ``ep`` it starts from the identity, keeping
+the window.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import nn
 
 from meshtrain.model.moe import layer_index
 from meshtrain.parallel.expert.move import move_expert_state
+from meshtrain.parallel.state import shardings_of
 
 
 class LayerPlacement:
@@ -73,12 +76,6 @@ class LayerPlacement:
         """The experts of this rank's local indices, in order (rows of its expert params)."""
         first = self.ep_rank * self.local
         return self._slots[first:first + self.local]
-
-
-def expert_rows(param: torch.Tensor) -> list[int] | None:
-    """Global expert id of each row of an expert-parallel parameter (None for other params)."""
-    placement = getattr(param, "_meshtrain_expert_placement", None)
-    return None if placement is None else placement.local_experts()
 
 
 def rank_loads(loads, slots: list[int], ep: int) -> list[float]:
@@ -134,17 +131,17 @@ class ExpertPlacer:
     rebalances every ``parallel.ep_rebalance_every`` steps and moves this rank's experts."""
 
     def __init__(self, model: nn.Module, engine, optimizer, mesh, config):
-        from meshtrain.parallel.expert.apply import ExpertParallelExperts
-
         self.engine, self.optimizer, self.mesh = engine, optimizer, mesh
         self.every = config.parallel.ep_rebalance_every
         self.ep = mesh.ep
         self.num_experts = config.model.moe_experts
         m = config.model
         self.layer_ids = [i for i in range(m.n_layers) if m.is_moe_layer(i)]
-        self.local: dict[int, LayerPlacement] = {
-            layer_index(name): module.placement for name, module in model.named_modules()
-            if isinstance(module, ExpertParallelExperts)}
+        shardings = shardings_of(model)
+        self.local: dict[int, LayerPlacement] = {  # the layers this rank holds experts of
+            layer_index(name): shardings[name].expert_placement
+            for name, _ in model.named_parameters()
+            if shardings[name].expert_placement is not None}
         self.placements = {i: list(range(self.num_experts)) for i in self.layer_ids}
         self.window = torch.zeros(len(self.layer_ids), self.num_experts, dtype=torch.float64)
 

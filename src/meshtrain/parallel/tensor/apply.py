@@ -20,8 +20,10 @@ plain model's module names). Styles:
                    and the output cut back to this rank's chunk (backward: all-gather)
 =================  ==========================================================================
 
-Every parameter that is not split is marked replicated over tp; with sequence parallelism the
-norms see only a slice of the sequence, so their gradients are partial and summed over tp.
+The new layers' records (:class:`~meshtrain.parallel.sharding.ParamSharding`) go into the model's
+sharding table, and every parameter that is not split is recorded replicated over tp; with
+sequence parallelism the norms see only a slice of the sequence, so their gradients are partial
+and summed over tp.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.sharding import ShardingTable
 from meshtrain.parallel.tensor.collectives import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -43,7 +46,6 @@ from meshtrain.parallel.tensor.layers import (
     HeadSelectLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    mark_replicated,
 )
 
 
@@ -68,8 +70,10 @@ def _kv_module(linear: nn.Linear, config, tp_rank: int, tp_size: int) -> nn.Modu
 
 
 def apply_tensor_parallel(model: nn.Module, comm: CountedComm, tp_rank: int,
-                          rules: tuple[tuple[str, str], ...], sequence_parallel: bool) -> None:
-    """Replace and hook ``model``'s modules per ``rules`` for this tp rank (in place)."""
+                          rules: tuple[tuple[str, str], ...], sequence_parallel: bool,
+                          shardings: ShardingTable) -> None:
+    """Replace and hook ``model``'s modules per ``rules`` for this tp rank (in place), and
+    record every parameter's tp layout in ``shardings`` (the model's table)."""
     tp_size = comm.size
     config = model.config
     names = [name for name, _ in model.named_modules() if name]
@@ -105,11 +109,13 @@ def apply_tensor_parallel(model: nn.Module, comm: CountedComm, tp_rank: int,
             else:
                 raise ValueError(f"unknown tensor-parallel style {style!r} for {name}")
             _set_submodule(model, name, new)
-    for name, param in model.named_parameters():
-        if getattr(param, "_meshtrain_tp_dim", None) is None and not getattr(
-                param, "_meshtrain_tp_replicated", False):
+            shardings.register(name, new.param_shardings)
+    for name, _ in model.named_parameters():
+        record = shardings.get(name)
+        if record.tp_dim is None and not record.tp_replicated:
             is_norm = name.rsplit(".", 2)[-2].endswith("norm")
-            mark_replicated(param, partial_grad=sequence_parallel and is_norm)
+            shardings.update(name, tp_replicated=True,
+                             tp_partial_grad=sequence_parallel and is_norm)
 
 
 def tp_vocab_start(model: nn.Module) -> int:

@@ -1,10 +1,12 @@
 """Tensor-parallel layers that replace the plain model's ``nn.Linear`` / ``nn.Embedding``.
 
 Each keeps the replaced module's attribute name and a ``weight`` parameter, so parameter names
-(and thus the name-seeded initialisation and checkpoints) are those of the plain model. Every
-sharded parameter records its full shape and how to cut this rank's piece from the full tensor
-(``_meshtrain_full_shape``, ``_meshtrain_shard``), which is all :func:`init_weights` and the
-checkpoint code need to know about the layout.
+(and thus the name-seeded initialisation and checkpoints) are those of the plain model. Each
+describes its weight in ``param_shardings`` (local name ->
+:class:`~meshtrain.parallel.sharding.ParamSharding`: the full shape, where this rank's piece sits
+in it, the split dim), which :func:`~meshtrain.parallel.tensor.apply.apply_tensor_parallel` adds
+to the model's sharding table; that is all the initialisation and the checkpoint code need to
+know about the layout.
 
 Communication placement follows Megatron-LM: a column-parallel layer does no communication (the
 input arrives through the region entry hook, see :mod:`meshtrain.parallel.tensor.apply`); a
@@ -14,36 +16,32 @@ with sequence parallelism).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.model.weight_grad import linear
 from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.sharding import ParamSharding
 from meshtrain.parallel.tensor.collectives import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
 )
 
 
-def mark_sharded(param: nn.Parameter, full_shape: tuple[int, ...],
-                 shard: Callable[[torch.Tensor], torch.Tensor], tp_dim: int | None,
-                 offset: tuple[int, ...] | None = None) -> None:
-    """Record on ``param`` its full shape, how to slice it, the dim tp splits (or None), and
-    where its piece starts in the full tensor (``offset``, per dim; checkpoints use it)."""
-    param._meshtrain_full_shape = tuple(full_shape)
-    param._meshtrain_shard = shard
-    param._meshtrain_tp_dim = tp_dim
-    param._meshtrain_global_offset = tuple(offset) if offset else (0,) * len(full_shape)
+def tp_split(param: nn.Parameter, full_shape: tuple[int, ...], tp_dim: int,
+             start: int) -> ParamSharding:
+    """The record of ``param``, this rank's piece of a ``full_shape`` tensor split over tp along
+    ``tp_dim``, starting at ``start`` there."""
+    offset = tuple(start if d == tp_dim else 0 for d in range(len(full_shape)))
+    return ParamSharding.piece(full_shape, param.shape, offset, tp_dim=tp_dim)
 
 
-def mark_replicated(param: nn.Parameter, partial_grad: bool) -> None:
-    """``param`` is identical on every tp rank; ``partial_grad`` when each rank's gradient is
-    only its share (sequence-parallel norms, replicated kv heads) and must be summed over tp."""
-    param._meshtrain_tp_replicated = True
-    param._meshtrain_tp_partial_grad = partial_grad
+def tp_replicated(partial_grad: bool) -> ParamSharding:
+    """The record of a parameter identical on every tp rank; ``partial_grad`` when each rank's
+    gradient is only its share (sequence-parallel norms, replicated kv heads) and must be summed
+    over tp."""
+    return ParamSharding(tp_replicated=True, tp_partial_grad=partial_grad)
 
 
 def _new_param(like: torch.Tensor, shape: tuple[int, ...]) -> nn.Parameter:
@@ -61,8 +59,8 @@ class ColumnParallelLinear(nn.Module):
         rows = out_features // tp_size
         lo = tp_rank * rows
         self.weight = _new_param(linear.weight, (rows, in_features))
-        mark_sharded(self.weight, (out_features, in_features), lambda w: w[lo:lo + rows], 0,
-                     (lo, 0))
+        self.param_shardings = {"weight": tp_split(self.weight, (out_features, in_features), 0,
+                                                   lo)}
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[lo:lo + rows])
@@ -86,8 +84,8 @@ class RowParallelLinear(nn.Module):
         self.comm = comm
         self.sequence_parallel = sequence_parallel
         self.weight = _new_param(linear.weight, (out_features, cols))
-        mark_sharded(self.weight, (out_features, in_features), lambda w: w[:, lo:lo + cols], 1,
-                     (0, lo))
+        self.param_shardings = {"weight": tp_split(self.weight, (out_features, in_features), 1,
+                                                   lo)}
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[:, lo:lo + cols])
@@ -108,7 +106,7 @@ class HeadSelectLinear(nn.Module):
     def __init__(self, linear: nn.Linear, head_dim: int, heads: list[int]):
         super().__init__()
         self.weight = _new_param(linear.weight, tuple(linear.weight.shape))
-        mark_replicated(self.weight, partial_grad=True)
+        self.param_shardings = {"weight": tp_replicated(partial_grad=True)}
         rows = [h * head_dim + i for h in heads for i in range(head_dim)]
         self.register_buffer("rows", torch.tensor(rows, dtype=torch.long,
                                                   device=linear.weight.device), persistent=False)
@@ -142,7 +140,7 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = _new_param(embedding.weight, (rows, dim))
         lo = self.vocab_start
-        mark_sharded(self.weight, (vocab, dim), lambda w: w[lo:lo + rows], 0, (lo, 0))
+        self.param_shardings = {"weight": tp_split(self.weight, (vocab, dim), 0, lo)}
         if not embedding.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(embedding.weight[lo:lo + rows])
