@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 from meshtrain.config import (
-    ACTIVATION_CHECKPOINTING_KINDS,
     DEVICES,
     GRAD_REDUCE_DTYPES,
     LR_SCHEDULES,
@@ -18,11 +17,11 @@ from meshtrain.config import (
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
-    PP_SCHEDULES,
     PRECISIONS,
     Config,
     ConfigError,
 )
+from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
 
 # Parallel features are switched on here as they land; until then a degree above 1 is refused
 # clearly instead of silently running something else.
