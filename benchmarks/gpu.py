@@ -76,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace, run_dir: str):
     """The validated one-process meshtrain :class:`~meshtrain.config.Config` of the run."""
     from meshtrain.config import Config, parse_override, set_key
+    from meshtrain.validation import validate_config
 
     config = Config()
     values = {**COMMON, **(SHAPE_TINY if args.tiny else SHAPE_1B),
@@ -88,7 +89,7 @@ def build_config(args: argparse.Namespace, run_dir: str):
         set_key(config, key, value, origin="benchmarks/gpu.py")
     for text in args.overrides:
         set_key(config, *parse_override(text))
-    config.validate(1)
+    validate_config(config, 1)
     return config
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshtrain.config import Config, load_config
+from meshtrain.validation import validate_config
 
 
 def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None = None) -> Config:
@@ -15,7 +16,7 @@ def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None =
     if run_dir is not None:
         base.append(f"train.run_dir={run_dir}")
     config = load_config(None, base + list(overrides))
-    config.validate(nproc)
+    validate_config(config, nproc)
     return config
 
 

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, default_config_path, load_config
+from meshtrain.validation import validate_config
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +158,7 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
         from meshtrain.planner.auto import choose_layout
 
         nproc = choose_layout(config, nproc, in_job)
-    world = config.validate(nproc)
+    world = validate_config(config, nproc)
     return config, world
 
 

@@ -1,11 +1,13 @@
-"""Typed run configuration: dataclasses, TOML loading, ``--set`` overrides and validation.
+"""Typed run configuration: dataclasses, TOML loading and ``--set`` overrides.
 
 A run is described by one :class:`Config` with five sections (``model``, ``parallel``, ``train``,
 ``data``, ``checkpoint``). It is built from defaults, then a TOML file (parsed with the standard
 library's ``tomllib``), then ``--set section.key=value`` overrides, each value parsed to the field's
-declared type. :func:`Config.validate` rejects unknown keys, wrong types and impossible values
-*before* any worker process starts; every refusal is a :class:`ConfigError` whose message names the
-key and the valid values, which the CLI prints as one paragraph and exits with status 2.
+declared type; unknown keys and wrong types are refused there, and
+:func:`meshtrain.validation.validate_config` refuses impossible values *before* any worker process
+starts. Every refusal is a :class:`ConfigError` whose message names the key and the valid values,
+which the CLI prints as one paragraph and exits with status 2. The ``[parallel]`` section is a
+:class:`~meshtrain.layout.Layout` with the runtime's options.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtrain.layout import Layout
+
 
 class ConfigError(ValueError):
     """A configuration or usage error; the CLI prints its message and exits with status 2."""
@@ -27,8 +31,6 @@ class ConfigError(ValueError):
 MLP_KINDS = ("swiglu", "gelu")
 MOE_BALANCE_KINDS = ("aux-loss", "bias", "none")
 MOE_SCORE_KINDS = ("softmax", "sigmoid")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-ACTIVATION_CHECKPOINTING_KINDS = ("none", "full", "selective")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
@@ -89,24 +91,12 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """Degrees of each parallel axis and how the step is scheduled."""
+class ParallelConfig(Layout):
+    """The ``[parallel]`` section: a :class:`~meshtrain.layout.Layout` (degrees of each parallel
+    axis and how the step is scheduled) and the runtime options that tune it."""
 
     dp: int = 0
     """Data-parallel degree; 0 = whatever the world size leaves after tp × pp."""
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_split: str = ""
-    """Layers per pipeline stage as a comma list (e.g. "3,3,2"); empty = balanced by cost."""
-    microbatches: int = 1
-    """Micro-batches per data-parallel rank per step (gradient accumulation and pipeline
-    micro-batches are one notion)."""
-    activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
     dp_shared_memory: bool = True
@@ -131,9 +121,10 @@ class ParallelConfig:
     """Hardware profile for ``auto``: a ``meshtrain calibrate`` JSON or a profile name; empty =
     ~/.cache/meshtrain/profile.json if present, else a quick measurement of this machine."""
 
-    def model_parallel_size(self) -> int:
-        """tp × pp: the ranks that together hold one replica of the model."""
-        return self.tp * self.pp
+    def layout(self) -> Layout:
+        """The layout this section describes, as a plain :class:`~meshtrain.layout.Layout`;
+        dp = 0 (auto, before :func:`meshtrain.validation.resolve_world` fills it) counts as 1."""
+        return dataclasses.replace(super().layout(), dp=max(self.dp, 1))
 
 
 @dataclass
@@ -264,12 +255,6 @@ class Config:
         config = cls()
         apply_mapping(config, data, origin)
         return config
-
-    def validate(self, world_size: int | None = None) -> int:
-        """Refuse impossible values (see :mod:`meshtrain.validation`); return the world size."""
-        from meshtrain.validation import validate_config
-
-        return validate_config(self, world_size)
 
 
 SECTION_NAMES = tuple(f.name for f in dataclasses.fields(Config))

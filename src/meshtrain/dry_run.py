@@ -241,9 +241,9 @@ def planner_estimate(config: Config, rank_coords: dict, measured: dict) -> dict:
     (:func:`meshtrain.planner.memory.rank_memory`, built as ``meshtrain estimate`` builds them)
     and the relative difference of the dry run's bytes from them."""
     from meshtrain.planner.memory import rank_memory
-    from meshtrain.planner.workload import Layout, Workload, stage_layers
+    from meshtrain.planner.workload import Workload, stage_layers
 
-    layout = Layout.from_config(config)
+    layout = config.parallel.layout()
     stage = rank_coords["pp"]
     layers = stage_layers(config.model.n_layers, layout.pp, layout.chunks_per_rank)[stage]
     est = rank_memory(Workload.from_config(config), layout, stage, layers, 0.0,

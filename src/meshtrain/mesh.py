@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 
-AXIS_ORDER = ("pp", "dp", "tp")
 STARTUP_TIMEOUT_S = 60.0
 """Least time to wait for every worker to join, whatever ``train.collective_timeout_s`` is."""
 
@@ -134,24 +133,9 @@ class ParallelMesh:
         return len(self._group_ranks[axis])
 
     @property
-    def is_first_stage(self) -> bool:
-        """True on the first pipeline stage (holds the embedding)."""
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        """True on the last pipeline stage (holds the head and computes the loss)."""
-        return self.pp_rank == self.pp - 1
-
-    @property
     def is_logging_rank(self) -> bool:
         """Rank 0 writes metrics and files."""
         return self.rank == 0
-
-    def describe(self) -> str:
-        """One line: degrees and this rank's coordinates."""
-        return (f"rank {self.rank}/{self.world_size}: pp {self.pp_rank}/{self.pp} dp "
-                f"{self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp} ep {self.ep_rank}/{self.ep}")
 
     # ---------------------------------------------------------------- RNG streams
     def rng_seed(self, stream: str, vary_along: Iterable[str] = ()) -> int:
@@ -172,10 +156,6 @@ class ParallelMesh:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(self.rng_seed(stream, vary_along))
         return gen
-
-    def seed_global_rng(self) -> None:
-        """Seed torch's default RNG so that implicit randomness is the same on every rank."""
-        torch.manual_seed(self.rng_seed("global"))
 
     # ---------------------------------------------------------------- lifecycle
     def barrier(self) -> None:

@@ -1,6 +1,6 @@
 """Checks of the environment a valid config will run in, before any worker starts.
 
-:func:`meshtrain.config.Config.validate` judges the config by itself; these checks look at the
+:func:`meshtrain.validation.validate_config` judges the config by itself; these checks look at the
 machine: that the run directory can be written, that every data file can be read, is not empty,
 and (for pre-tokenized ``.bin`` files) holds ids inside the tokenizer's vocabulary and at least one
 whole sample. Each failure is a :class:`~meshtrain.config.ConfigError` (exit 2) that names the path

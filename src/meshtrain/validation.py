@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 from meshtrain.config import (
-    ACTIVATION_CHECKPOINTING_KINDS,
     DEVICES,
     GRAD_REDUCE_DTYPES,
     LR_SCHEDULES,
@@ -18,16 +17,12 @@ from meshtrain.config import (
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
-    PP_SCHEDULES,
     PRECISIONS,
     Config,
     ConfigError,
 )
+from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
 
-# Parallel features are switched on here as they land; until then a degree above 1 is refused
-# clearly instead of silently running something else.
-IMPLEMENTED_AXES = {"dp", "tp", "pp", "ep"}
-MAX_ZERO_STAGE_IMPLEMENTED = 3
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
 MAX_LAYERS = 100_000  # sanity bound: a larger value is a typo, and splitting it would take minutes
 
@@ -146,18 +141,6 @@ def validate_parallel(config: Config) -> None:
     if par.grad_reduce_dtype == "bf16" and train.precision != "bf16":
         raise ConfigError("parallel.grad_reduce_dtype = bf16 needs train.precision = bf16 (fp32 "
                           "parameters keep fp32 gradients); valid here: fp32.")
-    for axis in ("tp", "pp", "ep"):
-        if getattr(par, axis) > 1 and axis not in IMPLEMENTED_AXES:
-            raise ConfigError(
-                f"parallel.{axis} = {getattr(par, axis)}: this version of meshtrain does not yet "
-                f"implement the {axis} axis; valid: parallel.{axis} = 1."
-            )
-    if par.zero > MAX_ZERO_STAGE_IMPLEMENTED:
-        raise ConfigError(
-            f"parallel.zero = {par.zero}: this version implements ZeRO stages up to "
-            f"{MAX_ZERO_STAGE_IMPLEMENTED}; valid: "
-            f"{', '.join(map(str, range(MAX_ZERO_STAGE_IMPLEMENTED + 1)))}."
-        )
     _at_least(par.ep_rebalance_every, 0, "parallel.ep_rebalance_every")
     if par.ep_rebalance_every > 0 and par.ep <= 1:
         raise ConfigError(

@@ -10,6 +10,7 @@ import sys
 
 from meshtrain.config import load_config
 from meshtrain.planner.auto import BUILTIN_CPU, choose_layout
+from meshtrain.validation import validate_config
 
 TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=64", "train.seq_len=16", "train.global_batch=8", "train.warmup_steps=0",
@@ -51,7 +52,7 @@ def test_auto_uses_the_given_profile_and_only_valid_layouts(tmp_path, capsys):
     assert choose_layout(config, 4) == 4
     par = config.parallel
     assert par.pp == 1 and par.dp * par.tp == 4
-    assert config.validate(4) == 4
+    assert validate_config(config, 4) == 4
     err = capsys.readouterr().err
     assert f"from parallel.auto_profile {profile}" in err and f"dp={par.dp} tp={par.tp}" in err
 

@@ -108,13 +108,13 @@ def test_grad_reduce_dtype_bf16_needs_bf16_precision():
 
 def test_planner_prices_fp32_gradients_of_bf16_runs():
     from meshtrain.planner.memory import rank_memory
-    from meshtrain.planner.workload import Layout, Workload
+    from meshtrain.planner.workload import Workload
 
     config = tiny_config(*BF16)
     default = Workload.from_config(config)
     halved = Workload.from_config(dataclasses.replace(
         config, parallel=dataclasses.replace(config.parallel, grad_reduce_dtype="bf16")))
-    layout = Layout.from_config(config)
+    layout = config.parallel.layout()
     layers = list(range(config.model.n_layers))
     a = rank_memory(default, layout, 0, layers, 1.0)
     b = rank_memory(halved, layout, 0, layers, 1.0)

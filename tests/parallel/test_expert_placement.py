@@ -20,6 +20,7 @@ from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.expert import ExpertParallelExperts
 from meshtrain.parallel.expert.move import param_segments
 from meshtrain.parallel.expert.placement import plan_placement, rank_loads
+from meshtrain.validation import validate_config
 from meshtrain.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
@@ -125,7 +126,7 @@ def test_rebalance_key_is_validated(overrides, fragment, capsys):
     from meshtrain.cli import main
 
     with pytest.raises(ConfigError, match=fragment):
-        load_config(None, overrides).validate(None)
+        validate_config(load_config(None, overrides), None)
     assert main(["train"] + [a for o in overrides for a in ("--set", o)]) == 2
     assert "Traceback" not in capsys.readouterr().err
     tiny_config(*MOE, "parallel.ep=2", "parallel.ep_rebalance_every=3", nproc=2)  # accepted

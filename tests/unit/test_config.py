@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import Config, ConfigError, load_config, set_key
+from meshtrain.validation import validate_config
 
 
 def _validated(*overrides: str, nproc: int | None = None) -> Config:
     config = load_config(None, overrides)
-    config.validate(nproc)
+    validate_config(config, nproc)
     return config
 
 

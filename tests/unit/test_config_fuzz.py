@@ -21,16 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshtrain.cli import main
-from meshtrain.config import (
-    ACTIVATION_CHECKPOINTING_KINDS,
-    LR_SCHEDULES,
-    MLP_KINDS,
-    PP_SCHEDULES,
-    Config,
-    ConfigError,
-    load_config,
-)
+from meshtrain.config import LR_SCHEDULES, MLP_KINDS, Config, ConfigError, load_config
+from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
 from meshtrain.parallel.pipeline.schedules import default_virtual_stages
+from meshtrain.validation import validate_config
 
 FIELDS = {f"{section.name}.{f.name}": typing.get_type_hints(type(getattr(Config(),
                                                                          section.name)))[f.name]
@@ -71,7 +65,7 @@ def _overrides(draw):
 def _validate_or_config_error(config_source) -> Config | None:
     try:
         config = config_source()
-        config.validate(None)
+        validate_config(config, None)
         return config
     except ConfigError as error:
         assert str(error).strip(), "a ConfigError needs a message"
@@ -83,7 +77,7 @@ def _validate_or_config_error(config_source) -> Config | None:
 def test_any_set_overrides_validate_or_raise_config_error(overrides, nproc):
     texts = [f"{key}={value}" for key, value in overrides]
     try:
-        load_config(None, texts).validate(nproc)
+        validate_config(load_config(None, texts), nproc)
     except ConfigError as error:
         assert str(error).strip()
     else:
@@ -154,7 +148,7 @@ def valid_configs(draw):
 @given(valid_configs())
 def test_valid_configs_validate(overrides):
     config = load_config(None, overrides)
-    assert config.validate(max(config.parallel.dp, 1)) == max(config.parallel.dp, 1)
+    assert validate_config(config, max(config.parallel.dp, 1)) == max(config.parallel.dp, 1)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True,
@@ -193,7 +187,7 @@ def test_known_invalid_values_exit_2_without_traceback(key, value, capsys):
     base = ["model.dim=32", "model.n_heads=4", "model.ffn_dim=64", "model.n_layers=4",
             "train.global_batch=8"]
     with pytest.raises(ConfigError):
-        load_config(None, [*base, f"{key}={value}"]).validate(None)
+        validate_config(load_config(None, [*base, f"{key}={value}"]), None)
     args = ["train"] + [a for o in (*base, f"{key}={value}") for a in ("--set", o)]
     assert main(args) == 2
     err = capsys.readouterr().err

@@ -17,8 +17,9 @@ from meshtrain.model import (
     init_weights,
     moe_layers,
 )
+from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.moe import MoE
-from meshtrain.model.transformer import FeedForward, apply_rope, rope_cos_sin
+from meshtrain.model.transformer import apply_rope, rope_cos_sin
 
 torch.set_num_threads(1)
 

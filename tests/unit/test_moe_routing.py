@@ -15,6 +15,7 @@ from meshtrain.model import build_model
 from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.expert import ExpertParallelExperts
 from meshtrain.training.moe_stats import summarize_loads
+from meshtrain.validation import validate_config
 from tests.helpers import tiny_config
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, ffn_dim=64, moe_experts=4,
@@ -147,4 +148,4 @@ def test_bad_expert_parallel_configs(overrides, fragment):
 def test_example_configs_are_valid(path):
     from meshtrain.config import load_config
 
-    assert load_config(path).validate() >= 1
+    assert validate_config(load_config(path)) >= 1

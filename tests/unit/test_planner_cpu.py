@@ -11,7 +11,8 @@ from meshtrain.planner.auto import BUILTIN_CPU
 from meshtrain.planner.calibrate import fit_latency_bandwidth
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster
-from meshtrain.planner.workload import Layout, Workload
+from meshtrain.planner.workload import Workload
+from meshtrain.validation import validate_config
 
 
 def test_per_process_rates_solo_shared_and_saturated():
@@ -37,8 +38,8 @@ def test_fit_recovers_latency_and_bandwidth():
 def _estimate(profile, *overrides, world=2):
     config = load_config(None, ["model.dim=256", "model.n_heads=8", "model.vocab_size=264",
                                 "train.global_batch=16", *overrides])
-    config.validate(world)
-    return estimate(Workload.from_config(config), Layout.from_config(config),
+    validate_config(config, world)
+    return estimate(Workload.from_config(config), config.parallel.layout(),
                     Cluster(profile, world, world))
 
 

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from meshtrain.config import ModelConfig
+from meshtrain.layout import Layout
 from meshtrain.planner.hardware import PROFILES, Cluster
 from meshtrain.planner.memory import layer_activation_bytes, zero_paper_model_states
 from meshtrain.planner.pipeline_model import pipeline_estimate
-from meshtrain.planner.workload import MESHTRAIN, Layout, Workload, stage_layers
+from meshtrain.planner.workload import MESHTRAIN, Workload, stage_layers
 
 P = 7.5e9
 

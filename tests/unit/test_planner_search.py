@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster, load_profile
 from meshtrain.planner.presets import preset_config
 from meshtrain.planner.search import plan
-from meshtrain.planner.workload import MEGATRON_2021, Layout, Workload
+from meshtrain.planner.workload import MEGATRON_2021, Workload
 
 # Narayanan et al. 2021 (SC21), Table 1: GPT, vocab 51200, seq 2048, A100, full recomputation.
 # (params B, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU)

@@ -16,6 +16,7 @@ from typing import Any
 
 from meshtrain.config import Config, ConfigError, parse_override, set_key
 from meshtrain.host_allocator import allocator_environment
+from meshtrain.validation import validate_config
 
 BENCH_DEFAULTS: dict[str, Any] = {
     "model.vocab_size": 512, "model.dim": 256, "model.n_layers": 4, "model.n_heads": 8,
@@ -136,7 +137,7 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
                           "checkpointing for now; valid: model.moe_experts = 0, "
                           'parallel.activation_checkpointing = "none".')
     suite.configure(config)
-    world = config.validate(suite.world_size)
+    world = validate_config(config, suite.world_size)
     if m.vocab_size == 0:
         from meshtrain.training.tokenizer import load_tokenizer
 

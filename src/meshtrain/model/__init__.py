@@ -6,10 +6,7 @@ Nothing here imports ``torch.distributed``; parallelism is applied from outside 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch import nn
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.init import count_parameters, flops_per_token, init_tensor, init_weights
@@ -17,28 +14,9 @@ from meshtrain.model.moe import MoE, moe_layers
 from meshtrain.model.transformer import Transformer
 
 
-@contextlib.contextmanager
-def skip_default_init():
-    """Build modules without PyTorch's default ``reset_parameters`` (every value is overwritten
-    by the name-seeded init anyway). On the meta device the default init's random ops pull in
-    ``torch._dynamo`` (~2 s per process); skipping them makes meta construction instant."""
-    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
-    for cls in saved:
-        cls.reset_parameters = _no_reset
-    try:
-        yield
-    finally:
-        for cls, method in saved.items():
-            cls.reset_parameters = method
-
-
-def _no_reset(self) -> None:
-    return None
-
-
 def meta_model(config: ModelConfig) -> Transformer:
     """The plain model on the meta device: shapes only, no memory, no initialisation."""
-    with torch.device("meta"), skip_default_init():
+    with torch.device("meta"):
         return Transformer(config)
 
 

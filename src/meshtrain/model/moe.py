@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import ModelConfig
-from meshtrain.model.transformer import FeedForward, MLPActivation
+from meshtrain.model.feed_forward import FeedForward, MLPActivation
 from meshtrain.model.weight_grad import expert_matmul
 
 

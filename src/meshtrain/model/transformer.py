@@ -23,6 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config import MLP_KINDS, ModelConfig
+from meshtrain.model.feed_forward import FeedForward
+from meshtrain.model.init import init_weights
+from meshtrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -146,43 +149,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-class MLPActivation(nn.Module):
-    """The parameter-free middle of an MLP: ``silu(gate) * up`` (swiglu) or ``gelu(h)``.
-
-    Its own module so selective activation checkpointing can wrap just this cheap part.
-    """
-
-    def __init__(self, mlp: str):
-        super().__init__()
-        if mlp not in MLP_KINDS:
-            raise ValueError(f"unknown mlp {mlp!r}; valid: {', '.join(MLP_KINDS)}")
-        self.mlp = mlp
-
-    def forward(self, h: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-        """``silu(h) * up`` for swiglu, ``gelu(h)`` for gelu."""
-        if self.mlp == "swiglu":
-            return F.silu(h) * up
-        return F.gelu(h)
-
-
-class FeedForward(nn.Module):
-    """Dense MLP: swiglu has ``w1`` (gate), ``w3`` (up), ``w2`` (down); gelu has ``w1``, ``w2``."""
-
-    def __init__(self, dim: int, hidden: int, mlp: str = "swiglu"):
-        super().__init__()
-        self.act = MLPActivation(mlp)
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        if mlp == "swiglu":
-            self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to ``x`` [..., dim]."""
-        if self.act.mlp == "swiglu":
-            return self.w2(self.act(self.w1(x), self.w3(x)))
-        return self.w2(self.act(self.w1(x)))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + mlp(norm(h))``.
 
@@ -192,8 +158,6 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, layer_id: int, config: ModelConfig):
         super().__init__()
-        from meshtrain.model.moe import MoE
-
         self.layer_id = layer_id
         self.is_moe = config.is_moe_layer(layer_id)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
@@ -236,7 +200,10 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown mlp {config.mlp!r}; valid: {', '.join(MLP_KINDS)}")
         self.config = config
         self.tie_embeddings = config.tie_embeddings
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # No default init (``nn.Embedding``'s normal_ on the meta device costs seconds of
+        # torch._dynamo import); init_weights sets every value.
+        self.tok_embeddings = nn.Embedding.from_pretrained(
+            torch.empty(config.vocab_size, config.dim), freeze=False)
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, config) for i in range(config.n_layers)}
         )
@@ -246,8 +213,6 @@ class Transformer(nn.Module):
         else:
             self.output = None
         if not any(p.is_meta for p in self.parameters()):
-            from meshtrain.model.init import init_weights
-
             init_weights(self, seed=0)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

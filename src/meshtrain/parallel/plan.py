@@ -1,9 +1,9 @@
 """``ParallelPlan``: the one contract between the planner (or a user) and the runtime.
 
 A plan is data. Hand-written, read from a config, or produced by the planner, it goes through the
-same :func:`meshtrain.parallel.parallelize`. It holds the degrees of every axis, how the step is
-scheduled, and the tensor-parallel sharding rules as (module-name pattern -> style) pairs, so the
-plain model never needs to know it is being split.
+same :func:`meshtrain.parallel.parallelize`. It is a :class:`~meshtrain.layout.Layout` (the
+degrees of every axis and how the step is scheduled) with the tensor-parallel sharding rules as
+(module-name pattern -> style) pairs, so the plain model never needs to know it is being split.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import Config
+from meshtrain.layout import Layout
 
 # How each module of the plain model is split under tensor parallelism (Megatron-LM's layout):
 # a TP region is entered once per sub-layer (attention, MLP, head), the first matmul of each pair
@@ -35,20 +36,10 @@ DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
 
 
 @dataclasses.dataclass
-class ParallelPlan:
-    """Degrees, schedule and sharding rules for one run."""
+class ParallelPlan(Layout):
+    """A :class:`~meshtrain.layout.Layout` (degrees and schedule) with what the runtime needs to
+    apply it: the sharding rules, bucket options, seed and dtypes."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatches: int = 1
-    pp_split: str = ""
-    activation_checkpointing: str = "none"
     dp_bucket_mb: float = 25.0
     dp_shared_memory: bool = True
     tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
@@ -63,20 +54,12 @@ class ParallelPlan:
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelPlan:
-        """The plan a config's ``[parallel]`` section describes (dp must already be resolved)."""
+        """The plan a config describes: the layout of its ``[parallel]`` section (dp must already
+        be resolved) and the runtime settings of ``[parallel]`` and ``[train]``."""
         par = config.parallel
-        return cls(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero,
-                   sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
-                   virtual_stages=par.virtual_stages, microbatches=par.microbatches,
-                   pp_split=par.pp_split,
-                   activation_checkpointing=par.activation_checkpointing,
+        return cls(**dataclasses.asdict(par.layout()),
                    dp_bucket_mb=par.dp_bucket_mb, dp_shared_memory=par.dp_shared_memory,
                    init_seed=config.train.seed,
                    param_dtype=config.train.precision,
-                   grad_dtype=config.parallel.grad_reduce_dtype,
+                   grad_dtype=par.grad_reduce_dtype,
                    compile_blocks=config.train.compile)
-
-    @property
-    def world_size(self) -> int:
-        """Processes the plan needs: dp × tp × pp."""
-        return self.dp * self.tp * self.pp

@@ -6,10 +6,11 @@ See ``docs/planner.md``. Entry points: :func:`meshtrain.planner.estimate.estimat
 :func:`meshtrain.planner.auto.choose_layout` (``train --set parallel.auto=true``).
 """
 
+from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster, HardwareProfile, load_profile
 from meshtrain.planner.search import plan
-from meshtrain.planner.workload import Layout, RuntimeTraits, Workload
+from meshtrain.planner.workload import RuntimeTraits, Workload
 
 __all__ = ["PROFILES", "Cluster", "HardwareProfile", "Layout", "RuntimeTraits", "Workload",
            "estimate", "load_profile", "plan"]

@@ -38,8 +38,9 @@ import os
 import sys
 
 from meshtrain.config import Config, ConfigError
+from meshtrain.layout import Layout
 from meshtrain.planner.hardware import PROFILES, Cluster, HardwareProfile, load_profile
-from meshtrain.planner.workload import Layout, Workload
+from meshtrain.planner.workload import Workload, layout_from_json
 
 BUILTIN_CPU = HardwareProfile(
     name="builtin-cpu", peak_tflops=0.02, memory_gb=4.0, hbm_gbps=5.0, matmul_efficiency=1.0,
@@ -110,13 +111,12 @@ def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareP
 
 
 def _candidate_config(config: Config, layout: Layout) -> Config:
+    """``config`` running ``layout``: its degrees and schedule, ``virtual_stages`` as the chunks
+    per rank the runtime's schedule takes (2 for zb-v); ``pp_split`` stays as configured."""
     candidate = copy.deepcopy(config)
-    par = candidate.parallel
-    par.dp, par.tp, par.pp, par.zero = layout.dp, layout.tp, layout.pp, layout.zero
-    par.microbatches, par.pp_schedule = layout.microbatches, layout.schedule
-    par.virtual_stages = layout.chunks_per_rank
-    par.sequence_parallel = layout.sequence_parallel
-    par.activation_checkpointing = layout.activation_checkpointing
+    values = {**dataclasses.asdict(layout.layout()), "virtual_stages": layout.chunks_per_rank,
+              "pp_split": config.parallel.pp_split}
+    candidate.parallel = dataclasses.replace(candidate.parallel, **values)
     return candidate
 
 
@@ -168,13 +168,14 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
                           for lay in layouts) if r["fits"]]
     priced.sort(key=lambda r: -r["tokens_per_s"])
-    front = [estimate(workload, Layout(**r["layout"]), cluster) for r in priced[:REPRICE_TOP]]
+    front = [estimate(workload, layout_from_json(r["layout"]), cluster)
+             for r in priced[:REPRICE_TOP]]
     front.sort(key=_rank_key)
     chosen: list[tuple] = []
     for result in front + priced[REPRICE_TOP:]:
         if chosen and _shape(result) == _shape(chosen[0][0]):
             continue
-        candidate = _candidate_config(config, Layout(**result["layout"]))
+        candidate = _candidate_config(config, layout_from_json(result["layout"]))
         if _valid(candidate):
             chosen.append((result, candidate))
             if len(chosen) == 2:
@@ -191,7 +192,7 @@ def describe(result: dict) -> str:
     text += f" zero={lay['zero']} microbatches={lay['microbatches']}"
     extras = []
     if lay["pp"] > 1:
-        chunks = Layout(**lay).chunks_per_rank
+        chunks = layout_from_json(lay).chunks_per_rank
         extras.append(lay["schedule"] + (f" v={chunks}" if chunks > 1 else ""))
     if lay["sequence_parallel"]:
         extras.append("sequence parallel")

@@ -73,10 +73,10 @@ def predicted_block_seconds(profile, batch: int | None = None) -> float:
     """The cost model's forward + backward seconds of the reference block on one process."""
     from meshtrain.planner.hardware import Cluster
     from meshtrain.planner.timing import block_cost
-    from meshtrain.planner.workload import Layout, Workload
+    from meshtrain.planner.workload import Workload
 
     config = _reference_config(batch)
-    return block_cost(Workload.from_config(config), Layout.from_config(config),
+    return block_cost(Workload.from_config(config), config.parallel.layout(),
                       Cluster(profile, 1, 1), 0).compute
 
 

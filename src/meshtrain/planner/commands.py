@@ -58,7 +58,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshtrain.planner.estimate import estimate
     from meshtrain.planner.hardware import Cluster, load_profile
     from meshtrain.planner.report import format_estimate
-    from meshtrain.planner.workload import Layout, Workload
+    from meshtrain.planner.workload import Workload
 
     path = args.config if args.config else default_config_path()
     config = load_config(path, args.overrides)
@@ -70,7 +70,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--gpus {world} is not a multiple of tp × pp = "
                               f"{par.tp * par.pp}.")
         par.dp = world // (par.tp * par.pp) if world else 1
-    layout = Layout.from_config(config)
+    layout = config.parallel.layout()
     gpus = args.gpus or layout.world_size
     if gpus != layout.world_size:
         raise ConfigError(f"dp × tp × pp = {layout.world_size} does not equal --gpus {gpus}; "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from meshtrain.config import Config, load_config
 from meshtrain.planner.hardware import Cluster, HardwareProfile
+from meshtrain.validation import validate_config
 
 LAYOUTS: dict[str, tuple[list[str], int]] = {
     "1 process": ([], 1),
@@ -44,7 +45,7 @@ def small_config(extra: list[str], world: int, dim: int = 128, layers: int = 4, 
         "train.warmup_steps=0", "train.threads_per_worker=1", "data.max_bytes=200000",
         f"train.run_dir={run_dir or os.path.join(tempfile.gettempdir(), 'meshtrain-cpu-check')}",
         *extra])
-    config.validate(world)
+    validate_config(config, world)
     return config
 
 
@@ -66,9 +67,9 @@ def measure(config: Config, world: int, steps: int, warmup: int = 1) -> list[flo
 def predict(config: Config, world: int, profile: HardwareProfile) -> dict:
     """The planner's estimate of ``config``'s layout on ``world`` one-thread processes."""
     from meshtrain.planner.estimate import estimate
-    from meshtrain.planner.workload import Layout, Workload
+    from meshtrain.planner.workload import Workload
 
-    return estimate(Workload.from_config(config), Layout.from_config(config),
+    return estimate(Workload.from_config(config), config.parallel.layout(),
                     Cluster(profile, world, max(world, 1)))
 
 

@@ -22,12 +22,13 @@ FLOPs add what activation checkpointing recomputes.
 
 from __future__ import annotations
 
+from meshtrain.layout import Layout
 from meshtrain.model.init import count_parameters, flops_per_token
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, rank_memory, stage_params
 from meshtrain.planner.pipeline_model import pipeline_estimate
 from meshtrain.planner.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
-from meshtrain.planner.workload import Layout, Workload, check_layout, stage_layers
+from meshtrain.planner.workload import Workload, check_layout, layout_to_json, stage_layers
 
 STEP_SYNCS_PER_AXIS = 3
 """Small latency-bound all-reduces per step on every axis of size > 1: the gradient norm's
@@ -137,7 +138,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                   + costs[r].ep_comm)
     c = costs[slowest]
 
-    b = lay.micro_batch_size(workload)
+    b = lay.micro_batch_size(workload.global_batch)
     boundary = b * workload.seq_len * model.dim * workload.act_bytes
     if lay.sequence_parallel or (workload.traits.pp_scatter_gather and lay.tp > 1):
         boundary /= lay.tp
@@ -149,8 +150,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     f = c.forward + comm_f
     bi = c.backward_input + c.recompute + comm_b
     w = c.backward_weight
-    pipe = pipeline_estimate(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages, f, bi, w,
-                             use_simulator)
+    pipe = pipeline_estimate(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual_stages, f,
+                             bi, w, use_simulator)
     unit = f + bi + w
     pipelined = pipe.makespan_units * unit if lay.pp > 1 else lay.microbatches * unit
     bubble = (pipelined - lay.microbatches * unit) * _fill_drain_speedup(lay, cluster)
@@ -195,7 +196,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "params": total_params,
         "active_params": active_params,
         "gpus": gpus,
-        "layout": lay.to_dict(),
+        "layout": layout_to_json(lay),
         "micro_batch_size": b,
         "tokens_per_step": tokens,
         "per_rank": [mem.to_dict() for mem in memory],

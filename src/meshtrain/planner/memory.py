@@ -35,8 +35,9 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import ModelConfig
+from meshtrain.layout import Layout
 from meshtrain.model.init import _attention_params, _mlp_params
-from meshtrain.planner.workload import Layout, Workload
+from meshtrain.planner.workload import Workload
 
 GB = 1e9
 
@@ -125,7 +126,7 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
 def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
                            mode: str | None = None) -> float:
     """Bytes one block saves for backward for one micro-batch on one rank."""
-    b = layout.micro_batch_size(workload)
+    b = layout.micro_batch_size(workload.global_batch)
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
                                    workload.traits.flash_attention, mode)
     return units * workload.seq_len * b * workload.model.dim * workload.act_bytes / 2
@@ -174,7 +175,7 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
              if n]
     per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
     activations = per_mb * inflight
-    b, s = lay.micro_batch_size(workload), workload.seq_len
+    b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
     if lay.activation_checkpointing == "full" and kinds:
         activations += max(layer_activation_bytes(workload, lay, layer, "none")
                            for _, layer in kinds)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import ConfigError
+from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, model_state_bytes
-from meshtrain.planner.workload import Layout, Workload
+from meshtrain.planner.workload import Workload, layout_from_json
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
@@ -70,7 +71,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                             for ckpt in checkpointing:
                                 layouts.append(Layout(
                                     dp=dp, tp=tp, pp=pp, ep=ep, zero=zero,
-                                    sequence_parallel=tp > 1, schedule=schedule,
+                                    sequence_parallel=tp > 1, pp_schedule=schedule,
                                     virtual_stages=v, microbatches=m,
                                     activation_checkpointing=ckpt))
     return layouts
@@ -130,7 +131,7 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
     results = [estimate(workload, lay, cluster, energy, use_simulator=False) for lay in layouts]
     feasible = sorted((r for r in results if r["fits"]), key=lambda r: -r["tokens_per_s"])
     # Re-price the front runners with the schedule simulator (closed forms ranked them).
-    front = [estimate(workload, Layout(**r["layout"]), cluster, energy)
+    front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy)
              for r in feasible[:3 * top]]
     feasible = sorted((r for r in front if r["fits"]), key=lambda r: -r["tokens_per_s"])
     rows = [candidate_row(r) for r in feasible[:top]]
@@ -179,7 +180,7 @@ def smallest_feasible_gpus(workload: Workload, cluster: Cluster,
         bigger = Cluster(cluster.profile, gpus, cluster.gpus_per_node)
         layouts = enumerate_layouts(workload, bigger, micro_batch_sizes=(1,),
                                     checkpointing=("full",), zero_stages=(1, 3))
-        layouts = [lay for lay in layouts if lay.schedule == "1f1b"]
+        layouts = [lay for lay in layouts if lay.pp_schedule == "1f1b"]
         fits = [r for r in (estimate(workload, lay, bigger, use_simulator=False)
                             for lay in layouts) if r["fits"]]
         if fits:

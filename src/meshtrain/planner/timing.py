@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import ModelConfig
+from meshtrain.layout import Layout
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import layer_activation_bytes
-from meshtrain.planner.workload import Layout, Workload
+from meshtrain.planner.workload import Workload
 
 FLASH_BACKWARD_RATIO = 2.5
 """FlashAttention backward time over forward (FlashAttention-2 paper, Dao 2023)."""
@@ -107,7 +108,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     """Cost of one micro-batch through block ``layer`` on one rank."""
     model, lay, traits = workload.model, layout, workload.traits
     clock = GemmClock(cluster, workload.act_bytes)
-    b, s = lay.micro_batch_size(workload), workload.seq_len
+    b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
     tokens = b * s
     heads = model.n_heads / lay.tp
     cost = BlockCost()
@@ -165,7 +166,7 @@ def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost
     """The LM head and loss on the last stage, one micro-batch."""
     model = workload.model
     clock = GemmClock(cluster, workload.act_bytes)
-    tokens = layout.micro_batch_size(workload) * workload.seq_len
+    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len
     vocab = model.vocab_size / layout.tp
     one = clock.gemm(tokens, vocab, model.dim)
     loss = clock.stream(3 * tokens * vocab * 4, kernels=3)  # fp32 softmax / cross-entropy
@@ -187,6 +188,6 @@ def embedding_tp_cost(workload: Workload, layout: Layout, cluster: Cluster) -> f
     parallelism, same bus bytes per rank) on the first stage, one micro-batch."""
     if layout.tp == 1:
         return 0.0
-    tokens = layout.micro_batch_size(workload) * workload.seq_len
+    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len
     return cluster.collective_time("all_reduce", tokens * workload.model.dim
                                    * workload.act_bytes, layout.tp, 1)

@@ -3,15 +3,17 @@
 :class:`Workload` is the model shape with the step's batch and precision; :class:`RuntimeTraits`
 says what the training runtime does (fused attention, overlapped gradient reduction, ...), so the
 same cost model prices meshtrain and, for validation against published numbers, Megatron-LM as it
-ran in 2021. :class:`Layout` is one choice of parallel degrees and schedule; :func:`check_layout`
-refuses a layout the shapes cannot take, with a message naming what would work.
+ran in 2021. A candidate is a :class:`~meshtrain.layout.Layout` (parallel degrees and schedule,
+the same class a run config's ``[parallel]`` section is); :func:`check_layout` refuses a layout
+the shapes cannot take, with a message naming what would work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.config import PP_SCHEDULES, Config, ConfigError, ModelConfig
+from meshtrain.config import Config, ConfigError, ModelConfig
+from meshtrain.layout import PP_SCHEDULES, Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,49 +76,25 @@ class Workload:
                    config.train.precision, traits)
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Parallel degrees and schedule of one candidate (the planner's ``ParallelPlan`` fields)."""
+LAYOUT_JSON_FIELDS = ("dp", "tp", "pp", "ep", "zero", "sequence_parallel", "schedule",
+                      "virtual_stages", "microbatches", "activation_checkpointing")
+"""The keys of an estimate's ``layout`` (``meshtrain estimate --json``): the
+:class:`~meshtrain.layout.Layout` fields the cost model prices, ``schedule`` being
+``pp_schedule`` (stages are balanced by :func:`stage_layers`, so ``pp_split`` is not priced)."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatches: int = 1
-    activation_checkpointing: str = "none"
 
-    @property
-    def world_size(self) -> int:
-        """Processes the layout needs: dp × tp × pp."""
-        return self.dp * self.tp * self.pp
+def layout_to_json(layout: Layout) -> dict:
+    """The JSON form of ``layout`` in an estimate (keys :data:`LAYOUT_JSON_FIELDS`)."""
+    values = dataclasses.asdict(layout.layout())
+    values["schedule"] = values.pop("pp_schedule")
+    return {key: values[key] for key in LAYOUT_JSON_FIELDS}
 
-    @property
-    def chunks_per_rank(self) -> int:
-        """Model chunks each pipeline rank holds (virtual stages; 2 for zb-v)."""
-        if self.schedule == "interleaved-1f1b":
-            return self.virtual_stages
-        return 2 if self.schedule == "zb-v" else 1
 
-    def micro_batch_size(self, workload: Workload) -> int:
-        """Sequences per micro-batch on one data-parallel rank."""
-        return workload.global_batch // (self.dp * self.microbatches)
-
-    def to_dict(self) -> dict:
-        """Plain dict (JSON)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_config(cls, config: Config) -> Layout:
-        """The layout a config's ``[parallel]`` section describes (dp already resolved)."""
-        par = config.parallel
-        return cls(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep, zero=par.zero,
-                   sequence_parallel=par.sequence_parallel, schedule=par.pp_schedule,
-                   virtual_stages=par.virtual_stages, microbatches=par.microbatches,
-                   activation_checkpointing=par.activation_checkpointing)
+def layout_from_json(data: dict) -> Layout:
+    """The :class:`~meshtrain.layout.Layout` an estimate's ``layout`` dict describes."""
+    values = {key: data[key] for key in LAYOUT_JSON_FIELDS}
+    values["pp_schedule"] = values.pop("schedule")
+    return Layout(**values)
 
 
 def stage_layers(n_layers: int, pp: int, chunks: int) -> list[list[int]]:
@@ -140,8 +118,8 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     for key in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
         if getattr(lay, key) < 1:
             raise ConfigError(f"parallel.{key} = {getattr(lay, key)} must be at least 1.")
-    if lay.schedule not in PP_SCHEDULES:
-        raise ConfigError(f'parallel.pp_schedule = "{lay.schedule}"; choose one of '
+    if lay.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f'parallel.pp_schedule = "{lay.pp_schedule}"; choose one of '
                           f"{', '.join(PP_SCHEDULES)}.")
     if not 0 <= lay.zero <= 3:
         raise ConfigError(f"parallel.zero = {lay.zero} is not a ZeRO stage; valid: 0-3.")
@@ -157,7 +135,7 @@ def check_layout(workload: Workload, layout: Layout) -> None:
         raise ConfigError(f"parallel.pp = {lay.pp} with {lay.chunks_per_rank} chunk(s) per rank "
                           f"needs at least {lay.pp * lay.chunks_per_rank} layers; the model has "
                           f"{m.n_layers}.")
-    if lay.schedule == "interleaved-1f1b" and lay.pp > 1 and lay.microbatches % lay.pp:
+    if lay.pp_schedule == "interleaved-1f1b" and lay.pp > 1 and lay.microbatches % lay.pp:
         raise ConfigError(f"interleaved-1f1b needs microbatches ({lay.microbatches}) to be a "
                           f"multiple of pp ({lay.pp}).")
     if lay.ep > 1:

@@ -12,11 +12,11 @@ What an evaluation does on every layout: forwards under ``torch.no_grad`` (no gr
 optimizer, no data-position change), through the same model and loss as training — the
 vocab-parallel cross-entropy under tp, a forward-only schedule over the training schedule's stage
 placement under pp (:func:`meshtrain.parallel.pipeline.schedules.forward_only`), ZeRO-3's
-gather/free hooks (re-sharded afterwards). MoE layers route as in training but leave the step's
-load statistics alone (so balancing and ``metrics.jsonl``'s ``moe`` are untouched); the MoE aux
-loss is not part of ``eval_loss``. The result is ``eval_loss`` = summed token cross-entropy over
-every evaluated target token divided by their number (all ranks), and ``eval_ppl`` =
-``exp(eval_loss)``.
+gather/free hooks (each block freed again after its forward). MoE layers route as in training
+but leave the step's load statistics alone (so balancing and ``metrics.jsonl``'s ``moe`` are
+untouched); the MoE aux loss is not part of ``eval_loss``. The result is ``eval_loss`` = summed
+token cross-entropy over every evaluated target token divided by their number (all ranks), and
+``eval_ppl`` = ``exp(eval_loss)``.
 """
 
 from __future__ import annotations
@@ -115,9 +115,6 @@ class Evaluator:
         finally:
             for layer in layers:
                 layer.record_step_stats = True
-            gatherer = getattr(trainer.engine, "gatherer", None)
-            if gatherer is not None:
-                gatherer.reshard()
         totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64,
                                                      device=trainer.device)])
         trainer.mesh.comm("dp").all_reduce(totals)

@@ -117,11 +117,3 @@ class ParameterGatherer:
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
         self._free(bucket)
-
-    def reshard(self) -> None:
-        """Free every gathered bucket (after a forward without backward, e.g. evaluation)."""
-        for bucket in self.engine.buckets:
-            if bucket.index in self._handles:
-                self._wait(bucket)
-            if bucket.index in self._gathered:
-                self._free(bucket)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from meshtrain.config import PP_SCHEDULES, ConfigError
+from meshtrain.config import ConfigError
+from meshtrain.layout import PP_SCHEDULES
 from meshtrain.parallel.pipeline.schedule import (
     Action,
     ActionKind,
