@@ -13,7 +13,6 @@ from meshtrain.training.builtin_corpus import builtin_corpus_texts
 from meshtrain.training.data import (
     GlobalBatchSampler,
     PackedDataset,
-    TrainData,
     find_source_files,
     load_token_stream,
     write_token_bin,
@@ -24,6 +23,7 @@ from meshtrain.training.tokenizer import (
     load_tokenizer,
     tokenizer_vocab_size,
 )
+from meshtrain.training.train_data import TrainData
 
 EOS = 256
 

@@ -1,7 +1,7 @@
 """The PyTorch-native peers meshtrain is measured against, each a plain training loop.
 
 Every peer trains the bench shape on the same data as meshtrain (the same
-:class:`~meshtrain.training.data.TrainData` sequences at every step, the same micro-batching),
+:class:`~meshtrain.training.train_data.TrainData` sequences at every step, the same micro-batching),
 from the same initial weights, with ``torch.optim.AdamW(fused=True)`` (the fastest AdamW torch
 has on the device; ``foreach=True`` where torch has no fused kernel for it) using meshtrain's
 hyper-parameters, weight-decay grouping (matrices only), learning-rate schedule and global-norm
@@ -154,10 +154,10 @@ def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_
 
 
 def train_data(config: Config, rank: int = 0, world: int = 1):
-    """The :class:`~meshtrain.training.data.TrainData` that meshtrain's data-parallel rank
+    """The :class:`~meshtrain.training.train_data.TrainData` that meshtrain's data-parallel rank
     ``rank`` of ``world`` reads (micro-batches as ``parallel.microbatches`` says)."""
-    from meshtrain.training.data import TrainData
     from meshtrain.training.tokenizer import load_tokenizer
+    from meshtrain.training.train_data import TrainData
 
     return TrainData(config.data, config.train, load_tokenizer(config.data.tokenizer),
                      dp_rank=rank, dp_size=world, microbatches=config.parallel.microbatches)

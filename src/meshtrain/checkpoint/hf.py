@@ -292,10 +292,9 @@ def _open_weights_source(path: Path):
     try:
         kind, directory, doc = _classify(path)
     except ConfigError as not_weights:
-        from meshtrain import checkpoint
+        from meshtrain.checkpoint.reader import read_checkpoint_tensors as reader
 
-        reader = getattr(checkpoint, "read_checkpoint_tensors", None)
-        if reader is None or not path.is_dir():
+        if not path.is_dir():
             raise
         try:  # a distributed training checkpoint
             config, tensors = reader(path)

@@ -34,7 +34,7 @@ from meshtrain.training.data import PackedDataset, load_token_stream, rank_micro
 
 def held_out_tokens(data_cfg, tokenizer, held_out, cache_dir=None):
     """The evaluation stream: ``data.valid_source`` tokenized like the training source, or the
-    tail :class:`~meshtrain.training.data.TrainData` held out (``data.valid_fraction``); None
+    tail :class:`~meshtrain.training.train_data.TrainData` held out (``data.valid_fraction``); None
     when neither is set (a :class:`~meshtrain.data.shards.TokenShards`)."""
     if data_cfg.valid_source:
         import dataclasses

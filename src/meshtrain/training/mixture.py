@@ -24,6 +24,12 @@ from torch import Tensor
 
 from meshtrain.config import ConfigError
 from meshtrain.data.shards import TokenShards
+from meshtrain.training.data import (
+    PackedDataset,
+    hold_out_tail,
+    load_token_stream,
+    rank_microbatches,
+)
 
 
 class MixedDataset:
@@ -113,8 +119,6 @@ class MixtureSampler:
 
     def local_microbatch_indices(self, step: int) -> list[list[int]]:
         """This rank's share of step ``step``, split into ``microbatches`` equal lists."""
-        from meshtrain.training.data import rank_microbatches
-
         return rank_microbatches(self.global_indices(step), self.dp_rank, self.dp_size,
                                  self.microbatches)
 
@@ -156,8 +160,6 @@ def mixture_data(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, mic
                                           MixtureSampler]:
     """``(training tokens, held-out tokens, dataset, sampler)`` of ``data.sources``: each source
     loaded as ``data.source`` would be, its tail held out under ``data.valid_fraction``."""
-    from meshtrain.training.data import PackedDataset, hold_out_tail, load_token_stream
-
     datasets, train_parts, held_parts, names = [], [], [], []
     for item in data_cfg.sources:
         single = dataclasses.replace(data_cfg, source=item["path"], sources=[])

@@ -1,12 +1,12 @@
 """Micro-batches prepared one step ahead and copied to the device without blocking.
 
-:class:`BatchPrefetcher` wraps a :class:`~meshtrain.training.data.TrainData`. While step k runs,
-:meth:`BatchPrefetcher.prefetch` builds step k+1's micro-batches on the host (sampling, slicing),
-pins them on CUDA and starts their copies with ``non_blocking=True`` on the current stream, so
-the copies are ordered before step k+1's kernels and overlap step k's tail. On CPU the batches
-stay where they are (``.to`` of a CPU tensor to the CPU is free). The sampler itself advances
-only when a step *takes* its batch, so the data position saved in a checkpoint is unchanged.
-"""
+:class:`BatchPrefetcher` wraps a :class:`~meshtrain.training.train_data.TrainData`. While step k
+runs, :meth:`BatchPrefetcher.prefetch` builds step k+1's micro-batches on the host (sampling,
+slicing), pins them on CUDA and starts their copies with ``non_blocking=True`` on the current
+stream, so the copies are ordered before step k+1's kernels and overlap step k's tail. On CPU the
+batches stay where they are (``.to`` of a CPU tensor to the CPU is free). The sampler itself
+advances only when a step *takes* its batch, so the data position saved in a checkpoint is
+unchanged."""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training import timing
-from meshtrain.training.data import TrainData
 from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
@@ -47,6 +46,7 @@ from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradien
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.prefetch import BatchPrefetcher
 from meshtrain.training.tokenizer import load_tokenizer
+from meshtrain.training.train_data import TrainData
 
 IGNORE_INDEX = -100
 
