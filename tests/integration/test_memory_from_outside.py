@@ -15,7 +15,12 @@ import time
 import pytest
 import torch
 
-from meshtrain.bench.memory_peak import LARGE_MODEL, _status_kb, excess_over_tiny
+from meshtrain.bench.memory_peak import (
+    LARGE_MODEL,
+    _status_kb,
+    excess_over_tiny,
+    measure_train_peaks,
+)
 from meshtrain.config import ModelConfig
 from meshtrain.model.transformer import Transformer
 from meshtrain.planner.memory import model_state_bytes
@@ -73,3 +78,33 @@ def test_cpu_peak_bytes_is_the_kernel_high_water_mark():
     before, after, vmhwm = map(int, out.stdout.split())
     assert after - before >= 120 * MIB
     assert after == vmhwm
+
+
+#: pp 2 with 8 MiB activation messages (micro-batch 64 x seq 128 x dim 256, fp32) and little
+#: compute per micro-batch, so what the executor keeps per micro-batch shows in VmHWM.
+_PIPELINE_RUN = ["model.dim=256", "model.n_layers=2", "model.n_heads=4", "model.ffn_dim=256",
+                 "model.n_kv_heads=0", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                 "train.steps=1", "train.seq_len=128", "train.precision=fp32",
+                 "train.warmup_steps=0", "train.device=cpu", "checkpoint.every=0",
+                 "train.eval_every=0"]
+
+
+def test_pipeline_peak_does_not_grow_with_microbatches(tmp_path, monkeypatch):
+    """1F1B keeps at most pp micro-batches in flight, so its peak must not grow with the
+    micro-batch count: 16 micro-batches of the same size peak within 4 activation messages of 2
+    (keeping each micro-batch's received and sent buffers to the end of the step adds ~28).
+
+    Blocks of 1 MiB and more are mapped (``MALLOC_MMAP_THRESHOLD_``), so the peak is what the
+    executor keeps alive: under meshtrain's default 32 MiB threshold the heap's fragmentation
+    grows with the step's length on its own (docs/parallelism.md, "Memory measured from
+    outside")."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
+    message = 64 * 128 * 256 * 4
+    peaks = {}
+    for m in (2, 16):
+        run = _PIPELINE_RUN + [f"parallel.microbatches={m}", f"train.global_batch={64 * m}"]
+        peaks[m] = measure_train_peaks(run, 2, tmp_path / f"m{m}")["peaks"]
+    growth = [big - small for big, small in zip(peaks[16], peaks[2], strict=True)]
+    assert max(growth) <= 4 * message, (
+        f"peak growth from 2 to 16 micro-batches per rank, MiB: "
+        f"{[round(g / MIB) for g in growth]} (bound {4 * message / MIB:.0f})")

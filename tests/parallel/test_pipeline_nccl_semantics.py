@@ -63,18 +63,23 @@ def _semantics(value: str):
 
 @contextlib.contextmanager
 def _gloo_only_placement():
-    """Build schedules with communication placed as gloo tolerates (tests.helpers), and skip
-    the static checks that reject them: what the runtime did before NCCL's rules were kept."""
+    """Build schedules with communication placed as gloo tolerates (tests.helpers), skip the
+    static checks that reject them, and keep every exchange in flight until the step ends: what
+    the runtime did before NCCL's rules were kept."""
     import meshtrain.parallel.pipeline as pipeline
     from meshtrain.parallel.pipeline import schedules
+    from meshtrain.parallel.pipeline.executor import PipelineExecutor
 
-    saved = schedules.add_communication, pipeline.check_schedule
+    saved = (schedules.add_communication, pipeline.check_schedule,
+             PipelineExecutor.__dict__["_finish_previous_exchanges"])
     schedules.add_communication = adjacent_communication
     pipeline.check_schedule = lambda schedule: None
+    PipelineExecutor._finish_previous_exchanges = staticmethod(lambda in_flight: in_flight)
     try:
         yield
     finally:
-        schedules.add_communication, pipeline.check_schedule = saved
+        (schedules.add_communication, pipeline.check_schedule,
+         PipelineExecutor._finish_previous_exchanges) = saved
 
 
 def train_untagged(config_dicts: list[dict], steps: int, semantics: str = "tagged"):

@@ -6,11 +6,16 @@ activations and gradients have shapes known in advance (``[micro-batch, seq, dim
 sequence divided by tp under sequence parallelism), so no shape handshake precedes a transfer.
 Each run of consecutive send/recv actions is one exchange, posted together
 (``batch_isend_irecv``) through :class:`~.p2p.Exchanger`; a received tensor's exchange is waited
-for right before the compute that consumes it, and every exchange by the end of the step (sent
-buffers kept alive until then). The schedules put messages in the same order on both sides of
-every pair and place exchanges so they complete even when sends wait for their receives
-(:mod:`.message_order`), so this is correct under NCCL's untagged, in-order matching; tags
-(:mod:`.p2p`'s default ``tagged`` semantics) are a second guard on gloo only.
+for right before the compute that consumes it, and the whole exchange before the next one is
+posted (as NCCL's stream orders them), which frees the buffers it sends (a backend's work handle
+keeps its tensor until then); the last exchange is waited for at the end of the step. A stage's
+input and its gradient are dropped once the backward that produced the gradient has handed it
+on, so a rank holds the activations of the micro-batches in flight, not of every micro-batch of
+the step. The schedules put messages in
+the same order on both sides of every pair and place exchanges so they complete even when sends
+wait for their receives (:mod:`.message_order`), so this is correct under NCCL's untagged,
+in-order matching; tags (:mod:`.p2p`'s default ``tagged`` semantics) are a second guard on gloo
+only.
 
 Zero-bubble split: ``I`` runs the stage's backward once, with the linear layers' weight gradients
 deferred (:mod:`meshtrain.model.weight_grad`): input gradients flow, every matmul stashes its
@@ -85,6 +90,7 @@ class PipelineExecutor:
         self.events = []
         for _, item in exchanges(self.schedule.actions[self.pp_rank]):
             if isinstance(item, list):
+                in_flight = self._finish_previous_exchanges(in_flight)
                 in_flight.append(self._post(item, outputs, grads_in, received))
                 continue
             action, mb, s, kind = item, item.microbatch, item.stage, item.kind
@@ -106,12 +112,24 @@ class PipelineExecutor:
             _wait(handles)
         return loss_total
 
+    @staticmethod
+    def _finish_previous_exchanges(in_flight: list) -> list:
+        """Wait for the exchanges posted so far, before the next one is posted; returns what is
+        still in flight (nothing). NCCL runs a communicator's exchanges one after another on its
+        stream, so the previous exchange has completed before the next one starts: waiting here
+        adds no dependency a cluster does not have, and it frees the tensors the exchanges sent,
+        which the backend's work handles keep alive until they are waited for (gloo's report no
+        completion before that)."""
+        for handles, _ in in_flight:
+            _wait(handles)
+        return []
+
     def _post(self, batch: list[Action], outputs, grads_in, received) -> tuple[list, list]:
         """Post one exchange; returns its work handles and the tensors it sends or fills (kept
-        alive until the end of the step). Each receive is registered in ``received`` with the
-        handles to wait for right before the compute that consumes it: its own handle where the
-        backend gives one per operation (gloo), the batch's where it coalesces them (NCCL: one
-        handle for the group, which completes as a whole)."""
+        alive until the exchange has completed). Each receive is registered in
+        ``received`` with the handles to wait for right before the compute that consumes it: its
+        own handle where the backend gives one per operation (gloo), the batch's where it
+        coalesces them (NCCL: one handle for the group, which completes as a whole)."""
         ops, keep = [], []
         for action in batch:
             kind, mb, s = message_of(action)
@@ -155,17 +173,17 @@ class PipelineExecutor:
         outputs[(mb, s)] = out
         return torch.zeros((), device=self.device)
 
-    def _grad_of_output(self, mb, s, grads_out, inputs) -> torch.Tensor | None:
+    def _grad_of_output(self, mb, s, grads_out, grads_in) -> torch.Tensor | None:
         if s == self.schedule.last_stage:
             return None  # the output is the loss itself
         if (mb, s) in grads_out:
             return grads_out[(mb, s)]
-        return grads_in_memory(inputs, mb, s + 1)
+        return grads_in_memory(grads_in, mb, s + 1)
 
-    def _roots(self, mb, s, outputs, grads_out, inputs) -> tuple[list, list]:
+    def _roots(self, mb, s, outputs, grads_out, grads_in) -> tuple[list, list]:
         """The tensors to backpropagate from (stage output, plus its aux term) and their grads."""
         roots = [outputs[(mb, s)]]
-        grads = [self._grad_of_output(mb, s, grads_out, inputs)]
+        grads = [self._grad_of_output(mb, s, grads_out, grads_in)]
         if (mb, s) in self._aux:
             roots.append(self._aux[(mb, s)])
             grads.append(None)
@@ -174,8 +192,8 @@ class PipelineExecutor:
     def _backward_input(self, mb, s, full, inputs, outputs, grads_out, grads_in) -> None:
         """``B`` (``full``): the whole backward. ``I``: the same backward with the linear
         layers' weight gradients deferred to this micro-batch's W queue; the graph is freed."""
-        roots, grads = self._roots(mb, s, outputs, grads_out, inputs)
-        x = inputs.get((mb, s))
+        roots, grads = self._roots(mb, s, outputs, grads_out, grads_in)
+        x = inputs.pop((mb, s), None)
         if full:
             torch.autograd.backward(roots, grads)
         else:
@@ -224,11 +242,12 @@ def _arrived(entry: tuple[torch.Tensor, list]) -> torch.Tensor:
     return buf
 
 
-def grads_in_memory(inputs: dict, mb: int, next_stage: int) -> torch.Tensor:
-    """Gradient w.r.t. the input of ``next_stage`` computed on this same rank."""
-    x = inputs[(mb, next_stage)]
-    if x.grad is None:
+def grads_in_memory(grads_in: dict, mb: int, next_stage: int) -> torch.Tensor:
+    """Gradient w.r.t. the input of ``next_stage`` computed on this same rank (taken: the
+    consumer is its only reader)."""
+    grad = grads_in.pop((mb, next_stage), None)
+    if grad is None:
         raise RuntimeError(f"gradient of micro-batch {mb} at stage {next_stage} is not ready; "
                            f"the schedule ran a backward before its successor's")
-    return x.grad
+    return grad
 
