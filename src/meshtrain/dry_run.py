@@ -177,6 +177,34 @@ def derived_collectives(dry: DryRank, why: str) -> dict:
                       f"collectives not included", "axes": axes}
 
 
+def pipeline_message_peak(schedule, rank: int) -> int:
+    """The most message buffers :class:`~meshtrain.parallel.pipeline.executor.PipelineExecutor`
+    holds at once on ``rank``: a received activation or gradient from its exchange until the
+    backward that consumes it, a sent input gradient until the next exchange is posted (sent
+    activations are the stage outputs themselves, no extra buffer)."""
+    from meshtrain.parallel.pipeline.message_order import exchanges, message_of
+    from meshtrain.parallel.pipeline.schedule import ActionKind
+
+    live: set[tuple] = set()
+    sent: set[tuple] = set()
+    peak = 0
+    for _, item in exchanges(schedule.actions[rank]):
+        if isinstance(item, list):
+            live -= sent  # the previous exchange is waited for before this one is posted
+            sent = set()
+            for action in item:
+                if action.kind.is_recv:
+                    live.add(("recv", *message_of(action)))
+                elif action.kind is ActionKind.SEND_GRAD:
+                    sent.add(("send", *message_of(action)))
+            live |= sent
+            peak = max(peak, len(live))
+        elif item.kind in (ActionKind.B, ActionKind.I):
+            mb, s = item.microbatch, item.stage
+            live -= {("recv", "act", mb, s - 1), ("recv", "grad", mb, s + 1)}
+    return peak
+
+
 def memory(dry: DryRank) -> dict:
     """Bytes this rank holds and allocates, read off the built objects.
 
@@ -186,8 +214,8 @@ def memory(dry: DryRank) -> dict:
     reduction staging (autograd's gradients before their hook, and under ZeRO >= 2 the fresh
     full buffer each reduction fills). ``largest_transient``: the largest of the ZeRO-3 gather
     (the root unit and the largest pair of consecutive blocks: the one in use and the one
-    prefetched), the pipeline's messages of one step (the executor keeps every sent and received
-    buffer until the step ends) and, with ZeRO >= 2 under a pipeline, the full gradients
+    prefetched), the pipeline's message buffers alive at once (:func:`pipeline_message_peak`)
+    and, with ZeRO >= 2 under a pipeline, the full gradients
     accumulated over the micro-batches before their reduction."""
     trainer = dry.trainer
     engine, model = trainer.engine, trainer.model
@@ -216,9 +244,7 @@ def memory(dry: DryRank) -> dict:
     if trainer.pipeline is not None:
         ex = trainer.pipeline
         size = _nbytes(torch.empty(ex.activation_shape, dtype=ex.dtype, device="meta"))
-        count = sum(1 for a in ex.schedule.actions[ex.pp_rank]
-                    if a.kind.is_send or a.kind.is_recv)
-        transients["pp_messages"] = count * size
+        transients["pp_messages"] = pipeline_message_peak(ex.schedule, ex.pp_rank) * size
         if engine.stage >= 2:
             transients["pp_accumulated_grads"] = sum(
                 s.numel * (4 if separate else b.dtype.itemsize)
@@ -245,7 +271,7 @@ def planner_estimate(config: Config, rank_coords: dict, measured: dict) -> dict:
 
     layout = config.parallel.layout()
     stage = rank_coords["pp"]
-    layers = stage_layers(config.model.n_layers, layout.pp, layout.chunks_per_rank)[stage]
+    layers = stage_layers(config.model, layout)[stage]
     est = rank_memory(Workload.from_config(config), layout, stage, layers, 0.0,
                       config.parallel.dp_bucket_mb)
     out = {"param": int(est.param_bytes), "grad": int(est.grad_bytes),

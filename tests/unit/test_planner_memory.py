@@ -75,7 +75,22 @@ def test_pipeline_closed_forms_and_inflight():
     assert gpipe.peak_inflight == [8] * 4
 
 
-def test_stage_layers_round_robin_chunks():
-    assert stage_layers(8, 2, 1) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert stage_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert sorted(sum(stage_layers(126, 8, 1), [])) == list(range(126))
+@pytest.mark.parametrize("schedule,pp,v,split", [
+    ("1f1b", 2, 1, ""), ("1f1b", 4, 1, ""), ("interleaved-1f1b", 2, 2, ""),
+    ("zb-v", 2, 2, ""), ("1f1b", 2, 1, "5,3"), ("interleaved-1f1b", 2, 2, "1,3,2,2")])
+def test_planner_places_layers_as_the_pipeline_runtime_does(schedule, pp, v, split):
+    """The planner prices the layers each rank really holds: the runtime's cost-balanced (or
+    explicit) split, each stage on the rank the built schedule puts it on."""
+    from meshtrain.layout import Layout
+    from meshtrain.parallel.pipeline import build_schedule
+    from meshtrain.parallel.pipeline.stage import stage_layers as runtime_stage_layers
+
+    model = ModelConfig(vocab_size=32000, dim=256, n_layers=8, n_heads=4, ffn_dim=512)
+    layout = Layout(pp=pp, pp_schedule=schedule, virtual_stages=v, pp_split=split,
+                    microbatches=2 * pp)
+    built = build_schedule(schedule, pp, 2 * pp, v)
+    per_stage = runtime_stage_layers(model, model.vocab_size, built.num_stages, split)
+    held = [sorted(sum((per_stage[s] for s in built.stages_of(r)), [])) for r in range(pp)]
+    assert stage_layers(model, layout) == held
+    if not split and schedule == "1f1b":  # the big vocabulary's head makes the last stage lighter
+        assert len(held[-1]) < len(held[0])

@@ -130,7 +130,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     """
     check_layout(workload, layout)
     model, lay = workload.model, layout
-    placement = stage_layers(model.n_layers, lay.pp, lay.chunks_per_rank)
+    placement = stage_layers(model, lay)
     cache: dict[int, BlockCost] = {}
     costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache, r == 0)
              for r, layers in enumerate(placement)]

@@ -80,7 +80,7 @@ LAYOUT_JSON_FIELDS = ("dp", "tp", "pp", "ep", "zero", "sequence_parallel", "sche
                       "virtual_stages", "microbatches", "activation_checkpointing")
 """The keys of an estimate's ``layout`` (``meshtrain estimate --json``): the
 :class:`~meshtrain.layout.Layout` fields the cost model prices, ``schedule`` being
-``pp_schedule`` (stages are balanced by :func:`stage_layers`, so ``pp_split`` is not priced)."""
+``pp_schedule``. ``pp_split`` is priced (:func:`stage_layers`) but not listed."""
 
 
 def layout_to_json(layout: Layout) -> dict:
@@ -97,19 +97,37 @@ def layout_from_json(data: dict) -> Layout:
     return Layout(**values)
 
 
-def stage_layers(n_layers: int, pp: int, chunks: int) -> list[list[int]]:
-    """Layer ids held by each pipeline rank: ``pp * chunks`` contiguous chunks, chunk ``c`` on
-    rank ``c % pp`` (round robin, as interleaved schedules place them), earlier chunks one layer
-    longer when the split is uneven."""
-    n_chunks = pp * chunks
-    base, extra = divmod(n_layers, n_chunks)
-    ranks: list[list[int]] = [[] for _ in range(pp)]
-    start = 0
-    for chunk in range(n_chunks):
-        size = base + (1 if chunk < extra else 0)
-        ranks[chunk % pp].extend(range(start, start + size))
-        start += size
-    return ranks
+def stage_layers(model: ModelConfig, layout: Layout) -> list[list[int]]:
+    """Layer ids each pipeline rank holds, exactly as the runtime places them: the layers split
+    into ``pp × chunks`` stages by :func:`meshtrain.parallel.pipeline.stage.stage_layers`
+    (balanced by cost, or ``pp_split``), each stage on the rank the schedule's placement gives
+    it (round robin; a V for zb-v)."""
+    if layout.pp == 1:
+        return [list(range(model.n_layers))]
+    return [list(layers) for layers in _stage_layers(
+        repr(model), layout.pp, layout.chunks_per_rank, layout.pp_schedule == "zb-v",
+        layout.pp_split, model)]
+
+
+_SPLITS: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+
+
+def _stage_layers(key: str, pp: int, chunks: int, v_shape: bool, split: str,
+                  model: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """:func:`stage_layers`, remembered per (model, pp, chunks, placement, split): the planner
+    prices the same few splits for many candidates."""
+    cache_key = (key, pp, chunks, v_shape, split)
+    if cache_key not in _SPLITS:
+        from meshtrain.parallel.pipeline.schedule import standard_placement, v_placement
+        from meshtrain.parallel.pipeline.stage import stage_layers as runtime_stage_layers
+
+        placement = v_placement(pp) if v_shape else standard_placement(pp, chunks)
+        ranks: list[list[int]] = [[] for _ in range(pp)]
+        per_stage = runtime_stage_layers(model, model.vocab_size, pp * chunks, split)
+        for stage, layers in enumerate(per_stage):
+            ranks[placement[stage]].extend(layers)
+        _SPLITS[cache_key] = tuple(tuple(sorted(layers)) for layers in ranks)
+    return _SPLITS[cache_key]
 
 
 def check_layout(workload: Workload, layout: Layout) -> None:
