@@ -3,8 +3,8 @@
 PyTorch's CPU tensors come straight from ``malloc``. With glibc's defaults, every block of 128 KiB
 or more, and every free block at the top of the heap, goes back to the kernel when it is freed, so
 each training step takes thousands of fresh page faults as its activations and gradients are
-allocated again (5–8k minor faults per step for the bench shape of issue 10). Two settings keep
-that memory in the process instead:
+allocated again (5–8k minor faults per step for the bench shape,
+``meshtrain.bench.base.BENCH_DEFAULTS``). Two settings keep that memory in the process instead:
 
 ``MALLOC_MMAP_THRESHOLD_ = 32 MiB``
     blocks up to 32 MiB (glibc's maximum) come from the heap, not from a fresh ``mmap`` each time;
@@ -119,6 +119,18 @@ def allocator_environment() -> Iterator[dict[str, str]]:
     finally:
         for key in added:
             os.environ.pop(key, None)
+
+
+@contextmanager
+def glibc_default_environment() -> Iterator[None]:
+    """Processes started inside the block get glibc's own ``malloc`` settings: the variables
+    of :data:`ALLOCATOR_ENV` are taken out of ``os.environ`` (whoever set them) and put back on
+    exit."""
+    saved = {key: os.environ.pop(key) for key in ALLOCATOR_ENV if key in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def reexec_with_allocator_env(device: str = "auto") -> None:

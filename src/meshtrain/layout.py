@@ -23,18 +23,27 @@ class Layout:
     dp: int = 1
     """Data-parallel degree."""
     tp: int = 1
+    """Tensor-parallel degree (Megatron-LM's column/row split of every block's matmuls)."""
     pp: int = 1
+    """Pipeline-parallel degree: ranks the layers are split over."""
     ep: int = 1
+    """Expert-parallel degree: ranks each MoE layer's experts are split over (within dp)."""
     zero: int = 0
+    """ZeRO stage over the data-parallel ranks: 0 none, 1 optimizer state, 2 + gradients,
+    3 + parameters sharded."""
     sequence_parallel: bool = False
+    """Split the norms' and residuals' activations along the sequence over the tp ranks."""
     pp_schedule: str = "1f1b"
+    """Pipeline schedule, one of :data:`PP_SCHEDULES`."""
     virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved-1f1b: at least 2; zb-v: 2)."""
     pp_split: str = ""
     """Layers per pipeline stage as a comma list (e.g. "3,3,2"); empty = balanced by cost."""
     microbatches: int = 1
     """Micro-batches per data-parallel rank per step (gradient accumulation and pipeline
     micro-batches are one notion)."""
     activation_checkpointing: str = "none"
+    """Recompute in backward: one of :data:`ACTIVATION_CHECKPOINTING_KINDS`."""
 
     @property
     def world_size(self) -> int:

@@ -64,3 +64,28 @@ def test_auto_profile_missing_exits_2(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert "parallel.auto_profile" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_auto_prices_the_configured_pipeline_split(monkeypatch):
+    """``parallel.pp_split`` stays as configured, so every pipeline candidate is priced with
+    that split (and only layouts it fits: here two stages), as the run will use it."""
+    import importlib
+
+    from meshtrain.planner.auto import rank_layouts
+    from meshtrain.planner.hardware import Cluster
+
+    estimate_module = importlib.import_module("meshtrain.planner.estimate")
+    config = load_config(None, TINY + ["model.n_layers=4", "parallel.pp_split=3,1"])
+    priced = []
+    real = estimate_module.estimate
+
+    def recording(workload, layout, cluster, **kwargs):
+        priced.append(layout)
+        return real(workload, layout, cluster, **kwargs)
+
+    monkeypatch.setattr(estimate_module, "estimate", recording)
+    chosen, _ = rank_layouts(config, 4, Cluster(BUILTIN_CPU, 4, 4, 1))
+    piped = [lay for lay in priced if lay.pp > 1]
+    assert piped and all(lay.pp_split == "3,1" and lay.pp * lay.chunks_per_rank == 2
+                         for lay in piped)
+    assert chosen and all(c.parallel.pp_split == "3,1" for _, c in chosen)

@@ -74,7 +74,7 @@ def _gloo_only_placement():
              PipelineExecutor.__dict__["_finish_previous_exchanges"])
     schedules.add_communication = adjacent_communication
     pipeline.check_schedule = lambda schedule: None
-    PipelineExecutor._finish_previous_exchanges = staticmethod(lambda in_flight: in_flight)
+    PipelineExecutor._finish_previous_exchanges = lambda self, in_flight: in_flight
     try:
         yield
     finally:

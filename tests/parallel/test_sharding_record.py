@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from meshtrain.config import Config
-from meshtrain.distributed_run import run_distributed
+from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32")

@@ -147,3 +147,17 @@ def test_train_reads_the_device_from_its_config_and_overrides(tmp_path):
     assert requested_device(parse(["train", "--config", str(config),
                                    "--set", "train.device=cpu"])) == "cpu"
     assert requested_device(parse(["train"])) == "auto"  # the built-in demo's
+
+
+def test_glibc_default_environment_hides_the_settings_from_children(monkeypatch):
+    """The bench's untuned side: children get none of the variables, whoever set them."""
+    from meshtrain.host_allocator import ALLOCATOR_ENV, glibc_default_environment
+
+    for key, value in ALLOCATOR_ENV.items():
+        monkeypatch.setenv(key, value)
+    probe = [sys.executable, "-c",
+             "import os; print(sorted(k for k in os.environ if k.startswith('MALLOC_')))"]
+    with glibc_default_environment():
+        inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert inside.strip() == "[]"
+    assert all(os.environ[key] == value for key, value in ALLOCATOR_ENV.items())

@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib.util
 import statistics
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.config import Config, ConfigError, parse_override, set_key
-from meshtrain.host_allocator import allocator_environment
+from meshtrain.host_allocator import allocator_environment, glibc_default_environment
 from meshtrain.validation import validate_config
 
 BENCH_DEFAULTS: dict[str, Any] = {
@@ -25,9 +24,9 @@ BENCH_DEFAULTS: dict[str, Any] = {
     "train.precision": "fp32", "train.device": "cpu", "data.source": "builtin",
     "data.tokenizer": "bytes", "data.max_bytes": 1_000_000,
 }
-"""The shape every suite benchmarks unless ``--set`` changes it (the project's perf baseline, the
-shape of issue 10): dim 256 × 4 layers × 8 query / 4 key-value heads, SwiGLU FFN 704, vocabulary
-512 (the 264 byte ids, padded), seq_len 256, 8 sequences a step, fp32, CPU."""
+"""The shape every suite benchmarks unless ``--set`` changes it (the project's performance
+baseline): dim 256 × 4 layers × 8 query / 4 key-value heads, SwiGLU FFN 704, vocabulary 512 (the
+264 byte ids, padded), seq_len 256, 8 sequences a step, fp32, CPU."""
 
 THREADS_PER_PROCESS = 1
 """Intra-op threads of every benchmark process (``torch.set_num_threads``)."""
@@ -156,10 +155,11 @@ def check_requirements(suite: Suite) -> None:
 def run_once(world: int, worker: Worker, config: Config, options: BenchOptions,
              tuned_allocator: bool) -> list[dict]:
     """One run: ``worker`` on ``world`` fresh processes (one thread each), started with
-    meshtrain's ``malloc`` settings when ``tuned_allocator``; returns each rank's result."""
+    meshtrain's ``malloc`` settings when ``tuned_allocator``, else with glibc's defaults (even
+    when this process's environment has the settings); returns each rank's result."""
     from meshtrain.distributed_run import run_distributed
 
-    with allocator_environment() if tuned_allocator else nullcontext():
+    with allocator_environment() if tuned_allocator else glibc_default_environment():
         return run_distributed(world, worker, config.to_dict(), options.warmup, options.steps,
                                timeout=options.timeout_s, threads=THREADS_PER_PROCESS)
 

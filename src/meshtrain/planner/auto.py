@@ -120,6 +120,18 @@ def _candidate_config(config: Config, layout: Layout) -> Config:
     return candidate
 
 
+def _split_fits(split: str, layout: Layout) -> bool:
+    """Whether a configured ``pp_split`` can apply to ``layout`` (one count per stage; without
+    a pipeline it is not used)."""
+    stages = layout.pp * layout.chunks_per_rank
+    return not split or layout.pp == 1 or len(split.split(",")) == stages
+
+
+def _with_split(result: dict, split: str) -> Layout:
+    """The layout an estimate priced, with the configured ``pp_split`` (not in its JSON)."""
+    return dataclasses.replace(layout_from_json(result["layout"]), pp_split=split)
+
+
 def _valid(candidate: Config) -> bool:
     from meshtrain.validation import validate_parallel
 
@@ -163,19 +175,20 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     workload = Workload.from_config(shaped)
     batch = workload.global_batch
     sizes = tuple(b for b in range(1, batch + 1) if batch % b == 0)
-    layouts = [lay for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes)
-               if lay.ep == config.parallel.ep]
+    split = config.parallel.pp_split  # kept as configured: priced with the split that runs
+    layouts = [dataclasses.replace(lay, pp_split=split)
+               for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes)
+               if lay.ep == config.parallel.ep and _split_fits(split, lay)]
     priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
                           for lay in layouts) if r["fits"]]
     priced.sort(key=lambda r: -r["tokens_per_s"])
-    front = [estimate(workload, layout_from_json(r["layout"]), cluster)
-             for r in priced[:REPRICE_TOP]]
+    front = [estimate(workload, _with_split(r, split), cluster) for r in priced[:REPRICE_TOP]]
     front.sort(key=_rank_key)
     chosen: list[tuple] = []
     for result in front + priced[REPRICE_TOP:]:
         if chosen and _shape(result) == _shape(chosen[0][0]):
             continue
-        candidate = _candidate_config(config, layout_from_json(result["layout"]))
+        candidate = _candidate_config(config, _with_split(result, split))
         if _valid(candidate):
             chosen.append((result, candidate))
             if len(chosen) == 2:

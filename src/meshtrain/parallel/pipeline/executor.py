@@ -6,9 +6,10 @@ activations and gradients have shapes known in advance (``[micro-batch, seq, dim
 sequence divided by tp under sequence parallelism), so no shape handshake precedes a transfer.
 Each run of consecutive send/recv actions is one exchange, posted together
 (``batch_isend_irecv``) through :class:`~.p2p.Exchanger`; a received tensor's exchange is waited
-for right before the compute that consumes it, and the whole exchange before the next one is
-posted (as NCCL's stream orders them), which frees the buffers it sends (a backend's work handle
-keeps its tensor until then); the last exchange is waited for at the end of the step. A stage's
+for right before the compute that consumes it; before the next exchange is posted, the earlier
+ones are waited for (CPU) or the completed ones dropped (CUDA), which frees the tensors they sent
+(a backend's work handle keeps its tensor until then); the last one is waited for at the end of
+the step. A stage's
 input and its gradient are dropped once the backward that produced the gradient has handed it
 on, so a rank holds the activations of the micro-batches in flight, not of every micro-batch of
 the step. The schedules put messages in
@@ -112,14 +113,18 @@ class PipelineExecutor:
             _wait(handles)
         return loss_total
 
-    @staticmethod
-    def _finish_previous_exchanges(in_flight: list) -> list:
-        """Wait for the exchanges posted so far, before the next one is posted; returns what is
-        still in flight (nothing). NCCL runs a communicator's exchanges one after another on its
-        stream, so the previous exchange has completed before the next one starts: waiting here
-        adds no dependency a cluster does not have, and it frees the tensors the exchanges sent,
-        which the backend's work handles keep alive until they are waited for (gloo's report no
-        completion before that)."""
+    def _finish_previous_exchanges(self, in_flight: list) -> list:
+        """Before the next exchange is posted: drop the exchanges that have completed, so the
+        tensors they sent (which the backend's work handles keep alive) can go; returns those
+        still in flight.
+
+        On the CPU (gloo) every earlier exchange is waited for: gloo's handles report no
+        completion until waited, and waiting adds no dependency NCCL does not have (it runs a
+        communicator's exchanges one after another, so the previous one has completed before the
+        next starts). On CUDA a wait would make the compute stream wait for the sends, so the
+        handles are only polled (``is_completed``), never waited for here."""
+        if self.device.type == "cuda":
+            return [entry for entry in in_flight if not all(h.completed() for h in entry[0])]
         for handles, _ in in_flight:
             _wait(handles)
         return []
@@ -228,6 +233,10 @@ class _Once:
         if not self.done:
             self.work.wait()
             self.done = True
+
+    def completed(self) -> bool:
+        """Whether the operation has finished, without waiting (NCCL polls its CUDA event)."""
+        return self.done or self.work.is_completed()
 
 
 def _wait(handles: list[_Once]) -> None:

@@ -12,7 +12,8 @@ neighbours both send first and wait, still runs on CPU. NCCL does neither:
   together.
 
 The executor posts every maximal run of consecutive send/recv actions of a rank's list as one
-batch (see :func:`exchanges`) and waits for it before the next compute. :func:`check_message_order`
+batch (see :func:`exchanges`); a received tensor is waited for before the compute that
+consumes it (:mod:`.executor`). :func:`check_message_order`
 proves the first rule and :func:`check_unbuffered` replays the lists under the second: a batch is
 posted when its rank reaches it and completes once every one of its operations has its partner
 posted on the other rank; compute waits for its inputs as in :mod:`.checker`.
