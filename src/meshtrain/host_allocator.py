@@ -65,11 +65,15 @@ def uses_glibc() -> bool:
 def gpu_visible(environ: MutableMapping[str, str] | None = None, dev_dir: str = "/dev") -> bool:
     """Whether a CUDA GPU looks visible to this process, without importing torch: an NVIDIA
     device node (``/dev/nvidia0``, ...) exists and ``CUDA_VISIBLE_DEVICES`` (of ``environ``,
-    default ``os.environ``) is not set to hide every device (empty, or a negative index first)."""
+    default ``os.environ``) is not set to hide every device: CUDA counts devices up to the first
+    entry that is neither an index >= 0 nor a ``GPU-``/``MIG-`` UUID, so an empty value, ``-1``
+    or SLURM's ``NoDevFiles`` hide them all."""
     environ = os.environ if environ is None else environ
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
-        return False
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):
+            return False
     return bool(glob.glob(os.path.join(dev_dir, "nvidia[0-9]*")))
 
 

@@ -74,6 +74,8 @@ def test_a_gpu_is_seen_from_its_device_node_unless_cuda_visible_devices_hides_it
     assert gpu_visible({"CUDA_VISIBLE_DEVICES": "0,1"}, gpu)
     assert not gpu_visible({"CUDA_VISIBLE_DEVICES": ""}, gpu)
     assert not gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"}, gpu)
+    assert not gpu_visible({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, gpu)  # SLURM, no GPU gres
+    assert gpu_visible({"CUDA_VISIBLE_DEVICES": "GPU-8f3a,GPU-11c2"}, gpu)
     assert not gpu_visible({}, none)
 
 
