@@ -120,11 +120,19 @@ def _candidate_config(config: Config, layout: Layout) -> Config:
     return candidate
 
 
-def _split_fits(split: str, layout: Layout) -> bool:
-    """Whether a configured ``pp_split`` can apply to ``layout`` (one count per stage; without
-    a pipeline it is not used)."""
-    stages = layout.pp * layout.chunks_per_rank
-    return not split or layout.pp == 1 or len(split.split(",")) == stages
+def _split_fits(split: str, layout: Layout, n_layers: int) -> bool:
+    """Whether a configured ``pp_split`` is valid for ``layout``'s stages (the runtime's own
+    check, :func:`~meshtrain.parallel.pipeline.stage.parse_split`); without a pipeline it is not
+    used."""
+    from meshtrain.parallel.pipeline.stage import parse_split
+
+    if not split or layout.pp == 1:
+        return True
+    try:
+        parse_split(split, n_layers, layout.pp * layout.chunks_per_rank)
+    except ConfigError:
+        return False
+    return True
 
 
 def _with_split(result: dict, split: str) -> Layout:
@@ -178,7 +186,8 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     split = config.parallel.pp_split  # kept as configured: priced with the split that runs
     layouts = [dataclasses.replace(lay, pp_split=split)
                for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes)
-               if lay.ep == config.parallel.ep and _split_fits(split, lay)]
+               if lay.ep == config.parallel.ep
+               and _split_fits(split, lay, workload.model.n_layers)]
     priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
                           for lay in layouts) if r["fits"]]
     priced.sort(key=lambda r: -r["tokens_per_s"])
