@@ -26,6 +26,9 @@ class Layout:
     """Tensor-parallel degree (Megatron-LM's column/row split of every block's matmuls)."""
     pp: int = 1
     """Pipeline-parallel degree: ranks the layers are split over."""
+    cp: int = 1
+    """Context-parallel degree: ranks each sequence is split over (load-balanced causal chunks;
+    they share the gradient reduction with dp)."""
     ep: int = 1
     """Expert-parallel degree: ranks each MoE layer's experts are split over (within dp)."""
     zero: int = 0
@@ -47,8 +50,8 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: dp × tp × pp."""
-        return self.dp * self.tp * self.pp
+        """Processes the layout needs: dp × cp × tp × pp."""
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def chunks_per_rank(self) -> int:

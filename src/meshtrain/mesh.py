@@ -2,12 +2,18 @@
 
 Ranks are laid out with **pp outermost and tp innermost**::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-so tensor-parallel peers are neighbours (on one node, on the fastest links) and pipeline stages
-are furthest apart. Expert parallelism is a second factorisation of the data-parallel ranks: the
+so tensor-parallel peers are neighbours (on one node, on the fastest links), context-parallel
+peers (who exchange keys and values in every attention layer) come next, and pipeline stages are
+furthest apart. The ``cp`` ranks of one data-parallel replica read the same sequences and each
+holds its part of every sequence, so they take part in the gradient reduction like data-parallel
+ranks: ``dp_cp`` is the group of all ``dp × cp`` ranks with the same (pp, tp) coordinates (as
+torchtitan's ``dp_shard_cp``), over which gradients are reduced and ZeRO shards its states; its
+collectives are counted as ``dp`` traffic. It equals ``dp`` when ``cp = 1``. Expert parallelism is a second factorisation of the data-parallel ranks: the
 ``ep`` consecutive dp ranks form an expert group, and the ``dp / ep`` ranks holding the same experts
-form the ``edp`` group (expert-data-parallel) over which expert gradients are reduced.
+form the ``edp`` group (expert-data-parallel); expert gradients are reduced over ``edp_cp``
+(``edp`` × ``cp``).
 
 The mesh owns every process group (none are module-level globals), the counted collectives of
 each axis (:mod:`meshtrain.parallel.comm`), and the per-axis random-number streams.
@@ -24,6 +30,10 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 
+COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp"}
+"""Groups whose collectives are counted under another axis's name in ``comm_bytes``: gradient
+reduction over dp × cp is data-parallel traffic (``cp`` counts only the key/value exchange)."""
+
 STARTUP_TIMEOUT_S = 60.0
 """Least time to wait for every worker to join, whatever ``train.collective_timeout_s`` is."""
 
@@ -31,15 +41,17 @@ STARTUP_TIMEOUT_S = 60.0
 class ParallelMesh:
     """Degrees, coordinates, groups, counted comms and RNG streams of one process."""
 
-    def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, rank: int = 0,
-                 device: torch.device | str = "cpu", seed: int = 0,
+    def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                 rank: int = 0, device: torch.device | str = "cpu", seed: int = 0,
                  timeout_s: float | None = None):
         """``timeout_s`` bounds every collective of the axis groups (``train.collective_timeout_s``;
         None = torch's default). Sub-groups do not inherit the world group's timeout."""
         if ep < 1 or dp % ep:
             raise ValueError(f"ep = {ep} must divide dp = {dp}")
-        self.dp, self.tp, self.pp, self.ep = dp, tp, pp, ep
-        self.world_size = dp * tp * pp
+        if cp < 1:
+            raise ValueError(f"cp = {cp} must be at least 1")
+        self.dp, self.tp, self.pp, self.ep, self.cp = dp, tp, pp, ep, cp
+        self.world_size = dp * cp * tp * pp
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -47,48 +59,65 @@ class ParallelMesh:
         self.seed = seed
         self.timeout_s = timeout_s
         self.tp_rank = rank % tp
-        self.dp_rank = (rank // tp) % dp
-        self.pp_rank = rank // (tp * dp)
+        self.cp_rank = (rank // tp) % cp
+        self.dp_rank = (rank // (tp * cp)) % dp
+        self.pp_rank = rank // (tp * cp * dp)
         self.ep_rank = self.dp_rank % ep
         self.edp_rank = self.dp_rank // ep
+        self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
+        """This rank's place in its ``dp_cp`` group (gradient reduction, ZeRO shard index)."""
+        self.edp_cp_rank = self.edp_rank * cp + self.cp_rank
+        """This rank's place in its ``edp_cp`` group (expert gradients)."""
         self.comm_log = CommLog()
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._group_ranks: dict[str, list[int]] = {}
         self._build_groups()
-        self.comms = {axis: CountedComm(axis, self._groups[axis], len(self._group_ranks[axis]),
-                                        self.comm_log)
+        self.comms = {axis: CountedComm(COUNTED_AS.get(axis, axis), self._groups[axis],
+                                        len(self._group_ranks[axis]), self.comm_log)
                       for axis in self._groups}
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0,
-                         device: torch.device | str = "cpu",
+    def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                         seed: int = 0, device: torch.device | str = "cpu",
                          timeout_s: float | None = None) -> ParallelMesh:
         """Build the mesh for this process; the default process group must already exist
         when the world has more than one rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != dp * tp * pp:
-            raise ValueError(f"world size {world} != dp × tp × pp = {dp} × {tp} × {pp}")
-        return cls(dp=dp, tp=tp, pp=pp, ep=ep, rank=rank, device=device, seed=seed,
+        if world != dp * cp * tp * pp:
+            raise ValueError(f"world size {world} != dp × cp × tp × pp = "
+                             f"{dp} × {cp} × {tp} × {pp}")
+        return cls(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, seed=seed,
                    timeout_s=timeout_s)
 
-    def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+    def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """Global rank of the process at the given coordinates."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def _axis_members(self) -> dict[str, list[list[int]]]:
         """Every group of every axis, as lists of global ranks."""
-        r = self.coords_to_rank
-        pp, dp, tp, ep = self.pp, self.dp, self.tp, self.ep
+        def r(p, d, t, c):
+            return self.coords_to_rank(p, d, t, c)
+
+        pp, dp, tp, ep, cp = self.pp, self.dp, self.tp, self.ep, self.cp
+        outer = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
         groups: dict[str, list[list[int]]] = {
-            "tp": [[r(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-            "dp": [[r(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-            "pp": [[r(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
-            "ep": [[r(p, e0 + e, t) for e in range(ep)]
-                   for p in range(pp) for t in range(tp) for e0 in range(0, dp, ep)],
-            "edp": [[r(p, e + k * ep, t) for k in range(dp // ep)]
-                    for p in range(pp) for t in range(tp) for e in range(ep)],
+            "tp": [[r(p, d, t, c) for t in range(tp)]
+                   for p in range(pp) for d in range(dp) for c in range(cp)],
+            "cp": [[r(p, d, t, c) for c in range(cp)]
+                   for p in range(pp) for d in range(dp) for t in range(tp)],
+            "dp": [[r(p, d, t, c) for d in range(dp)] for p, c, t in outer],
+            "dp_cp": [[r(p, d, t, c) for d in range(dp) for c in range(cp)]
+                      for p in range(pp) for t in range(tp)],
+            "pp": [[r(p, d, t, c) for p in range(pp)]
+                   for d in range(dp) for c in range(cp) for t in range(tp)],
+            "ep": [[r(p, e0 + e, t, c) for e in range(ep)]
+                   for p, c, t in outer for e0 in range(0, dp, ep)],
+            "edp": [[r(p, e + k * ep, t, c) for k in range(dp // ep)]
+                    for p, c, t in outer for e in range(ep)],
+            "edp_cp": [[r(p, e + k * ep, t, c) for k in range(dp // ep) for c in range(cp)]
+                       for p in range(pp) for t in range(tp) for e in range(ep)],
         }
         return groups
 
@@ -146,7 +175,7 @@ class ParallelMesh:
         across tp ranks (they hold pieces of the same activations), different across replicas.
         """
         coords = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank,
-                  "ep": self.ep_rank, "edp": self.edp_rank}
+                  "ep": self.ep_rank, "edp": self.edp_rank, "cp": self.cp_rank}
         parts = [f"{self.seed}", stream] + [f"{a}={coords[a]}" for a in sorted(vary_along)]
         digest = hashlib.sha256("/".join(parts).encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

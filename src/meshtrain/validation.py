@@ -46,13 +46,16 @@ def _at_least(value: float, minimum: float, key: str) -> None:
 def resolve_world(config: Config, nproc: int | None) -> int:
     """Fill in ``parallel.dp`` when it is 0 (auto) and return the world size.
 
-    With ``nproc`` given, dp = nproc / (tp × pp); without it, the world is dp × tp × pp.
+    With ``nproc`` given, dp = nproc / (cp × tp × pp); without it, the world is
+    dp × cp × tp × pp.
     """
     par = config.parallel
-    for key in ("tp", "pp", "ep"):
+    for key in ("tp", "pp", "ep", "cp"):
         _at_least(getattr(par, key), 1, f"parallel.{key}")
     _at_least(par.dp, 0, "parallel.dp")
-    model_parallel = par.tp * par.pp
+    model_parallel = par.cp * par.tp * par.pp
+    names = "cp × tp × pp" if par.cp > 1 else "tp × pp"
+    values = " × ".join(map(str, ([par.cp] if par.cp > 1 else []) + [par.tp, par.pp]))
     if nproc is None:
         par.dp = par.dp or 1
         return par.dp * model_parallel
@@ -60,13 +63,13 @@ def resolve_world(config: Config, nproc: int | None) -> int:
     if par.dp == 0:
         if nproc % model_parallel:
             raise ConfigError(
-                f"--nproc {nproc} is not a multiple of tp × pp = {par.tp} × {par.pp} = "
+                f"--nproc {nproc} is not a multiple of {names} = {values} = "
                 f"{model_parallel}; valid process counts are multiples of {model_parallel}."
             )
         par.dp = nproc // model_parallel
     if par.dp * model_parallel != nproc:
         raise ConfigError(
-            f"dp × tp × pp = {par.dp} × {par.tp} × {par.pp} = {par.dp * model_parallel} does not "
+            f"dp × {names} = {par.dp} × {values} = {par.dp * model_parallel} does not "
             f"equal --nproc {nproc}; set --nproc {par.dp * model_parallel}, or leave parallel.dp "
             f"at 0 to fill the remaining processes with data parallelism."
         )
@@ -165,6 +168,34 @@ def validate_parallel(config: Config) -> None:
     validate_pipeline(config)
     if par.ep > 1:
         validate_expert_parallel(config, dp)
+    if par.cp > 1:
+        validate_context_parallel(config)
+
+
+def validate_context_parallel(config: Config) -> None:
+    """cp splits every sequence into 2 × cp chunks (each rank one early and one late chunk)."""
+    par, train, m = config.parallel, config.train, config.model
+    cp, seq = par.cp, train.seq_len
+    sp = par.tp if par.sequence_parallel else 1
+
+    def fits(c: int) -> bool:  # 2c equal chunks, and each rank's part splits over tp (SP)
+        return seq % (2 * c) == 0 and (seq // c) % sp == 0
+
+    if not fits(cp):
+        what = (f"2 × cp = {2 * cp} with each rank's seq_len / cp divisible by tp = {sp} "
+                "(sequence parallel)" if sp > 1 else f"2 × cp = {2 * cp}")
+        valid = [c for c in range(2, min(seq, 64) + 1) if fits(c)]
+        hint = (f"valid cp for seq_len {seq}: {', '.join(map(str, valid))}" if valid
+                else f"choose a seq_len that is a multiple of {2 * cp * sp}")
+        raise ConfigError(
+            f"train.seq_len = {seq} is not divisible by {what}: each context-parallel rank holds "
+            f"two of the 2 × cp equal chunks of every sequence; {hint}.")
+    if m.moe_experts and m.moe_capacity_factor > 0:
+        raise ConfigError(
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} is not "
+            "supported: which tokens an expert drops depends on the whole sequence's order, which "
+            "no context-parallel rank sees. Use model.moe_capacity_factor = 0 (dropless) or "
+            "parallel.cp = 1.")
 
 
 def validate_expert_parallel(config: Config, dp: int) -> None:
