@@ -114,7 +114,7 @@ def _run_step(trainer) -> None:
     trainer.optimizer.clip_grad_norm(train.grad_clip)
     losses = torch.stack([result["lm"], result["aux"]])
     mesh.comm("pp").all_reduce(losses)
-    mesh.comm("dp").all_reduce(losses)
+    mesh.comm("dp_cp").all_reduce(losses)
     trainer.optimizer.step(learning_rate(0, train))
     trainer.optimizer.zero_grad()
 

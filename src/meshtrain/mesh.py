@@ -10,9 +10,11 @@ furthest apart. The ``cp`` ranks of one data-parallel replica read the same sequ
 holds its part of every sequence, so they take part in the gradient reduction like data-parallel
 ranks: ``dp_cp`` is the group of all ``dp × cp`` ranks with the same (pp, tp) coordinates (as
 torchtitan's ``dp_shard_cp``), over which gradients are reduced and ZeRO shards its states; its
-collectives are counted as ``dp`` traffic. It equals ``dp`` when ``cp = 1``. Expert parallelism is a second factorisation of the data-parallel ranks: the
-``ep`` consecutive dp ranks form an expert group, and the ``dp / ep`` ranks holding the same experts
-form the ``edp`` group (expert-data-parallel); expert gradients are reduced over ``edp_cp``
+collectives are counted as ``dp`` traffic. It equals ``dp`` when ``cp = 1``.
+
+Expert parallelism is a second factorisation of the data-parallel ranks: the ``ep`` consecutive
+dp ranks form an expert group, and the ``dp / ep`` ranks holding the same experts form the
+``edp`` group (expert-data-parallel); expert gradients are reduced over ``edp_cp``
 (``edp`` × ``cp``).
 
 The mesh owns every process group (none are module-level globals), the counted collectives of

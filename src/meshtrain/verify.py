@@ -46,7 +46,7 @@ def reference_config(config: Config) -> Config:
     par = ref.parallel
     par.grad_reduce_dtype = "fp32"
     par.microbatches = max(config.parallel.dp, 1) * config.parallel.microbatches
-    par.dp = par.tp = par.pp = par.ep = 1
+    par.dp = par.tp = par.pp = par.ep = par.cp = 1
     par.ep_rebalance_every = 0  # placement moves experts between ep ranks: none here
     par.zero = 0
     par.sequence_parallel = False
@@ -122,7 +122,8 @@ def verify(config: Config, world_size: int, steps: int, loss_tol: float | None =
     report = compare(layout, reference, loss_tol, grad_norm_rtol)
     par = config.parallel
     report["layout"] = {"world_size": world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
-                        "ep": par.ep, "zero": par.zero, "microbatches": par.microbatches,
+                        "ep": par.ep, "cp": par.cp, "zero": par.zero,
+                        "microbatches": par.microbatches,
                         "precision": config.train.precision}
     report["steps"] = steps
     return report
@@ -132,7 +133,8 @@ def format_report(report: dict) -> str:
     """A human-readable table of both curves and the verdict."""
     lay = report["layout"]
     lines = [f"layout: world {lay['world_size']} (dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} "
-             f"ep={lay['ep']} zero={lay['zero']} microbatches={lay['microbatches']}, "
+             f"ep={lay['ep']} cp={lay['cp']} zero={lay['zero']} "
+             f"microbatches={lay['microbatches']}, "
              f"{lay['precision']}) vs one process",
              f"{'step':>4}  {'loss (layout)':>14}  {'loss (1 proc)':>14}  {'|diff|':>9}  "
              f"{'gnorm (layout)':>14}  {'gnorm (1 proc)':>14}"]

@@ -15,21 +15,15 @@ given to SDPA: S² bytes per sequence (64 MiB at S = 8192).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-
-class DocumentLayout(NamedTuple):
-    """Per-token rotary positions ``[B, S]`` (long) and the attention mask ``[B, 1, S, S]``
-    (bool, True = may attend)."""
-
-    positions: torch.Tensor
-    mask: torch.Tensor
+from meshtrain.model.sequence_layout import SequenceLayout
 
 
-def document_layout(tokens: torch.Tensor, eos_id: int) -> DocumentLayout:
-    """The :class:`DocumentLayout` of input ``tokens`` [B, S] (see the module docstring)."""
+def document_layout(tokens: torch.Tensor, eos_id: int) -> SequenceLayout:
+    """The :class:`~meshtrain.model.sequence_layout.SequenceLayout` of input ``tokens`` [B, S]:
+    per-token positions ``[B, S]`` and the block-diagonal causal mask ``[B, 1, S, S]`` (see the
+    module docstring)."""
     batch, seq = tokens.shape
     is_eos = tokens == eos_id
     starts = torch.zeros_like(is_eos)
@@ -40,4 +34,4 @@ def document_layout(tokens: torch.Tensor, eos_id: int) -> DocumentLayout:
     segment = starts.long().cumsum(dim=1)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
     mask = (segment[:, :, None] == segment[:, None, :]) & causal
-    return DocumentLayout(index - first, mask[:, None])
+    return SequenceLayout(index - first, mask[:, None], seq)

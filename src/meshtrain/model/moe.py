@@ -124,6 +124,10 @@ class MoE(nn.Module):
         self._step_stats: dict[str, torch.Tensor] = {}
         self.record_step_stats = True
         """False while evaluating: forwards then leave the step's load statistics alone."""
+        self.sequence_comm = None
+        """The ranks that each hold part of every sequence of this micro-batch (context
+        parallelism; a :class:`~meshtrain.parallel.comm.CountedComm`), over which the aux loss's
+        statistics are summed so it is the whole micro-batch's; None = this rank has it all."""
 
     def reset_buffers(self) -> None:
         """Zero the selection bias (fp32) and forget the last statistics."""
@@ -174,11 +178,19 @@ class MoE(nn.Module):
         """
         if self.balance != "aux-loss" or scores.shape[0] == 0:
             return scores.sum() * 0.0
-        fraction = tokens_per_expert.float() / tokens_per_expert.sum().clamp_min(1)
+        counts, tokens = tokens_per_expert.float(), scores.shape[0]
+        split = self.sequence_comm is not None and self.sequence_comm.active
+        if split:
+            # Each rank holds part of every sequence: f over the whole micro-batch, and this
+            # rank's share of P's sum, so the ranks' aux losses sum to the whole micro-batch's.
+            counts = counts.clone()
+            self.sequence_comm.all_reduce(counts)
+            tokens *= self.sequence_comm.size
+        fraction = counts / counts.sum().clamp_min(1)
         probs = scores
         if self.score_func == "sigmoid":
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        return self.aux_coef * self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        return self.aux_coef * self.num_experts * (fraction * probs.sum(dim=0) / tokens).sum()
 
     def capacity(self, num_tokens: int) -> int:
         """Assignments one expert accepts: ``ceil(factor * T * k / E)``; 0 means unlimited."""

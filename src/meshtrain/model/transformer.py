@@ -131,8 +131,9 @@ class Attention(nn.Module):
         self.rope_cache.clear()
 
     def forward(self, x: torch.Tensor, layout=None) -> torch.Tensor:
-        """Attend over ``x`` [B, S, dim] causally (within documents when ``layout``, a
-        :class:`~meshtrain.model.document_mask.DocumentLayout`, is given); returns [B, S, dim]."""
+        """Attend over ``x`` [B, S, dim] causally; ``layout``, a
+        :class:`~meshtrain.model.sequence_layout.SequenceLayout`, gives other positions and
+        mask (document masking, context parallelism). Returns [B, S, dim]."""
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Shapes come from the projections, not from x, so a sequence-parallel wrapper that
         # gathers the sequence inside wq/wk/wv still works.
@@ -140,9 +141,11 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
-        cos, sin = self.rope(seq_len, q.device, q.dtype)
         mask = None
-        if layout is not None:
+        if layout is None:
+            cos, sin = self.rope(seq_len, q.device, q.dtype)
+        else:
+            cos, sin = self.rope(layout.seq_len, q.device, q.dtype)
             cos, sin, mask = cos[layout.positions], sin[layout.positions], layout.mask
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
@@ -223,8 +226,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, layout=None) -> torch.Tensor:
         """Logits [B, S, vocab_size] (in the parameters' dtype) for ``tokens`` [B, S];
-        ``layout``: a :class:`~meshtrain.model.document_mask.DocumentLayout` to attend within
-        documents only."""
+        ``layout``: a :class:`~meshtrain.model.sequence_layout.SequenceLayout` (attend within
+        documents; this rank's part of a context-parallel sequence)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, layout)

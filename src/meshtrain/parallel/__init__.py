@@ -1,12 +1,13 @@
 """Parallelism applied from outside a plain single-device model.
 
 :func:`parallelize` applies a :class:`~meshtrain.parallel.plan.ParallelPlan` in one fixed order:
-tensor parallel -> expert parallel -> pipeline split -> activation checkpointing -> data parallel
-(ZeRO). Axes that a plan leaves at degree 1 are skipped, so with every degree 1 the result is the
-plain model (plus activation checkpointing if asked for). What the splits decide is kept in the
-model's :class:`~meshtrain.parallel.state.ParallelState` (``model.parallel_state``): one sharding
-record per parameter (:class:`~meshtrain.parallel.sharding.ParamSharding`), the pipeline stages
-and the data-parallel engine.
+tensor parallel -> expert parallel -> pipeline split -> context parallel -> activation
+checkpointing -> data parallel (ZeRO). Axes that a plan leaves at degree 1 are skipped, so with
+every degree 1 the result is the plain model (plus activation checkpointing if asked for). What
+the splits decide is kept in the model's :class:`~meshtrain.parallel.state.ParallelState`
+(``model.parallel_state``): one sharding record per parameter
+(:class:`~meshtrain.parallel.sharding.ParamSharding`), the pipeline stages and the data-parallel
+engine.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     it is then materialised on ``mesh.device`` after the splits, each parameter initialised from
     its name and ``plan.init_seed`` and cut to this rank's piece.
     """
-    for axis in ("dp", "tp", "pp", "ep"):
+    for axis in ("dp", "tp", "pp", "ep", "cp"):
         if getattr(plan, axis) != getattr(mesh, axis):
             raise ValueError(f"plan.{axis} = {getattr(plan, axis)} but the mesh has "
                              f"{axis} = {getattr(mesh, axis)}")
@@ -59,6 +60,10 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
                               plan.pp_split)
         chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
         state.pipeline = (schedule, chunks)
+    if plan.cp > 1:
+        from meshtrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, mesh.comm("cp"), mesh.cp_rank)
     state.shardings.align(name for name, _ in model.named_parameters())
     init_values = None
     if any(p.is_meta for p in model.parameters()):

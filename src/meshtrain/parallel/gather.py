@@ -121,17 +121,17 @@ class StageTensors:
         over the stage's ranks)."""
         mesh = self.mesh
         if name in self._buffers:
-            return self._buffers[name].detach() if mesh.dp_rank == 0 else None
+            return self._buffers[name].detach() if mesh.dp_cp_rank == 0 else None
         value = self._local(name)
         record = self.shardings[name]
         ep_dim = record.ep_dim
-        if ep_dim is not None and mesh.edp_rank == 0:
+        if ep_dim is not None and mesh.edp_cp_rank == 0:
             placement = record.expert_placement
             moved = placement is not None and not placement.identity
             # Gathered in slot order; slot s holds expert placement.slots[s]: its row.
             value = _gather_along(value, mesh.comm("ep"), mesh.ep_rank, ep_dim,
                                   placement.slots if moved else None)
-        if mesh.dp_rank != 0:
+        if mesh.dp_cp_rank != 0:
             return None
         tp_dim = record.tp_dim
         if tp_dim is not None:

@@ -109,7 +109,7 @@ class Evaluator:
         tokens = 0
         try:
             for batch in range(self.batches):
-                micro = self.local_microbatches(batch)
+                micro = trainer.local_targets(self.local_microbatches(batch))
                 tokens += sum(int((y != trainer.ignore_index).sum()) for _, y in micro)
                 loss_sum += self._batch_loss_sum(micro).double()
         finally:
@@ -117,7 +117,7 @@ class Evaluator:
                 layer.record_step_stats = True
         totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64,
                                                      device=trainer.device)])
-        trainer.mesh.comm("dp").all_reduce(totals)
+        trainer.mesh.comm("dp_cp").all_reduce(totals)  # cp ranks: parts of every sequence
         loss = torch.stack([totals[0]])
         trainer.mesh.comm("pp").all_reduce(loss)  # the loss lives on the last stage
         mean = float(loss[0]) / max(float(totals[1]), 1.0)

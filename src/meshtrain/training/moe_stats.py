@@ -66,7 +66,7 @@ class MoEStepStats:
             stats = layer.pop_step_stats()
             table[row, :experts] = stats["tokens_per_expert"].to(device, torch.float64)
             table[row, experts] = stats["dropped"].to(device, torch.float64)
-        self.mesh.comm("dp").all_reduce(table)
+        self.mesh.comm("dp_cp").all_reduce(table)  # cp ranks route parts of one batch
         if self.balance == "bias":
             for row, layer in self.local:
                 layer.update_bias(table[row, :experts])

@@ -72,7 +72,7 @@ class Trainer:
         if config.model.vocab_size == 0:
             config.model.vocab_size = self.tokenizer.vocab_size
         train, par = config.train, config.parallel
-        self.document_layout_fn = self._document_layout_fn(config)
+        self.document_layout_fn = self._layout_fn(config)
         self.data = self.batches = None
         if with_data:
             self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
@@ -109,15 +109,27 @@ class Trainer:
         schedule, chunks = stages
         train, par = self.config.train, self.config.parallel
         micro = train.global_batch // (self.mesh.dp * par.microbatches)
-        seq = train.seq_len // (self.mesh.tp if par.sequence_parallel else 1)
+        seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
         executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)
         executor.aux_loss_fn = self._stage_aux_loss
         executor.layout_fn = self.document_layout_fn
         return executor
 
+    def _layout_fn(self, config: Config):
+        """tokens -> the :class:`~meshtrain.model.sequence_layout.SequenceLayout` this rank's
+        forward needs (document masking, context parallelism), or None for plain causal."""
+        documents = self._document_layout_fn(config)
+        cp, rank = self.mesh.cp, self.mesh.cp_rank
+        if cp == 1:
+            return documents
+        from meshtrain.parallel.context import context_layout
+
+        return lambda tokens: context_layout(None if documents is None else documents(tokens),
+                                             tokens.shape[1], cp, rank, tokens.device)
+
     def _document_layout_fn(self, config: Config):
-        """tokens -> DocumentLayout under ``data.document_mask``, else None."""
+        """tokens -> SequenceLayout under ``data.document_mask``, else None."""
         if not config.data.document_mask:
             return None
         eos = self.tokenizer.eos_id
@@ -130,8 +142,19 @@ class Trainer:
         return lambda tokens: document_layout(tokens, eos)
 
     def layout_of(self, tokens: torch.Tensor):
-        """The document layout of a micro-batch's input ``tokens`` (None without masking)."""
+        """The sequence layout of a micro-batch's input ``tokens`` (None: plain causal)."""
         return None if self.document_layout_fn is None else self.document_layout_fn(tokens)
+
+    def local_targets(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches with the targets of this rank's part of each sequence under context
+        parallelism (the model takes whole sequences of tokens and outputs its part)."""
+        if self.mesh.cp == 1:
+            return microbatches
+        from meshtrain.parallel.context import shard_sequence
+
+        cp, rank = self.mesh.cp, self.mesh.cp_rank
+        return [(inputs, shard_sequence(targets, cp, rank)) for inputs, targets in microbatches]
 
     # ------------------------------------------------------------------ one step
     def _global_token_count(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -194,6 +217,7 @@ class Trainer:
         ranks. Leaves the gradients of the global mean loss in the engine's gradient buffers
         (or shards); returns the local loss sums and token counts (not reduced over ranks)."""
         global_tokens = self._global_token_count(microbatches, local_tokens)
+        microbatches = self.local_targets(microbatches)
         self.moe_stats.start_step()
         if self.pipeline is not None:
             return self._compute_gradients_pipelined(microbatches, global_tokens)
@@ -239,7 +263,7 @@ class Trainer:
         lr = learning_rate(self.step, self.config.train)
         losses = torch.stack([result["lm"], result["aux"]])
         self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
-        self.mesh.comm("dp").all_reduce(losses)
+        self.mesh.comm("dp_cp").all_reduce(losses)  # cp ranks hold parts of every sequence
         # Loss and norm are global (equal on every rank), so every rank decides alike.
         try:
             apply_update = self.nonfinite.check(

@@ -84,16 +84,18 @@ class DataParallelEngine:
         parameters' current values."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
-        comm, dp_rank = mesh.comm("dp"), mesh.dp_rank
+        # Context-parallel ranks hold the same parameters and reduce with the data-parallel
+        # ones: every "dp" here is the mesh's dp × cp group (equal to dp when cp = 1).
+        comm, dp_rank = mesh.comm("dp_cp"), mesh.dp_cp_rank
         self.model, self.comm, self.stage = model, comm, stage
         self.shardings = shardings_of(model)  # every parameter's sharding record
         self.grad_dtype = grad_dtype
         self._init_values = init_values
         self._accumulated: dict[int, torch.Tensor] = {}  # see _on_grad_ready (pp, ZeRO >= 2)
-        self.comms = {"dp": comm, "edp": mesh.comm("edp")}
-        self.dp_rank, self.edp_rank = dp_rank, mesh.edp_rank
+        self.comms = {"dp": comm, "edp": mesh.comm("edp_cp")}
+        self.dp_rank, self.edp_rank = dp_rank, mesh.edp_cp_rank
         axis_ranks = {"dp": (max(comm.size, 1), dp_rank),
-                      "edp": (max(self.comms["edp"].size, 1), mesh.edp_rank)}
+                      "edp": (max(self.comms["edp"].size, 1), mesh.edp_cp_rank)}
         self.tp_comm = mesh.comm("tp")
         self.pp_comm = mesh.comm("pp")
         self.tp_rank = mesh.tp_rank

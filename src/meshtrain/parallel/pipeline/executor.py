@@ -65,7 +65,7 @@ class PipelineExecutor:
         self.record_events = False
         self.events: list[tuple[int, Action, float, float]] = []
         self.aux_loss_fn: Callable[[StageChunk], torch.Tensor | None] | None = None
-        # tokens -> the micro-batch's DocumentLayout (data.document_mask), or None
+        # tokens -> the micro-batch's SequenceLayout (document masking, cp), or None
         self.layout_fn: Callable[[torch.Tensor], object] | None = None
         self.aux_total = torch.zeros((), device=device)
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
