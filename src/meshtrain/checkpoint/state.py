@@ -33,7 +33,7 @@ META = "meta"
 def _layout(trainer) -> dict:
     par = trainer.config.parallel
     return {"world_size": trainer.mesh.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
-            "ep": par.ep, "zero": par.zero, "virtual_stages": par.virtual_stages,
+            "ep": par.ep, "cp": par.cp, "zero": par.zero, "virtual_stages": par.virtual_stages,
             "precision": trainer.config.train.precision}
 
 
