@@ -303,8 +303,9 @@ def report(config: Config, world: int, rank: int) -> dict:
     finally:
         shutdown_distributed()
     coords = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank,
-              "edp": mesh.edp_rank}
-    layout = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "ep": mesh.ep, "zero": par.zero,
+              "edp": mesh.edp_rank, "cp": mesh.cp_rank}
+    layout = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "ep": mesh.ep, "cp": mesh.cp,
+              "zero": par.zero,
               "microbatches": par.microbatches, "schedule": par.pp_schedule,
               "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
               "precision": config.train.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
@@ -330,7 +331,8 @@ def format_report(rep: dict) -> str:
     layers = lay["layers"]
     span = f"{layers[0]}-{layers[-1]}" if layers else "none"
     lines = [f"meshtrain dry run: rank {rep['rank']} of {rep['world']} (pp {c['pp']}/{lay['pp']} "
-             f"dp {c['dp']}/{lay['dp']} tp {c['tp']}/{lay['tp']} ep {c['ep']}/{lay['ep']}), "
+             f"dp {c['dp']}/{lay['dp']} cp {c['cp']}/{lay['cp']} tp {c['tp']}/{lay['tp']} "
+             f"ep {c['ep']}/{lay['ep']}), "
              f"ZeRO-{lay['zero']}, {lay['microbatches']} micro-batch(es), {lay['precision']}; "
              f"{len(layers)} layers ({span}; planner assumes {est['layers']})",
              f"{'':24}{'dry run':>13}{'planner':>13}{'diff':>11}"]

@@ -40,6 +40,53 @@ def test_causal_work_is_equal_on_every_rank(cp):
     assert sum(work) == seq * (seq + 1) // 2
 
 
+@pytest.mark.parametrize("blockwise", [True, False])
+def test_attention_over_gathered_chunks_equals_causal_attention(blockwise):
+    """One rank holding both chunks (a cp group of one): the chunked attention, mask-free blocks
+    or masked SDPA, gives plain causal attention's output and gradients."""
+    import torch.nn.functional as F
+
+    from meshtrain.parallel.comm import CommLog, CountedComm
+    from meshtrain.parallel.context.attention import ContextParallelAttention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 24, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 24, 8, requires_grad=True) for _ in range(2))
+    core = ContextParallelAttention(CountedComm("cp", None, 1, CommLog()), 0)
+    core.blockwise = blockwise
+    out = core(q, k, v)
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(reference, (q, k, v), grad)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-5)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+
+
+def test_blockwise_merge_is_exact_for_a_late_chunk():
+    """A query chunk at positions 3L..4L over a visible prefix and its causal square, merged by
+    log-sum-exp, equals SDPA with the bottom-right causal mask (values and gradients)."""
+    import torch.nn.functional as F
+
+    from meshtrain.parallel.context.blockwise import blockwise_attention
+
+    torch.manual_seed(1)
+    rows, c = 8, 3
+    q = torch.randn(2, 4, rows, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, (c + 1) * rows, 16, requires_grad=True) for _ in range(2))
+    i, j = torch.arange(rows)[:, None], torch.arange((c + 1) * rows)[None, :]
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + c * rows,
+                                               enable_gqa=True)
+    out = blockwise_attention(q, [(k[:, :, :c * rows], v[:, :, :c * rows], False),
+                                  (k[:, :, c * rows:], v[:, :, c * rows:], True)])
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-5)
+    for g, e in zip(torch.autograd.grad(out, (q, k, v), grad),
+                    torch.autograd.grad(reference, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+
+
 def test_indivisible_sequence_and_capacity_are_refused():
     with pytest.raises(ConfigError, match=r"seq_len = 20 is not divisible by 2 × cp = 8.*valid "
                                           r"cp for seq_len 20: 2, 5, 10"):

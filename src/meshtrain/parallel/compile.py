@@ -41,14 +41,16 @@ from meshtrain.parallel.state import attach_parallel_state
 
 @functools.cache
 def _mark_eager_boundaries() -> None:
-    """Wrap the functions that must stay eager (tp region collectives, deferrable matmuls) in
-    ``torch.compiler.disable``, once per process (cached). Done here rather than at import, so
-    runs without ``train.compile`` never import TorchDynamo (~70 MB of resident memory per
-    process)."""
+    """Wrap the functions that must stay eager (tp region collectives, the cp key/value gather,
+    deferrable matmuls) in ``torch.compiler.disable``, once per process (cached). Done here
+    rather than at import, so runs without ``train.compile`` never import TorchDynamo (~70 MB of
+    resident memory per process)."""
     from meshtrain.model import weight_grad
+    from meshtrain.parallel.context import attention as context_attention
     from meshtrain.parallel.tensor import collectives
 
-    for module, name in ((collectives, "_pair"), (weight_grad, "_deferrable_linear"),
+    for module, name in ((collectives, "_pair"), (context_attention, "gather_in_sequence_order"),
+                         (weight_grad, "_deferrable_linear"),
                          (weight_grad, "_deferrable_expert_matmul")):
         setattr(module, name, torch.compiler.disable(getattr(module, name)))
 

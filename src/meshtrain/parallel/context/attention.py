@@ -1,10 +1,12 @@
 """Attention of this rank's query chunks against the whole sequence (all-gathered keys/values).
 
 Each attention layer all-gathers the keys and values of every cp rank (after their projections
-and rotary embedding), puts them in sequence order, and runs SDPA once per local query chunk
-against the keys up to that chunk's end, with the causal mask aligned at the bottom right (query
-``i`` of chunk ``c`` sees keys ``0 .. c·L + i``). Backward reduce-scatters the keys' and values'
-gradients to their owners. This is the all-gather variant of context parallelism that Llama 3's
+and rotary embedding), puts them in sequence order, and computes each local query chunk against
+the keys up to that chunk's end (query ``i`` of chunk ``c`` sees keys ``0 .. c·L + i``): on the
+CPU as two mask-free flash-attention blocks merged exactly
+(:mod:`~meshtrain.parallel.context.blockwise`), elsewhere, and under document masking, as one
+SDPA call with the mask. Backward reduce-scatters the keys' and values' gradients to their
+owners. This is the all-gather variant of context parallelism that Llama 3's
 training used: with grouped-query attention the keys and values are a fraction of the queries
 (``n_kv_heads / n_heads``), so gathering them costs less than a ring of as many steps as ranks,
 is one collective per tensor rather than ``cp - 1`` dependent exchanges, and supports any mask
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.parallel.comm import CountedComm
+from meshtrain.parallel.context.blockwise import blockwise_attention, blockwise_supported
 from meshtrain.parallel.context.sequence import chunks_of_rank
 
 
@@ -77,6 +80,9 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.comm, self.rank = comm, rank
         self._masks: dict[tuple, torch.Tensor] = {}
+        self.blockwise = True
+        """Use mask-free blocks where :func:`blockwise_supported` (False: always the masked SDPA
+        call, e.g. to compare the two)."""
 
     def _causal(self, rows: int, cols: int, device) -> torch.Tensor:
         key = (rows, cols, device)
@@ -91,10 +97,17 @@ class ContextParallelAttention(nn.Module):
         values = gather_in_sequence_order(v, self.comm)
         half = q.shape[2] // 2
         gqa = q.shape[1] != k.shape[1]
+        blockwise = mask is None and self.blockwise and blockwise_supported(q)
         outs = []
         for slot, chunk in enumerate(chunks_of_rank(self.comm.size, self.rank)):
             end = (chunk + 1) * half
             rows = slice(slot * half, (slot + 1) * half)
+            if blockwise:
+                start = chunk * half
+                blocks = [(keys[:, :, :start], values[:, :, :start], False)] if start else []
+                blocks.append((keys[:, :, start:end], values[:, :, start:end], True))
+                outs.append(blockwise_attention(q[:, :, rows], blocks))
+                continue
             if mask is None:
                 chunk_mask = self._causal(half, end, q.device)
             else:
