@@ -157,3 +157,24 @@ def test_plan_at_8k_picks_cp_only_when_it_is_faster():
         assert best["tokens_per_s"] > fastest_plain
     small = plan(Workload.from_config(preset_config("llama3-8b")), Cluster(H100, 64, 8), top=1)
     assert small.candidates[0]["cp"] == 1  # 8B at 8K on 64 GPUs: plain data parallelism
+
+
+def test_auto_keeps_the_configured_cp(tmp_path, capsys):
+    from meshtrain.config import load_config
+    from meshtrain.planner.auto import BUILTIN_CPU, choose_layout
+    from meshtrain.validation import validate_config
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(BUILTIN_CPU.to_dict()))
+    tiny = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_dim=64", "train.seq_len=16",
+            "train.global_batch=8", "parallel.auto=true", f"parallel.auto_profile={profile}"]
+    config = load_config(None, tiny + ["parallel.cp=2"])
+    assert choose_layout(config, 4) == 4
+    par = config.parallel
+    assert par.cp == 2 and par.dp * par.tp * par.pp == 2
+    assert validate_config(config, 4) == 4
+    assert " cp=2 " in capsys.readouterr().err
+    plain = load_config(None, tiny)
+    choose_layout(plain, 4)
+    assert plain.parallel.cp == 1
