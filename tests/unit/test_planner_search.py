@@ -62,7 +62,7 @@ def test_plan_llama3_70b_on_64_h100_has_credible_candidates():
     for c in result.candidates:
         assert c["memory_gb_per_gpu"] <= 80
         assert 0.30 <= c["mfu"] <= 0.60
-        assert c["dp"] * c["tp"] * c["pp"] == 64
+        assert c["dp"] * c["cp"] * c["tp"] * c["pp"] == 64
     speeds = [c["tokens_per_s"] for c in result.candidates]
     assert speeds == sorted(speeds, reverse=True)
 

@@ -8,8 +8,8 @@ ranks the rest by predicted tokens/s, and takes the fastest one that
 and this model's shape allows are chosen. It then sets ``parallel.{dp, tp, pp, zero,
 microbatches, pp_schedule, virtual_stages, sequence_parallel, activation_checkpointing}`` and
 prints one paragraph on stderr: the layout, its predicted step time and tokens/s, what bounds it,
-and the runner-up. ``parallel.ep`` (and ``pp_split``) are kept as configured: candidates must
-agree with them.
+and the runner-up. ``parallel.ep``, ``parallel.cp`` (and ``pp_split``) are kept as configured:
+candidates must agree with them (with cp > 1 the other degrees fill ``nproc / cp``).
 
 The hardware profile, first found wins:
 
@@ -153,7 +153,7 @@ def _valid(candidate: Config) -> bool:
 def _rank_key(result: dict) -> tuple:
     """Fastest first; among predictions equal to 3 significant digits, the simpler layout."""
     lay = result["layout"]
-    complexity = (lay["pp"] > 1, lay["tp"] > 1, lay["zero"], lay["microbatches"],
+    complexity = (lay["pp"] > 1, lay["cp"] > 1, lay["tp"] > 1, lay["zero"], lay["microbatches"],
                   lay["activation_checkpointing"] != "none", lay["sequence_parallel"])
     return float(f"{result['step_time_s']:.3g}"), complexity
 
@@ -166,8 +166,9 @@ def _summary(result: dict) -> str:
     return ", ".join(f"{name} {v / step:.0%}" for v, name in parts[:3])
 
 
-def _shape(result: dict) -> tuple[int, int, int]:
-    return result["layout"]["dp"], result["layout"]["tp"], result["layout"]["pp"]
+def _shape(result: dict) -> tuple[int, int, int, int]:
+    lay = result["layout"]
+    return lay["dp"], lay["cp"], lay["tp"], lay["pp"]
 
 
 def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tuple], int]:
@@ -185,7 +186,8 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     sizes = tuple(b for b in range(1, batch + 1) if batch % b == 0)
     split = config.parallel.pp_split  # kept as configured: priced with the split that runs
     layouts = [dataclasses.replace(lay, pp_split=split)
-               for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes)
+               for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes,
+                                            cps=(config.parallel.cp,))
                if lay.ep == config.parallel.ep
                and _split_fits(split, lay, workload.model.n_layers)]
     priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
@@ -209,6 +211,8 @@ def describe(result: dict) -> str:
     """``dp=2 tp=1 pp=1 zero=0 microbatches=1 (1f1b, checkpointing none)``."""
     lay = result["layout"]
     text = f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']}"
+    if lay["cp"] > 1:
+        text += f" cp={lay['cp']}"
     if lay["ep"] > 1:
         text += f" ep={lay['ep']}"
     text += f" zero={lay['zero']} microbatches={lay['microbatches']}"

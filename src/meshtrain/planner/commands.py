@@ -23,7 +23,7 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                              "calibrate --out file")
     parser.add_argument("--gpus", type=int, required=gpus_required,
                         help="GPUs in the cluster" + ("" if gpus_required else
-                                                      " (default: dp × tp × pp)"))
+                                                      " (default: dp × cp × tp × pp)"))
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--pue", type=float, default=1.2, help="datacenter PUE (default 1.2)")
@@ -65,15 +65,20 @@ def run_estimate(args: argparse.Namespace) -> int:
     _check_shapes(config)
     par = config.parallel
     world = args.gpus or args.nproc
+    for key in ("tp", "pp", "cp"):
+        if getattr(par, key) < 1:
+            raise ConfigError(f"parallel.{key} = {getattr(par, key)} must be at least 1.")
+    names = "cp × tp × pp" if par.cp > 1 else "tp × pp"
+    model_parallel = par.cp * par.tp * par.pp
     if par.dp == 0:
-        if world and world % (par.tp * par.pp):
-            raise ConfigError(f"--gpus {world} is not a multiple of tp × pp = "
-                              f"{par.tp * par.pp}.")
-        par.dp = world // (par.tp * par.pp) if world else 1
+        if world and world % model_parallel:
+            raise ConfigError(f"--gpus {world} is not a multiple of {names} = "
+                              f"{model_parallel}.")
+        par.dp = world // model_parallel if world else 1
     layout = config.parallel.layout()
     gpus = args.gpus or layout.world_size
     if gpus != layout.world_size:
-        raise ConfigError(f"dp × tp × pp = {layout.world_size} does not equal --gpus {gpus}; "
+        raise ConfigError(f"dp × {names} = {layout.world_size} does not equal --gpus {gpus}; "
                           f"leave parallel.dp at 0 to fill the GPUs with data parallelism.")
     profile = load_profile(args.hardware)
     cluster = Cluster(profile, gpus, args.gpus_per_node)

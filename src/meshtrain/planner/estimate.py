@@ -9,12 +9,17 @@ Data-parallel communication per step (bus bytes from :mod:`meshtrain.parallel.co
 on the wire at ``RuntimeTraits.grad_reduce_bytes`` per element, parameters in the training dtype:
 ZeRO-0 one all-reduce; ZeRO-1 a reduce-scatter and a parameter all-gather; ZeRO-2 a reduce-scatter
 per micro-batch (meshtrain keeps no full gradient buffer) and an all-gather; ZeRO-3 per micro-batch
-an all-gather in forward, one in backward and a reduce-scatter. Where the runtime overlaps them,
+and block (each collective paying its latency) an all-gather in forward, one in backward and a
+reduce-scatter. Where the runtime overlaps them,
 only what exceeds the compute they hide behind is exposed (reductions behind the backward of the
 micro-batch that produces them, ZeRO-3 gathers behind the previous block's compute) — unless the
 profile says communication cannot run beside compute (CPUs, ``comm_overlaps_compute``); the
-ZeRO-1/2 parameter all-gather after the update is exposed. Expert parameters reduce over
-``dp / ep`` ranks.
+ZeRO-1/2 parameter all-gather after the update is exposed. With context parallelism the
+reduction (and ZeRO's sharding) spans the ``dp × cp`` ranks, expert parameters' the
+``dp / ep × cp``; without it, ``dp`` and ``dp / ep``. The cp K/V all-gathers and reduce-scatters
+(:mod:`meshtrain.planner.context_parallel`) sit in the micro-batch's forward and backward, not
+overlapped; ``cp_comm_bytes`` is their bus bytes per rank and step (the runtime's
+``comm_bytes.cp``).
 
 Model FLOPs are :func:`meshtrain.model.init.flops_per_token` × tokens (the MFU basis); hardware
 FLOPs add what activation checkpointing recomputes.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 from meshtrain.layout import Layout
 from meshtrain.model.init import count_parameters, flops_per_token
+from meshtrain.planner.context_parallel import forward_share, reduction_group, step_bus_bytes
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, rank_memory, stage_params
 from meshtrain.planner.pipeline_model import pipeline_estimate
@@ -82,12 +88,14 @@ def _fill_drain_speedup(layout: Layout, cluster: Cluster) -> float:
 
 
 def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float, expert: float,
-             backward: float, forward: float) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel communication per step on one rank."""
+             backward: float, forward: float, blocks: int = 1) -> tuple[float, float]:
+    """(total, exposed) seconds of data-parallel communication per step on one rank; ZeRO-3
+    gathers and reduces block by block (``blocks`` collectives of each kind per micro-batch)."""
     lay, traits = layout, workload.traits
-    groups = [(dense, lay.dp, lay.tp)]
-    if expert:
-        groups.append((expert, lay.dp // lay.ep, lay.tp * lay.ep))
+    size, stride = reduction_group(lay)
+    groups = [(dense, size, stride)]
+    if expert:  # with cp, the cp ranks (tp apart) set how many share a node: approximate
+        groups.append((expert, size // lay.ep, lay.tp * lay.ep if lay.cp == 1 else lay.tp))
     total = exposed = 0.0
     m = lay.microbatches
     for params, size, stride in groups:
@@ -113,7 +121,8 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             hidden, tail = m * t("reduce_scatter", grads), t("all_gather", weights)
             window = m * backward
         else:
-            hidden = m * (2 * t("all_gather", weights) + t("reduce_scatter", grads))
+            n = max(blocks, 1)
+            hidden = m * n * (2 * t("all_gather", weights / n) + t("reduce_scatter", grads / n))
             tail, window = 0.0, m * (backward + forward)
         total += hidden + tail
         overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
@@ -135,18 +144,19 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache, r == 0)
              for r, layers in enumerate(placement)]
     slowest = max(range(lay.pp), key=lambda r: costs[r].compute + costs[r].tp_comm
-                  + costs[r].ep_comm)
+                  + costs[r].ep_comm + costs[r].cp_comm)
     c = costs[slowest]
 
     b = lay.micro_batch_size(workload.global_batch)
-    boundary = b * workload.seq_len * model.dim * workload.act_bytes
+    boundary = b * workload.seq_len / lay.cp * model.dim * workload.act_bytes
     if lay.sequence_parallel or (workload.traits.pp_scatter_gather and lay.tp > 1):
         boundary /= lay.tp
     sends = 2 * lay.chunks_per_rank if lay.pp > 1 else 0
-    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.dp)
+    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp)
 
-    comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2
-    comm_b = (c.tp_comm + c.ep_comm) * 2 / 3 + pp_comm / 2
+    cp_f = c.cp_comm * forward_share(lay)
+    comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2 + cp_f
+    comm_b = (c.tp_comm + c.ep_comm) * 2 / 3 + pp_comm / 2 + c.cp_comm - cp_f
     f = c.forward + comm_f
     bi = c.backward_input + c.recompute + comm_b
     w = c.backward_weight
@@ -161,13 +171,15 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                        for r, layers in enumerate(placement)]
     sp = params_by_stage[slowest]
     dp_total, dp_exposed = _dp_time(workload, lay, cluster, sp.dense, sp.expert,
-                                    c.backward_input + c.backward_weight + c.recompute, c.forward)
-    zero_share = lay.dp if lay.zero >= 1 else 1
-    shard = sp.dense / zero_share + sp.expert / max(lay.dp // lay.ep if lay.zero else 1, 1)
+                                    c.backward_input + c.backward_weight + c.recompute, c.forward,
+                                    len(placement[slowest]))
+    zero_share = reduction_group(lay)[0] if lay.zero >= 1 else 1
+    shard = sp.dense / zero_share + sp.expert / max(zero_share // lay.ep, 1)
     optimizer = (shard * workload.traits.optimizer_bytes_per_param
                  / (cluster.process_rates()[1] * 1e9))
     syncs = sum(STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size, stride)
-                for size, stride in ((lay.dp, lay.tp), (lay.tp, 1), (lay.pp, lay.tp * lay.dp)))
+                for size, stride in (reduction_group(lay), (lay.tp, 1),
+                                     (lay.pp, lay.tp * lay.cp * lay.dp)))
     step = pipelined + dp_exposed + optimizer + syncs
 
     memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
@@ -177,7 +189,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     total_params, active_params, per_token = _model_totals(workload)
     model_flops = per_token * tokens
     recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))
-    hardware_flops = model_flops + recomputed * lay.tp * lay.dp * lay.microbatches
+    hardware_flops = model_flops + recomputed * lay.tp * lay.cp * lay.dp * lay.microbatches
     peak = cluster.profile.peak_tflops * 1e12
     m = lay.microbatches
     breakdown = {
@@ -185,6 +197,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "recompute_s": m * c.recompute,
         "tp_comm_s": m * c.tp_comm,
         "ep_comm_s": m * c.ep_comm,
+        "cp_comm_s": m * c.cp_comm,
         "pp_comm_s": m * pp_comm,
         "bubble_s": bubble,
         "dp_comm_exposed_s": dp_exposed,
@@ -199,6 +212,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "layout": layout_to_json(lay),
         "micro_batch_size": b,
         "tokens_per_step": tokens,
+        "cp_comm_bytes": int(step_bus_bytes(workload, lay, len(placement[slowest]))),
         "per_rank": [mem.to_dict() for mem in memory],
         "memory_gb_per_gpu": max(mem.total_bytes for mem in memory) / GB,
         "memory_limit_gb": cluster.profile.memory_gb - cluster.profile.reserved_gb,

@@ -224,7 +224,9 @@ class Cluster:
         """Seconds for one collective over ``size`` ranks on a tensor of ``full_bytes``.
 
         Bus bytes follow :func:`meshtrain.parallel.comm.bus_bytes`; the latency term counts
-        ``2 log2(n)`` steps (NCCL's tree / ring hybrid at scale, simplified).
+        ``2 log2(n)`` steps (NCCL's tree / ring hybrid at scale, simplified), and at least the
+        ring's ``n - 1`` for all-gather and reduce-scatter, which NCCL has no tree for (so a
+        gather over thousands of ranks is latency-bound).
         """
         if size <= 1 or full_bytes <= 0:
             return 0.0
@@ -238,6 +240,8 @@ class Cluster:
             factor = 2.0 if op == "all_reduce" else 1.0
             bus = factor * (size - 1) / size * full_bytes
             steps = 2 * math.ceil(math.log2(size))
+            if op in ("all_gather", "reduce_scatter"):  # NCCL runs these as rings only
+                steps = max(steps, size - 1)
         return bus / bandwidth + steps * latency
 
     def dp_gradient_reduce_time(self, op: str, full_bytes: float, size: int, stride: int,

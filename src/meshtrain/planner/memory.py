@@ -27,7 +27,9 @@ selective recomputes the attention core and the MLP activation function. A MoE l
 on every tp rank (as the runtime replicates it over tp), so its parameters and activations are
 not divided by tp. A rank holds its
 stage's activations times the schedule's peak in-flight micro-batches
-(:mod:`meshtrain.planner.pipeline_model`).
+(:mod:`meshtrain.planner.pipeline_model`). Under context parallelism a rank's activations are
+those of its ``S / cp`` tokens, plus the gathered full-sequence K and V
+(:mod:`meshtrain.planner.context_parallel`), and ZeRO shards over the ``dp × cp`` ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.model.init import _attention_params, _mlp_params
+from meshtrain.planner.context_parallel import saved_kv_bytes
 from meshtrain.planner.workload import Workload
 
 GB = 1e9
@@ -125,11 +128,13 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
 
 def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
                            mode: str | None = None) -> float:
-    """Bytes one block saves for backward for one micro-batch on one rank."""
+    """Bytes one block saves for backward for one micro-batch on one rank (its ``S / cp``
+    tokens; the gathered K/V of context parallelism are counted apart)."""
     b = layout.micro_batch_size(workload.global_batch)
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
                                    workload.traits.flash_attention, mode)
-    return units * workload.seq_len * b * workload.model.dim * workload.act_bytes / 2
+    tokens = workload.seq_len / layout.cp * b
+    return units * tokens * workload.model.dim * workload.act_bytes / 2
 
 
 @dataclasses.dataclass
@@ -165,8 +170,9 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     first, last = stage == 0, stage == lay.pp - 1
     params = stage_params(model, layers, lay, first, last)
     grad_bytes = workload.traits.grad_reduce_bytes
-    dense = model_state_bytes(params.dense, lay.zero, lay.dp, workload.precision, grad_bytes)
-    expert = model_state_bytes(params.expert, lay.zero, lay.dp // lay.ep, workload.precision,
+    shards = lay.dp * lay.cp  # gradients reduce, and ZeRO shards, over dp × cp
+    dense = model_state_bytes(params.dense, lay.zero, shards, workload.precision, grad_bytes)
+    expert = model_state_bytes(params.expert, lay.zero, shards // lay.ep, workload.precision,
                                grad_bytes)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
@@ -174,8 +180,8 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.moe_every - 1))
              if n]
     per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
-    activations = per_mb * inflight
-    b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
+    activations = per_mb * inflight + saved_kv_bytes(workload, lay, len(layers), inflight)
+    b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len / lay.cp
     if lay.activation_checkpointing == "full" and kinds:
         activations += max(layer_activation_bytes(workload, lay, layer, "none")
                            for _, layer in kinds)

@@ -10,7 +10,8 @@ def format_estimate(result: dict, profile_name: str) -> str:
     lay = result["layout"]
     lines = [
         f"{result['params'] / 1e9:.2f}B parameters on {result['gpus']} x {profile_name}: "
-        f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} ep={lay['ep']} zero={lay['zero']} "
+        f"dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} ep={lay['ep']} "
+        f"zero={lay['zero']} "
         f"sp={lay['sequence_parallel']} schedule={lay['schedule']} "
         f"(v={lay['virtual_stages']}) microbatches={lay['microbatches']} x "
         f"{result['micro_batch_size']} seq, checkpointing={lay['activation_checkpointing']}",
@@ -43,7 +44,8 @@ def format_plan(plan: dict, title: str) -> str:
     lines = [title, f"{plan['searched']} layouts searched, {plan['feasible']} fit in memory."]
     if plan["nothing_fits"]:
         return "\n".join(lines + [plan["nothing_fits"]])
-    header = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'schedule':<18} "
+    header = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} "
+              f"{'schedule':<18} "
               f"{'mb':>4} {'mbs':>3} {'ckpt':<9} {'GB':>5} {'step s':>7} {'tok/s':>10} "
               f"{'MFU':>5} {'kWh/1B':>7}")
     lines.append(header)
@@ -51,7 +53,8 @@ def format_plan(plan: dict, title: str) -> str:
         schedule = c["schedule"] + (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1
                                     else "")
         lines.append(
-            f"{i:>2} {c['dp']:>4} {c['tp']:>3} {c['pp']:>3} {c['ep']:>3} {c['zero']:>4} "
+            f"{i:>2} {c['dp']:>4} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} "
+            f"{c['zero']:>4} "
             f"{schedule:<18} {c['microbatches']:>4} {c['micro_batch_size']:>3} "
             f"{c['activation_checkpointing']:<9} {c['memory_gb_per_gpu']:>5.1f} "
             f"{c['step_time_s']:>7.2f} {c['tokens_per_s']:>10,.0f} {c['mfu']:>5.1%} "

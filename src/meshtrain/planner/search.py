@@ -1,13 +1,14 @@
 """Enumerate layouts for a workload on a cluster, keep those that fit, rank by tokens/s.
 
-The space: tp over the powers of two that fit in a node and divide the heads; pp over divisors
-of what is left (at most the layer count); dp the rest; ep over divisors of dp and the expert
-count (MoE only); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and DeepSpeed pair them);
-sequence parallelism whenever tp > 1 (same communication volume, less memory); schedules 1f1b,
-interleaved-1f1b (2 and 4 chunks), zb-h1 and zb-v with pipelining (gpipe only matches 1f1b's
-bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation checkpointing none, selective,
-full. When nothing fits, :func:`explain_nothing_fits` says what dominates memory and how many GPUs
-the smallest feasible layout would need.
+The space: tp over the powers of two that fit in a node and divide the heads; cp over divisors of
+what is left that split the sequence into ``2 cp`` equal chunks (the runtime's check); pp over
+divisors of what is left after both (at most the layer count); dp the rest; ep over divisors of
+dp and the expert count (MoE only); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and
+DeepSpeed pair them); sequence parallelism whenever tp > 1 (same communication volume, less
+memory); schedules 1f1b, interleaved-1f1b (2 and 4 chunks), zb-h1 and zb-v with pipelining
+(gpipe only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
+checkpointing none, selective, full. When nothing fits, :func:`explain_nothing_fits` says what
+dominates memory and how many GPUs the smallest feasible layout would need.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, model_state_bytes
-from meshtrain.planner.workload import Workload, layout_from_json
+from meshtrain.planner.workload import Workload, context_parallel_fits, layout_from_json
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
@@ -43,18 +44,22 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> list[tuple[str, int
 def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                       micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES,
                       checkpointing: tuple[str, ...] = CHECKPOINTING,
-                      zero_stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[Layout]:
-    """Every layout in the search space that the shapes allow on exactly ``cluster.gpus``."""
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+                      cps: tuple[int, ...] | None = None) -> list[Layout]:
+    """Every layout in the search space that the shapes allow on exactly ``cluster.gpus``
+    (``cps``: only these context-parallel degrees; default every one that fits)."""
     model, gpus = workload.model, cluster.gpus
     layouts = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and gpus % t == 0
            and model.n_heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
            and model.ffn_dim % t == 0]
-    for tp in tps:
-        for pp in _divisors(gpus // tp):
+    shapes = [(t, c) for t in tps for c in _divisors(gpus // t)
+              if (cps is None or c in cps) and context_parallel_fits(workload, c, t, t > 1)]
+    for tp, cp in shapes:
+        for pp in _divisors(gpus // (tp * cp)):
             if pp > model.n_layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             eps = ([e for e in _divisors(dp) if model.moe_experts % e == 0]
                    if model.moe_experts else [1])
             for b in micro_batch_sizes:
@@ -70,7 +75,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                         for schedule, v in _schedules(pp, model.n_layers, m):
                             for ckpt in checkpointing:
                                 layouts.append(Layout(
-                                    dp=dp, tp=tp, pp=pp, ep=ep, zero=zero,
+                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                     sequence_parallel=tp > 1, pp_schedule=schedule,
                                     virtual_stages=v, microbatches=m,
                                     activation_checkpointing=ckpt))
@@ -94,7 +99,7 @@ def why(result: dict) -> str:
 def candidate_row(result: dict) -> dict:
     """The flat candidate record ``plan --json`` prints."""
     lay = result["layout"]
-    row = {k: lay[k] for k in ("dp", "tp", "pp", "ep", "zero", "sequence_parallel")}
+    row = {k: lay[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel")}
     row.update(schedule=lay["schedule"], virtual_stages=lay["virtual_stages"],
                microbatches=lay["microbatches"], micro_batch_size=result["micro_batch_size"],
                activation_checkpointing=lay["activation_checkpointing"])
@@ -153,7 +158,7 @@ def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dic
                                   workload.traits.grad_reduce_bytes)) / GB
     text = (f"nothing fits: {len(results)} layouts searched on {cluster.gpus} x "
             f"{cluster.profile.name} ({limit:.0f} GB usable each). The leanest "
-            f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} zero={lay['zero']}, "
+            f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} zero={lay['zero']}, "
             f"{lay['activation_checkpointing']} checkpointing) needs "
             f"{leanest['memory_gb_per_gpu']:.0f} GB on pipeline stage {worst['stage']}: "
             f"{states:.0f} GB of model states and {acts:.0f} GB of activations. Model states "
@@ -165,7 +170,8 @@ def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dic
         gpus, best = needed
         bl = best["layout"]
         text += (f" It would fit on {gpus} GPUs (e.g. dp={bl['dp']} tp={bl['tp']} pp={bl['pp']}"
-                 f" zero={bl['zero']}, {bl['activation_checkpointing']} checkpointing, "
+                 f" cp={bl['cp']} zero={bl['zero']}, {bl['activation_checkpointing']} "
+                 f"checkpointing, "
                  f"{best['memory_gb_per_gpu']:.0f} GB per GPU).")
     else:
         text += " No cluster up to 64 times this size fits it with this global batch."

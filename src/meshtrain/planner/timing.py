@@ -16,7 +16,9 @@ Tensor-parallel communication per block and micro-batch: two all-reduces forward
 when full checkpointing recomputes the forward; not overlapped. Once per micro-batch also the
 vocab-parallel embedding's forward all-reduce (first stage), the head input's backward
 all-reduce and the loss's two small ones (last stage). Expert parallelism: a dispatch and
-a combine all-to-all forward, the same backward.
+a combine all-to-all forward, the same backward. Context parallelism: a rank prices its ``S / cp``
+tokens, attention at ``1 / cp`` of the whole sequence's, and the K/V all-gathers and dK/dV
+reduce-scatters of :mod:`meshtrain.planner.context_parallel` (``cp_comm``, not overlapped).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
+from meshtrain.planner.context_parallel import layer_comm_time
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import layer_activation_bytes
 from meshtrain.planner.workload import Workload
@@ -43,6 +46,8 @@ class BlockCost:
     recompute: float = 0.0
     tp_comm: float = 0.0
     ep_comm: float = 0.0
+    cp_comm: float = 0.0
+    """Context-parallel K/V all-gathers and dK/dV reduce-scatters (recompute's included)."""
     flops: float = 0.0
     """Hardware FLOPs executed on this rank (forward + backward + recompute)."""
     recompute_flops: float = 0.0
@@ -109,7 +114,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     model, lay, traits = workload.model, layout, workload.traits
     clock = GemmClock(cluster, workload.act_bytes)
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
-    tokens = b * s
+    tokens = b * s / lay.cp  # this rank's share of every sequence
     heads = model.n_heads / lay.tp
     cost = BlockCost()
 
@@ -121,17 +126,19 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         cost.backward_weight += one
         linear_flops += 2.0 * m * n * k * batch
 
-    attention_flops = 4.0 * b * s * s * heads * model.head_dim  # QK^T and AV, full square
+    # QK^T and AV, full square; the rank's queries against the whole sequence's keys
+    attention_flops = 4.0 * b * s * s * heads * model.head_dim / lay.cp
     if traits.flash_attention:
         efficiency, backward = cluster.profile.attention_figures(model.head_dim,
                                                                  FLASH_BACKWARD_RATIO)
         attention_fwd = 0.5 * attention_flops / (clock.rate * efficiency) + clock.overhead
         attention_bwd = backward * attention_fwd
     else:
-        scores = b * heads * s * s * workload.act_bytes
-        attention_fwd = (2 * clock.gemm(s, s, model.head_dim, b * heads)
+        queries = s / lay.cp
+        scores = b * heads * queries * s * workload.act_bytes
+        attention_fwd = (2 * clock.gemm(queries, s, model.head_dim, b * heads)
                          + clock.stream(3 * scores, kernels=2))
-        attention_bwd = (4 * clock.gemm(s, s, model.head_dim, b * heads)
+        attention_bwd = (4 * clock.gemm(queries, s, model.head_dim, b * heads)
                          + clock.stream(4 * scores, kernels=2))
     saved = layer_activation_bytes(workload, lay, layer, "none")
     elementwise = clock.stream(traits.elementwise_traffic * saved, kernels=8)
@@ -158,7 +165,9 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         # Every tp rank routes the whole micro-batch (the MoE layer is replicated over tp).
         routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
         collectives = 4 + (2 if mode == "full" else 0)
-        cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep, lay.tp)
+        cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
+                                                            lay.tp * lay.cp)
+    cost.cp_comm = layer_comm_time(workload, lay, cluster)
     return cost
 
 
@@ -166,7 +175,7 @@ def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost
     """The LM head and loss on the last stage, one micro-batch."""
     model = workload.model
     clock = GemmClock(cluster, workload.act_bytes)
-    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len
+    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len / layout.cp
     vocab = model.vocab_size / layout.tp
     one = clock.gemm(tokens, vocab, model.dim)
     loss = clock.stream(3 * tokens * vocab * 4, kernels=3)  # fp32 softmax / cross-entropy
@@ -188,6 +197,6 @@ def embedding_tp_cost(workload: Workload, layout: Layout, cluster: Cluster) -> f
     parallelism, same bus bytes per rank) on the first stage, one micro-batch."""
     if layout.tp == 1:
         return 0.0
-    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len
+    tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len / layout.cp
     return cluster.collective_time("all_reduce", tokens * workload.model.dim
                                    * workload.act_bytes, layout.tp, 1)

@@ -76,7 +76,7 @@ class Workload:
                    config.train.precision, traits)
 
 
-LAYOUT_JSON_FIELDS = ("dp", "tp", "pp", "ep", "zero", "sequence_parallel", "schedule",
+LAYOUT_JSON_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule",
                       "virtual_stages", "microbatches", "activation_checkpointing")
 """The keys of an estimate's ``layout`` (``meshtrain estimate --json``): the
 :class:`~meshtrain.layout.Layout` fields the cost model prices, ``schedule`` being
@@ -92,7 +92,8 @@ def layout_to_json(layout: Layout) -> dict:
 
 def layout_from_json(data: dict) -> Layout:
     """The :class:`~meshtrain.layout.Layout` an estimate's ``layout`` dict describes."""
-    values = {key: data[key] for key in LAYOUT_JSON_FIELDS}
+    values = {key: data[key] for key in LAYOUT_JSON_FIELDS if key != "cp"}
+    values["cp"] = data.get("cp", 1)
     values["pp_schedule"] = values.pop("schedule")
     return Layout(**values)
 
@@ -133,7 +134,7 @@ def _stage_layers(key: str, pp: int, chunks: int, v_shape: bool, split: str,
 def check_layout(workload: Workload, layout: Layout) -> None:
     """Raise :class:`ConfigError` when ``layout`` cannot run ``workload``."""
     m, lay = workload.model, layout
-    for key in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "microbatches"):
         if getattr(lay, key) < 1:
             raise ConfigError(f"parallel.{key} = {getattr(lay, key)} must be at least 1.")
     if lay.pp_schedule not in PP_SCHEDULES:
@@ -169,3 +170,31 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     if workload.seq_len % lay.tp and lay.sequence_parallel:
         raise ConfigError(f"train.seq_len = {workload.seq_len} must be divisible by tp = "
                           f"{lay.tp} under sequence parallelism.")
+    if lay.cp > 1:
+        check_context_parallel(workload, lay)
+
+
+def check_context_parallel(workload: Workload, layout: Layout) -> None:
+    """Raise :class:`ConfigError` (naming the valid degrees) when ``layout.cp`` cannot split
+    ``workload``'s sequences: the runtime's own check,
+    :func:`meshtrain.validation.validate_context_parallel`, on a config holding this workload."""
+    from meshtrain.validation import validate_context_parallel
+
+    config = Config()
+    config.model = workload.model
+    config.train.seq_len = workload.seq_len
+    config.parallel.cp, config.parallel.tp = layout.cp, layout.tp
+    config.parallel.sequence_parallel = layout.sequence_parallel
+    validate_context_parallel(config)
+
+
+def context_parallel_fits(workload: Workload, cp: int, tp: int, sequence_parallel: bool) -> bool:
+    """Whether ``cp`` ranks can split ``workload``'s sequences (:func:`check_context_parallel`)."""
+    if cp == 1:
+        return True
+    try:
+        check_context_parallel(workload, Layout(cp=cp, tp=tp,
+                                                sequence_parallel=sequence_parallel))
+    except ConfigError:
+        return False
+    return True
