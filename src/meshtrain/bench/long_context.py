@@ -10,6 +10,11 @@ the sequence over cp ranks should divide it by about cp (each rank also keeps th
 sequence's keys and values for backward, ``2 × seq × n_kv_heads × head_dim`` elements a layer).
 Throughput is each run's own ``tokens_per_s`` of its last step, reported, never asserted.
 
+The workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (blocks of 1 MiB and more mapped, and
+unmapped when freed), so ``VmHWM`` follows the tensors alive at the peak; under meshtrain's
+default host allocator settings the heap also keeps freed blocks, which adds a cp-independent
+amount (``--default-allocator`` measures that way).
+
 ``python -m meshtrain.bench.long_context [--seq 8192] [--cp 1 2 4]`` prints one JSON line per cp.
 """
 
@@ -31,6 +36,7 @@ RUN = ["train.steps=2", "train.global_batch=1", "train.precision=fp32", "train.w
        "train.log_every=1", "train.device=cpu", "data.max_bytes=400000"]
 SHORT_SEQ = 512
 MIB = 2**20
+LIVE_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
 def _last_tokens_per_s(run_dir: Path) -> float | None:
@@ -43,15 +49,11 @@ def _last_tokens_per_s(run_dir: Path) -> float | None:
 
 
 @contextlib.contextmanager
-def _one_process_is_rank_0(nproc: int):
-    """``--nproc 1`` trains in the launched process itself, which the tree poll does not see as
-    a worker: mark it rank 0 (without ``WORLD_SIZE`` it is still no torchrun job) so the exit
-    hook records its peak."""
-    if nproc != 1:
-        yield
-        return
-    saved = {key: os.environ.get(key) for key in ("RANK", "LOCAL_WORLD_SIZE")}
-    os.environ.update(RANK="0", LOCAL_WORLD_SIZE="1")
+def _environment(values: dict[str, str]):
+    """Set ``values`` in this process's environment (the launched run inherits it), then
+    restore it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
@@ -62,18 +64,24 @@ def _one_process_is_rank_0(nproc: int):
                 os.environ[key] = value
 
 
-def _peaks(overrides: list[str], nproc: int, run_dir: Path) -> dict:
-    with _one_process_is_rank_0(nproc):
+def _peaks(overrides: list[str], nproc: int, run_dir: Path, env: dict[str, str]) -> dict:
+    # ``--nproc 1`` trains in the launched process itself, which the tree poll does not see as a
+    # worker: mark it rank 0 (without WORLD_SIZE it is still no torchrun job) so the exit hook
+    # records its peak.
+    extra = dict(env, RANK="0", LOCAL_WORLD_SIZE="1") if nproc == 1 else env
+    with _environment(extra):
         return measure_train_peaks(overrides, nproc, run_dir)
 
 
-def measure(cp: int, seq: int, work: Path) -> dict:
+def measure(cp: int, seq: int, work: Path, live_allocator: bool = True) -> dict:
     """Per-rank activation memory (long run's VmHWM minus the short run's) at ``cp``, and the
-    long run's throughput."""
+    long run's throughput; ``live_allocator``: map 1 MiB+ blocks (see the module docstring)."""
     layout = [f"parallel.cp={cp}"]
-    long_run = _peaks([*MODEL, *RUN, *layout, f"train.seq_len={seq}"], cp, work / f"cp{cp}-long")
+    env = LIVE_ALLOCATOR if live_allocator else {}
+    long_run = _peaks([*MODEL, *RUN, *layout, f"train.seq_len={seq}"], cp, work / f"cp{cp}-long",
+                      env)
     short_run = _peaks([*MODEL, *RUN, *layout, f"train.seq_len={SHORT_SEQ}"], cp,
-                       work / f"cp{cp}-short")
+                       work / f"cp{cp}-short", env)
     excess = [a - b for a, b in zip(long_run["peaks"], short_run["peaks"], strict=True)]
     return {"cp": cp, "seq_len": seq, "activation_bytes": excess,
             "long_peaks": long_run["peaks"], "short_peaks": short_run["peaks"],
@@ -86,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshtrain.bench.long_context")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="keep meshtrain's host allocator settings (freed heap kept)")
     args = parser.parse_args(argv)
     base = None
     for cp in args.cp:
         with tempfile.TemporaryDirectory() as work:
-            r = measure(cp, args.seq, Path(work))
+            r = measure(cp, args.seq, Path(work), not args.default_allocator)
         worst = max(r["activation_bytes"])
         base = worst if cp == 1 else base
         print(json.dumps({"cp": cp, "seq_len": args.seq,

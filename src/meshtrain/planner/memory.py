@@ -23,7 +23,9 @@ activation dtype. Without sequence parallelism the norm inputs and the inputs of
 of each sub-block are replicated over tp; with it everything is divided by tp. Fused attention
 keeps no ``s × s`` scores; unfused attention adds ``2 a s / h`` (the softmax output). Full
 checkpointing keeps only each block's input (plus one block's working set while it recomputes);
-selective recomputes the attention core and the MLP activation function. A MoE layer runs whole
+selective recomputes the attention core and the MLP activation function. At the peak, the
+backward of one block also holds the gradients of what it saved (one block's activations more).
+A MoE layer runs whole
 on every tp rank (as the runtime replicates it over tp), so its parameters and activations are
 not divided by tp. A rank holds its
 stage's activations times the schedule's peak in-flight micro-batches
@@ -182,9 +184,14 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
     activations = per_mb * inflight + saved_kv_bytes(workload, lay, len(layers), inflight)
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len / lay.cp
-    if lay.activation_checkpointing == "full" and kinds:
-        activations += max(layer_activation_bytes(workload, lay, layer, "none")
-                           for _, layer in kinds)
+    if kinds:
+        # Backward of a block holds the gradients of what it saved while it runs: one block's
+        # activations more at the peak (measured on the CPU: without it the estimate is 16-24 %
+        # under the VmHWM difference of a long and a short sequence, docs/parallelism.md).
+        largest = max(layer_activation_bytes(workload, lay, layer, "none") for _, layer in kinds)
+        activations += largest
+        if lay.activation_checkpointing == "full":
+            activations += largest  # the block being recomputed
     if last:  # logits (activation dtype) and their fp32 copy for the loss, one micro-batch
         activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
     buffers = 2 * bucket_mb * 2**20
