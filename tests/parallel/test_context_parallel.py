@@ -129,6 +129,11 @@ def test_cp_composes_with_every_axis():
              tiny_config("parallel.cp=2", "parallel.pp=2", *n4, nproc=4),
              tiny_config("parallel.cp=2", "parallel.pp=2", *n4, "parallel.pp_schedule=zb-h1",
                          "parallel.activation_checkpointing=full", nproc=4),
+             tiny_config("parallel.cp=2", "parallel.pp=2", *n4, "parallel.pp_schedule=zb-v",
+                         "parallel.virtual_stages=2", nproc=4),
+             tiny_config("parallel.cp=2", "parallel.pp=2", *n4,
+                         "parallel.pp_schedule=interleaved-1f1b", "parallel.virtual_stages=2",
+                         nproc=4),
              tiny_config("parallel.cp=2", "parallel.dp=2", "parallel.ep=2", *moe,
                          "parallel.activation_checkpointing=selective", nproc=4)]
     records = assert_layouts_match_one_process(4, cases, 3)
@@ -136,6 +141,15 @@ def test_cp_composes_with_every_axis():
     # cp 4 alone: per layer per step 2 all-gathers forward + 2 reduce-scatters backward of the
     # whole sequence's keys/values, 3/4 of each crossing the links (bus bytes), 2 layers
     assert records[0][0]["comm_bytes"]["cp"] == 2 * 4 * kv_bytes * 3 // 4
+    # the planner's count of the same traffic (rank 0: its pipeline stage's layers) agrees
+    from meshtrain.planner.context_parallel import step_bus_bytes
+    from meshtrain.planner.workload import Workload, stage_layers
+
+    for config, run in zip(cases, records, strict=True):
+        layers = len(stage_layers(config.model, config.parallel.layout())[0])
+        planned = step_bus_bytes(Workload.from_config(config), config.parallel.layout(), layers)
+        measured = run[-1]["comm_bytes"]["cp"]
+        assert abs(measured - planned) <= 0.15 * planned, (config.parallel, measured, planned)
 
 
 def test_resume_a_cp2_checkpoint_at_cp1(tmp_path):

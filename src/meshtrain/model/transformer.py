@@ -115,6 +115,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_width, config.dim, bias=False)
         self.core = AttentionCore()
         # (seq_len, device, dtype) -> (cos, sin); a plain dict, never a parameter or buffer.
+        # The Transformer hands every layer the same dict: one table per length, not one per
+        # layer (at 128K positions a table pair is 64 MiB in bf16 for head_dim 128).
         self.rope_cache: dict[tuple[int, torch.device, torch.dtype], tuple] = {}
 
     def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple:
@@ -210,6 +212,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, config) for i in range(config.n_layers)}
         )
+        rope_tables: dict = {}  # same head_dim and theta in every layer: share the tables
+        for block in self.layers.values():
+            block.attention.rope_cache = rope_tables
         self.norm = RMSNorm(config.dim, config.norm_eps)
         if not config.tie_embeddings:
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -2,7 +2,7 @@
 
 ``full`` recomputes each transformer block in backward (stores only block inputs). ``selective``
 recomputes only the cheap, memory-hungry parts inside each block (the attention core and the MLP
-activation function), keeping the matmul outputs, in the spirit of Korthikanti et al. 2022.
+activation function, :data:`RECOMPUTED_UNDER_SELECTIVE`), keeping the matmul outputs, in the spirit of Korthikanti et al. 2022.
 
 The module's ``forward`` is replaced *on the instance*, so ``state_dict`` keys and the name-seeded
 initialisation are unchanged (a wrapper module would insert a prefix into every name).
@@ -14,6 +14,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from meshtrain.parallel.state import attach_parallel_state
+
+RECOMPUTED_UNDER_SELECTIVE = ("AttentionCore", "ContextParallelAttention", "MLPActivation")
+"""The module types ``selective`` recomputes: the attention core (also context parallelism's,
+which then gathers the keys and values again) and the MLP activation function."""
 
 
 def checkpoint_module(module: torch.nn.Module) -> None:
@@ -43,7 +47,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
             targets.append((f"layers.{key}", block))
             continue
         targets += [(f"layers.{key}.{name}", sub) for name, sub in block.named_modules()
-                    if type(sub).__name__ in ("AttentionCore", "MLPActivation")]
+                    if type(sub).__name__ in RECOMPUTED_UNDER_SELECTIVE]
     wrapped = 0
     for name, module in targets:
         if name not in done:
