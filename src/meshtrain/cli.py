@@ -94,11 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parser(sub) -> None:
-    """``convert``: Hugging Face Llama/Mixtral <-> meshtrain weights directories."""
+    """``convert``: Hugging Face Llama/Qwen/Mixtral <-> meshtrain weights directories."""
     conv = sub.add_parser("convert", help="convert weights to or from Hugging Face format")
     source = conv.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="HF_DIR",
-                        help="Hugging Face Llama/Mixtral directory -> meshtrain weights dir")
+                        help="Hugging Face Llama/Qwen/Mixtral directory -> meshtrain weights dir")
     source.add_argument("--to-hf", metavar="DIR",
                         help="meshtrain weights dir, run dir (with final/) or training "
                              "checkpoint -> Hugging Face directory")

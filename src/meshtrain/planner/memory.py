@@ -36,7 +36,7 @@ import dataclasses
 
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
-from meshtrain.model.init import _attention_params, _mlp_params
+from meshtrain.model.init import _attention_params, _mlp_params, _norm_params
 from meshtrain.planner.workload import Workload
 
 GB = 1e9
@@ -67,7 +67,7 @@ class StageParams:
 
 
 def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    attention = _attention_params(model) / tp + 2 * model.dim
+    attention = _attention_params(model) / tp + _norm_params(model)
     if not model.is_moe_layer(layer):
         return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
     # The MoE layer is replicated over tp at run time (meshtrain.parallel.tensor.apply, style
