@@ -16,7 +16,8 @@ from meshtrain.validation import validate_config
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML run config (default: the built-in demo)")
+    parser.add_argument("--config", help="TOML run config, or a run's config.json "
+                        "(default: the built-in demo)")
     parser.add_argument("--nproc", type=int, help="processes to launch (default: dp × tp × pp)")
     parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     parser.add_argument("--run-dir", help="where metrics.jsonl and final weights go")

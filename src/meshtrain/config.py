@@ -463,16 +463,26 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides, in order."""
+    """Defaults, then the file at ``path`` (if any: TOML, or JSON for a ``.json`` file such as
+    the ``config.json`` of a run or of ``meshtrain convert --from-hf``), then ``--set``
+    overrides, in order."""
     config = Config()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (or is not a file).")
-        try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-            raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
+        if path.suffix == ".json":  # a run's or a converted checkpoint's config.json
+            try:
+                data = json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ConfigError(f"config file {path} is not valid JSON: {error}.") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"config file {path} must hold a JSON object of sections.")
+        else:
+            try:
+                data = tomllib.loads(path.read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+                raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
         apply_mapping(config, data, str(path))
     for text in overrides:
         key, value = parse_override(text)
