@@ -53,6 +53,8 @@ from tests.hf_families import (  # noqa: E402
 TOKENS = torch.randint(0, VOCAB, (2, 2 * CONTEXT), generator=torch.Generator().manual_seed(3))
 LOGITS_RTOL = 1e-5
 STEPS = 3
+OPTIONS = {"llama3.1": ("llama3", False, False, False), "qwen2.5": ("yarn", True, False, False),
+           "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True, False)}
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +91,7 @@ def _tensors(path) -> dict[str, torch.Tensor]:
 def test_logits_match_transformers_at_twice_the_context(converted, family):
     hf_dir, mesh_dir = converted[family]
     config = weights_config(mesh_dir)
-    expected = {"llama3.1": ("llama3", False, False, False), "qwen2.5": ("yarn", True, False, False),
-                "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True,
-                                                                       False)}[family]
+    expected = OPTIONS[family]  # (rope_type, qkv_bias, wo_bias, qk_norm)
     assert (config.rope_type, config.qkv_bias, config.wo_bias, config.qk_norm) == expected
     reference = hf_logits(hf_dir, TOKENS)
     logits = _meshtrain_logits(mesh_dir)
