@@ -120,6 +120,9 @@ def _add_planner_parsers(sub) -> None:
 
     est = sub.add_parser("estimate", help="predict memory, step time and MFU of a run config")
     _add_run_options(est)
+    est.add_argument("--model", metavar="PRESET",
+                     help="price a preset's model, sequence length and batch (llama3.1-8b, "
+                          "qwen2.5-7b, qwen3-32b, ...; see meshtrain plan) instead of --config")
     add_hardware_options(est, gpus_required=False)
     add_plan_options(sub.add_parser("plan", help="rank parallel layouts for a model and cluster"))
     prep = sub.add_parser("prepare", help="tokenize text sources once into memory-mapped shards")

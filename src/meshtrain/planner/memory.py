@@ -103,9 +103,12 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
     sp = layout.sequence_parallel
     if mode == "full":
         return 2.0 / (t if sp else 1)
-    kv_ratio = model.kv_heads / model.n_heads
+    q_ratio = model.n_heads * model.head_dim / h  # 1 unless model.head_width is set
+    kv_ratio = model.kv_heads / model.n_heads * q_ratio
     replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
-    parallel = 4.0 + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    parallel = 4.0 * q_ratio + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    if model.qk_norm:
+        parallel += 2.0 * q_ratio + 2.0 * kv_ratio  # q and k before their norms
     if not flash and mode != "selective":
         parallel += 2.0 * model.n_heads * seq_len / h  # softmax probabilities
     per_hidden = {("swiglu", "none"): 8.0, ("swiglu", "selective"): 6.0}.get(
