@@ -28,7 +28,7 @@ FAMILIES = {
                    "high_freq_factor": 4.0, "original_max_position_embeddings": CONTEXT},
                   500000.0)),
     "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM",
-                dict(max_position_embeddings=CONTEXT, sliding_window=131072,
+                dict(max_position_embeddings=4 * CONTEXT, sliding_window=131072,
                      use_sliding_window=False, max_window_layers=2),
                 ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT},
                  1000000.0)),
