@@ -274,10 +274,10 @@ def model_config_to_hf(
         hf.update(attention_bias=config.qkv_bias)
     if model_type == "llama":
         hf.update(mlp_bias=False)
-    elif model_type in _QWEN:
-        hf.update(use_sliding_window=False, sliding_window=None,
-                  max_window_layers=config.n_layers,
-                  layer_types=["full_attention"] * config.n_layers)
+    elif model_type in _QWEN:  # full attention in every layer; a base's inert window stays
+        hf.update(use_sliding_window=False, layer_types=["full_attention"] * config.n_layers)
+        hf.setdefault("sliding_window", None)
+        hf.setdefault("max_window_layers", config.n_layers)
     else:
         hf.update(
             num_local_experts=config.moe_experts,
