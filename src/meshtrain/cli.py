@@ -16,7 +16,8 @@ from meshtrain.validation import validate_config
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML run config (default: the built-in demo)")
+    parser.add_argument("--config", help="TOML run config, or a run's config.json "
+                        "(default: the built-in demo)")
     parser.add_argument("--nproc", type=int, help="processes to launch (default: dp × tp × pp)")
     parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     parser.add_argument("--run-dir", help="where metrics.jsonl and final weights go")
@@ -94,11 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parser(sub) -> None:
-    """``convert``: Hugging Face Llama/Mixtral <-> meshtrain weights directories."""
+    """``convert``: Hugging Face Llama/Qwen/Mixtral <-> meshtrain weights directories."""
     conv = sub.add_parser("convert", help="convert weights to or from Hugging Face format")
     source = conv.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="HF_DIR",
-                        help="Hugging Face Llama/Mixtral directory -> meshtrain weights dir")
+                        help="Hugging Face Llama/Qwen/Mixtral directory -> meshtrain weights dir")
     source.add_argument("--to-hf", metavar="DIR",
                         help="meshtrain weights dir, run dir (with final/) or training "
                              "checkpoint -> Hugging Face directory")
@@ -119,6 +120,9 @@ def _add_planner_parsers(sub) -> None:
 
     est = sub.add_parser("estimate", help="predict memory, step time and MFU of a run config")
     _add_run_options(est)
+    est.add_argument("--model", metavar="PRESET",
+                     help="price a preset's model, sequence length and batch (llama3.1-8b, "
+                          "qwen2.5-7b, qwen3-32b, ...; see meshtrain plan) instead of --config")
     add_hardware_options(est, gpus_required=False)
     add_plan_options(sub.add_parser("plan", help="rank parallel layouts for a model and cluster"))
     prep = sub.add_parser("prepare", help="tokenize text sources once into memory-mapped shards")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import tomllib
 import typing
@@ -29,6 +30,17 @@ class ConfigError(ValueError):
 
 
 MLP_KINDS = ("swiglu", "gelu")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
+    # rope_type -> {parameter: required}; the parameters as Hugging Face names them.
+    "default": {},
+    "linear": {"factor": True},
+    "llama3": {"factor": True, "low_freq_factor": True, "high_freq_factor": True,
+               "original_max_position_embeddings": True},
+    "yarn": {"factor": True, "original_max_position_embeddings": True, "beta_fast": False,
+             "beta_slow": False, "mscale": False, "mscale_all_dim": False,
+             "attention_factor": False, "truncate": False},
+}
 MOE_BALANCE_KINDS = ("aux-loss", "bias", "none")
 MOE_SCORE_KINDS = ("softmax", "sigmoid")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
@@ -49,10 +61,27 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention; 0 = n_heads (plain multi-head attention)."""
+    head_width: int = 0
+    """Width of each attention head (queries, keys, values); 0 = dim / n_heads. Qwen3 models use
+    128 whatever their dim."""
     ffn_dim: int = 704
     mlp: str = "swiglu"
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)
+    """RoPE frequency scaling as Hugging Face's ``rope_scaling`` defines it: empty (plain RoPE)
+    or a table with ``rope_type`` (``linear``, ``llama3`` or ``yarn``; ``type`` is an alias) and
+    that type's parameters (``factor``; llama3: ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``; yarn: ``original_max_position_embeddings`` and
+    optionally ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
+    ``attention_factor``, ``truncate``). See :mod:`meshtrain.model.rope`."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2 / Qwen2.5)."""
+    wo_bias: bool = False
+    """A bias on the attention output projection (Llama's ``attention_bias`` sets both)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (one weight of head_width shared by the heads)
+    before RoPE (Qwen3)."""
     norm_eps: float = 1e-5
     moe_experts: int = 0
     """Routed experts per MoE layer; 0 = a dense model."""
@@ -72,8 +101,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Per-head width: dim / n_heads."""
-        return self.dim // self.n_heads
+        """Per-head width: head_width, or dim / n_heads when 0."""
+        return self.head_width or self.dim // self.n_heads
+
+    @property
+    def rope_type(self) -> str:
+        """The RoPE variant of ``rope_scaling``: ``default`` when it is empty."""
+        scaling = self.rope_scaling or {}
+        return str(scaling.get("rope_type", scaling.get("type", "default")))
 
     @property
     def kv_heads(self) -> int:
@@ -323,7 +358,31 @@ def _coerce(value: Any, kind: type, key: str, origin: str) -> Any:
         raise bad
     if kind is list:
         return _weighted_paths(value, key, origin)
+    if kind is dict:
+        return _table(value, key, origin)
     raise bad
+
+
+def _table(value: Any, key: str, origin: str) -> dict[str, Any]:
+    """A table from TOML, a config.json object, or an override's text: a TOML inline table
+    (``{rope_type = "llama3", factor = 8.0}``), a JSON object, or ``none`` / empty (no table)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "{}"):
+            return {}
+        parsed = None
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            try:
+                parsed = tomllib.loads(f"value = {text}")["value"]
+            except tomllib.TOMLDecodeError:
+                pass
+        value = parsed
+    if not isinstance(value, dict):
+        raise ConfigError(f'{origin}: {key} must be a table, e.g. {key} = {{rope_type = "linear", '
+                          f"factor = 2.0}} (or --set {key}.factor=2.0).")
+    return dict(value)
 
 
 def _weighted_paths(value: Any, key: str, origin: str) -> list[dict[str, Any]]:
@@ -361,12 +420,28 @@ def set_key(config: Config, dotted: str, value: Any, origin: str = "--set") -> N
     section_name, key = dotted.split(".", 1)
     section = _section(config, section_name, origin)
     types = _field_types(section)
+    table, _, entry = key.partition(".")
+    if entry and types.get(table) is dict:  # one entry of a table: model.rope_scaling.factor=8
+        current = dict(getattr(section, table))
+        current[entry] = _table_entry(value)
+        setattr(section, table, current)
+        return
     if key not in types:
         raise ConfigError(
             f'{origin}: unknown key "{section_name}.{key}".{_did_you_mean(key, types)} '
             f"Valid keys in [{section_name}]: {', '.join(types)}."
         )
     setattr(section, key, _coerce(value, types[key], f"{section_name}.{key}", origin))
+
+
+def _table_entry(value: Any) -> Any:
+    """An override's text as a TOML value (number, boolean, quoted string), else the text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"value = {value}")["value"]
+    except tomllib.TOMLDecodeError:
+        return value
 
 
 def apply_mapping(config: Config, data: dict[str, Any], origin: str) -> None:
@@ -388,16 +463,26 @@ def parse_override(text: str) -> tuple[str, str]:
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides, in order."""
+    """Defaults, then the file at ``path`` (if any: TOML, or JSON for a ``.json`` file such as
+    the ``config.json`` of a run or of ``meshtrain convert --from-hf``), then ``--set``
+    overrides, in order."""
     config = Config()
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (or is not a file).")
-        try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-            raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
+        if path.suffix == ".json":  # a run's or a converted checkpoint's config.json
+            try:
+                data = json.loads(path.read_text())
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ConfigError(f"config file {path} is not valid JSON: {error}.") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"config file {path} must hold a JSON object of sections.")
+        else:
+            try:
+                data = tomllib.loads(path.read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+                raise ConfigError(f"config file {path} is not valid TOML: {error}.") from None
         apply_mapping(config, data, str(path))
     for text in overrides:
         key, value = parse_override(text)

@@ -18,6 +18,8 @@ from meshtrain.config import (
     MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
     PRECISIONS,
+    ROPE_SCALING_KEYS,
+    ROPE_TYPES,
     Config,
     ConfigError,
 )
@@ -84,7 +86,8 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
     if m.n_layers > MAX_LAYERS:
         raise ConfigError(f"model.n_layers = {m.n_layers} is beyond any model meshtrain can "
                           f"build (at most {MAX_LAYERS}).")
-    if m.dim % m.n_heads:
+    _at_least(m.head_width, 0, "model.head_width")
+    if m.dim % m.n_heads and not m.head_width:
         valid = [d for d in _divisors(m.dim) if (m.dim // d) % 2 == 0]
         hint = (f"valid n_heads for dim {m.dim}: {', '.join(map(str, valid))}" if valid
                 else "choose an even dim, a multiple of n_heads")
@@ -92,9 +95,10 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
             f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; {hint}."
         )
     if m.head_dim % 2:
+        what = "model.head_width" if m.head_width else "model.dim / model.n_heads"
         raise ConfigError(
-            f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even "
-            f"head width. Choose n_heads so that dim / n_heads is even."
+            f"{what} = {m.head_dim} is odd; rotary embeddings need an even "
+            f"head width. Choose n_heads so that dim / n_heads is even (or an even head_width)."
         )
     _at_least(m.n_kv_heads, 0, "model.n_kv_heads")
     if m.n_heads % m.kv_heads:
@@ -103,6 +107,7 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
             f"valid values: {', '.join(map(str, _divisors(m.n_heads)))} (or 0 = n_heads)."
         )
     _choice(m.mlp, MLP_KINDS, "model.mlp")
+    validate_rope_scaling(m.rope_scaling)
     if m.rope_theta <= 0 or m.norm_eps <= 0:
         raise ConfigError("model.rope_theta and model.norm_eps must be positive.")
     _at_least(m.vocab_size, 0, "model.vocab_size")
@@ -126,6 +131,52 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         _at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
         _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
         _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
+
+
+def _rope_number(scaling: dict, name: str, minimum: float, strict: bool) -> None:
+    key = f"model.rope_scaling.{name}"
+    value = scaling[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} is not a finite number.")
+    if value < minimum or (strict and value == minimum):
+        raise ConfigError(f"{key} = {value} must be {'>' if strict else '>='} {minimum:g}.")
+
+
+def validate_rope_scaling(scaling: dict) -> None:
+    """``model.rope_scaling``: a known ``rope_type`` with exactly its parameters, in range."""
+    scaling = dict(scaling or {})
+    if "type" in scaling and "rope_type" in scaling and scaling["type"] != scaling["rope_type"]:
+        raise ConfigError(f"model.rope_scaling has both rope_type = {scaling['rope_type']!r} and "
+                          f"type = {scaling['type']!r}; keep one (type is an alias).")
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    scaling.pop("type", None)
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"model.rope_scaling.rope_type = {kind!r} is not supported; choose one "
+                          f"of: {', '.join(ROPE_TYPES)}.")
+    keys = ROPE_SCALING_KEYS[kind]
+    unknown = sorted(set(scaling) - set(keys))
+    if unknown:
+        raise ConfigError(f"model.rope_scaling.{unknown[0]} is not a parameter of rope_type "
+                          f"{kind!r}; its parameters: {', '.join(keys) or 'none'}.")
+    missing = [name for name, required in keys.items() if required and name not in scaling]
+    if missing:
+        raise ConfigError(f"model.rope_scaling (rope_type {kind!r}) lacks "
+                          f"{', '.join(missing)}; needed: "
+                          f"{', '.join(k for k, r in keys.items() if r)}.")
+    if "factor" in scaling:
+        _rope_number(scaling, "factor", 1.0 if kind == "llama3" else 0.0, kind != "llama3")
+    for name, strict in (("low_freq_factor", True), ("high_freq_factor", True),
+                         ("original_max_position_embeddings", True), ("attention_factor", True),
+                         ("beta_fast", False), ("beta_slow", False), ("mscale", False),
+                         ("mscale_all_dim", False)):  # 0 there means the default, as in HF
+        if scaling.get(name) is not None:
+            _rope_number(scaling, name, 0.0, strict)
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError("model.rope_scaling.high_freq_factor must be greater than "
+                          "low_freq_factor (Llama 3.1 uses 4 and 1).")
+    if "truncate" in scaling and not isinstance(scaling["truncate"], bool):
+        raise ConfigError(f"model.rope_scaling.truncate = {scaling['truncate']!r} is not a "
+                          "boolean; use true or false.")
 
 
 def validate_parallel(config: Config) -> None:

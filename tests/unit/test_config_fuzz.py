@@ -21,7 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshtrain.cli import main
-from meshtrain.config import LR_SCHEDULES, MLP_KINDS, Config, ConfigError, load_config
+from meshtrain.config import (
+    LR_SCHEDULES,
+    MLP_KINDS,
+    Config,
+    ConfigError,
+    default_config_path,
+    load_config,
+)
 from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
 from meshtrain.parallel.pipeline.schedules import default_virtual_stages
 from meshtrain.validation import validate_config
@@ -76,8 +83,8 @@ def _validate_or_config_error(config_source) -> Config | None:
 @given(_overrides(), st.sampled_from([None, 1, 2, 3, 4, 8]))
 def test_any_set_overrides_validate_or_raise_config_error(overrides, nproc):
     texts = [f"{key}={value}" for key, value in overrides]
-    try:
-        validate_config(load_config(None, texts), nproc)
+    try:  # the config `meshtrain train` without --config starts from: the demo's
+        validate_config(load_config(default_config_path(), texts), nproc)
     except ConfigError as error:
         assert str(error).strip()
     else:

@@ -194,11 +194,19 @@ LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidde
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"head_dim": 16}, "head_dim"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     "low_freq_factor"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type = 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0, "extra": 1}}, "rope_scaling.extra"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"head_dim": 7}, "head_dim"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16},
+     "use_sliding_window = true with sliding_window = 16"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding_attention"),
     ({"model_type": "mistral"}, "not supported"),
     ({"model_type": "mixtral", "sliding_window": 4096}, "sliding_window"),
     ({"model_type": "mixtral", "num_experts_per_tok": 1}, "num_experts_per_tok"),
@@ -240,10 +248,10 @@ def test_convert_bad_input_exits_2(tmp_path, capsys):
     scaled = tmp_path / "scaled"
     scaled.mkdir()
     (scaled / "config.json").write_text(json.dumps(
-        {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+        {**LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     assert main(["convert", "--from-hf", str(scaled), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "yarn" in err and "Traceback" not in err
+    assert "dynamic" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face interop: load / save Llama and Mixtral checkpoints, convert weight directories.
+"""Hugging Face interop: load / save Llama, Qwen2, Qwen3 and Mixtral checkpoints, convert weight
+directories.
 
 Everything streams one tensor at a time: models are built on the meta device and materialised
 empty, each tensor is read with ``safetensors.safe_open`` and copied into place, and files are
@@ -8,7 +9,7 @@ first and then writes each tensor at its offset. So a conversion never holds mor
 
 Two directory formats are involved:
 
-* a **Hugging Face** directory: ``config.json`` (``model_type`` llama / mixtral) and
+* a **Hugging Face** directory: ``config.json`` (``model_type`` llama / qwen2 / qwen3 / mixtral) and
   ``model.safetensors`` or shards with ``model.safetensors.index.json``;
 * a **meshtrain weights** directory: meshtrain names and ``config.json`` holding the full run
   Config, with shards ``model-0000i-of-0000K.safetensors`` + ``model.safetensors.index.json``
@@ -152,7 +153,8 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu",
             dtype: torch.dtype | None = None) -> Transformer:
     """A meshtrain :class:`Transformer` holding the weights of Hugging Face directory ``path``.
 
-    ``path`` holds a ``LlamaForCausalLM`` or ``MixtralForCausalLM`` ``config.json`` and
+    ``path`` holds a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
+    ``MixtralForCausalLM`` ``config.json`` and
     safetensors weights (single file or sharded). The model is built on the meta device,
     materialised empty on ``device`` in ``dtype`` (default float32, meshtrain's master-weight
     dtype) and filled one tensor at a time. Unsupported configs raise :class:`ConfigError`.
@@ -193,7 +195,8 @@ def _write_hf(named: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, ou
 
 def save_hf(model: Transformer, path: str | Path, dtype: torch.dtype | None = None,
             max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write ``model`` (single-device, unsharded) as a Hugging Face Llama / Mixtral directory.
+    """Write ``model`` (single-device, unsharded) as a Hugging Face Llama / Qwen2 / Qwen3 /
+    Mixtral directory (see :func:`~meshtrain.checkpoint.hf_config.check_exportable`).
 
     Writes ``config.json`` and ``model.safetensors`` (or shards of at most ``max_shard_bytes``
     plus ``model.safetensors.index.json``), loadable by

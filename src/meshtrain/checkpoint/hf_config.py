@@ -1,12 +1,23 @@
-"""Map a Hugging Face ``config.json`` (Llama, Mixtral) to and from :class:`ModelConfig`.
+"""Map a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mixtral) to and from
+:class:`ModelConfig`.
 
 Only what both sides compute identically is converted; anything else is refused with a
 :class:`ConfigError` naming the field, rather than converted into a model that silently computes
 something different. Supported:
 
-* ``LlamaForCausalLM`` (``model_type = "llama"``) <-> a dense meshtrain model (``mlp = swiglu``).
+* ``LlamaForCausalLM`` (``model_type = "llama"``) <-> a dense meshtrain model (``mlp = swiglu``);
+  ``attention_bias`` sets ``qkv_bias`` and ``wo_bias``.
+* ``Qwen2ForCausalLM`` (``"qwen2"``, Qwen2 and Qwen2.5) <-> a dense model with ``qkv_bias``
+  (Qwen2 always has q/k/v biases and none on the output projection).
+* ``Qwen3ForCausalLM`` (``"qwen3"``) <-> a dense model with ``qk_norm`` (``attention_bias``
+  sets both bias options) and its ``head_dim`` (``model.head_width``).
 * ``MixtralForCausalLM`` (``model_type = "mixtral"``) <-> an MoE model with an MoE block in every
   layer (``moe_every = 1``), softmax scores, no shared experts and ``moe_top_k >= 2``.
+
+RoPE (``rope_parameters`` / ``rope_scaling``: plain, ``linear``, ``llama3``, ``yarn``) maps to
+``model.rope_theta`` and ``model.rope_scaling`` in :mod:`meshtrain.checkpoint.hf_rope`.
+Export picks the architecture from the options: ``qk_norm`` is Qwen3, q/k/v biases without an
+output bias are Qwen2, otherwise Llama.
 
 Routing: Mixtral takes the softmax over all experts, picks the top-k probabilities and renormalises
 them to sum to 1; meshtrain's ``softmax`` router does the same for ``top_k > 1`` (with a zero
@@ -25,11 +36,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshtrain.checkpoint.hf_rope import hf_rope, rope_to_hf
 from meshtrain.config import ConfigError, ModelConfig
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-DEFAULT_ROPE_THETA = {"llama": 10000.0, "mixtral": 1000000.0}
-DEFAULT_NORM_EPS = {"llama": 1e-6, "mixtral": 1e-5}
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "mixtral": 1000000.0}
+DEFAULT_NORM_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5}
+_QWEN = ("qwen2", "qwen3")
 
 
 def hf_model_type(hf: dict[str, Any], origin: str) -> str:
@@ -43,43 +57,40 @@ def hf_model_type(hf: dict[str, Any], origin: str) -> str:
         raise ConfigError(
             f"{origin}: model_type {hf.get('model_type')!r} (architectures "
             f"{hf.get('architectures')}) is not supported; meshtrain converts only "
-            f"{' and '.join(SUPPORTED.values())} checkpoints."
+            f"{', '.join(SUPPORTED.values())} checkpoints."
         )
     return model_type
 
 
-def _rope_theta(hf: dict[str, Any], model_type: str, origin: str) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``; refuse scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for name, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in ("default", None):
-            raise ConfigError(
-                f"{origin}: {name} uses rope_type {kind!r}; meshtrain implements only plain "
-                "RoPE (rope_type 'default'), so this model cannot be converted faithfully."
-            )
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    return float(theta if theta is not None else DEFAULT_ROPE_THETA[model_type])
+def _sliding_window(hf: dict[str, Any], model_type: str) -> str | None:
+    """The field that turns sliding-window attention on, or None when every layer attends to
+    the whole causal prefix."""
+    if model_type in _QWEN:  # Qwen keeps a window size that only use_sliding_window enables
+        if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+            return (f"use_sliding_window = true with sliding_window = {hf['sliding_window']}")
+        kinds = sorted(set(hf.get("layer_types") or []) - {"full_attention"})
+        return f"layer_types holds {', '.join(map(repr, kinds))}" if kinds else None
+    if hf.get("sliding_window") is not None:
+        return f"sliding_window = {hf['sliding_window']}"
+    return None
 
 
 def _refuse_unsupported(hf: dict[str, Any], model_type: str, origin: str) -> None:
     """ConfigError for every feature meshtrain lacks."""
     problems = []
-    if hf.get("attention_bias"):
-        problems.append("attention_bias = true (meshtrain's projections have no bias)")
+    if model_type == "mixtral" and hf.get("attention_bias"):
+        problems.append("attention_bias = true (meshtrain's Mixtral projections have no bias)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias = true (meshtrain's MLPs have no bias)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act = {hf['hidden_act']!r} (only silu, i.e. SwiGLU, maps)")
-    heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * heads != hf["hidden_size"]:
-        problems.append(f"head_dim = {head_dim} != hidden_size / num_attention_heads = "
-                        f"{hf['hidden_size'] / heads:g} (meshtrain derives head_dim from dim)")
-    if hf.get("sliding_window") is not None:
-        problems.append(f"sliding_window = {hf['sliding_window']} (meshtrain attends to the "
-                        "whole causal prefix; set it to null if that is what you want)")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2):
+        problems.append(f"head_dim = {head_dim!r} (rotary embeddings need an even width)")
+    window = _sliding_window(hf, model_type)
+    if window:
+        problems.append(f"{window} (meshtrain attends to the whole causal prefix; turn "
+                        "sliding-window attention off if that is what you want)")
     if hf.get("quantization_config"):
         problems.append("quantization_config (quantized weights)")
     if model_type == "mixtral" and hf.get("num_experts_per_tok", 2) < 2:
@@ -90,13 +101,32 @@ def _refuse_unsupported(hf: dict[str, Any], model_type: str, origin: str) -> Non
                           f"{'; '.join(problems)}.")
 
 
+def _head_width(hf: dict[str, Any], model_type: str) -> int:
+    """``model.head_width`` for the checkpoint: 0 when its heads are dim / n_heads wide."""
+    derived = hf["hidden_size"] // hf["num_attention_heads"]
+    default = 128 if model_type == "qwen3" else derived  # Qwen3Config's own default
+    head_dim = hf.get("head_dim") or default
+    exact = hf["hidden_size"] % hf["num_attention_heads"] == 0
+    return 0 if exact and head_dim == derived else head_dim
+
+
+def _attention_options(hf: dict[str, Any], model_type: str) -> dict[str, bool]:
+    bias = bool(hf.get("attention_bias", False))
+    if model_type == "qwen2":
+        return dict(qkv_bias=True, wo_bias=False, qk_norm=False)
+    return dict(qkv_bias=bias, wo_bias=bias, qk_norm=model_type == "qwen3")
+
+
 def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> ModelConfig:
     """The :class:`ModelConfig` equivalent to Hugging Face config dict ``hf``.
 
     Raises :class:`ConfigError` for other architectures, missing fields, and features meshtrain
-    does not implement (RoPE scaling, biases, a head_dim that is not dim / heads, sliding-window
-    attention, activations other than SiLU, top-1 Mixtral routing).
+    does not implement (RoPE types other than plain, linear, llama3 and yarn, MLP biases,
+    sliding-window attention, activations other than SiLU, top-1 Mixtral routing), naming the
+    field.
     """
+    from meshtrain.validation import validate_rope_scaling
+
     model_type = hf_model_type(hf, origin)
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size")
@@ -105,17 +135,26 @@ def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> Model
         raise ConfigError(f"{origin}: missing or non-integer {', '.join(missing)}.")
     _refuse_unsupported(hf, model_type, origin)
     layers = hf["num_hidden_layers"]
+    theta, scaling = hf_rope(hf, DEFAULT_ROPE_THETA[model_type], origin)
+    try:
+        validate_rope_scaling(scaling)
+    except ConfigError as error:
+        raise ConfigError(f"{origin}: the RoPE scaling of this checkpoint is not usable: "
+                          f"{error}") from None
     config = ModelConfig(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
         n_layers=layers,
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_width=_head_width(hf, model_type),
         ffn_dim=hf["intermediate_size"],
         mlp="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=_rope_theta(hf, model_type, origin),
+        rope_theta=theta,
+        rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", DEFAULT_NORM_EPS[model_type])),
+        **_attention_options(hf, model_type),
     )
     if model_type == "mixtral":
         top_k = hf.get("num_experts_per_tok", 2)
@@ -136,23 +175,43 @@ def _round(value: float) -> float:
     return float(f"{value:.12g}")
 
 
+def _dense_model_type(config: ModelConfig) -> tuple[str | None, str]:
+    """``(model_type, why not)`` of a dense model: Qwen3 with QK-norm, Qwen2 with q/k/v biases
+    only, Llama otherwise."""
+    if config.qk_norm:
+        if config.qkv_bias != config.wo_bias:
+            return None, ("qk_norm with qkv_bias != wo_bias (Qwen3's attention_bias sets all "
+                          "four projections' biases)")
+        return "qwen3", ""
+    if config.qkv_bias and not config.wo_bias:
+        return "qwen2", ""
+    if config.wo_bias and not config.qkv_bias:
+        return None, ("wo_bias without qkv_bias (Llama's attention_bias sets all four "
+                      "projections' biases)")
+    return "llama", ""
+
+
 def check_exportable(config: ModelConfig, origin: str = "model") -> str:
     """The Hugging Face ``model_type`` that represents ``config``, or ConfigError saying why none.
 
-    Dense SwiGLU models become Llama; MoE models become Mixtral when every block is MoE, the score
-    is softmax, top_k >= 2 and there are no shared experts. A capacity factor is dropped (Mixtral
-    is dropless: identical whenever no token was dropped).
+    Dense SwiGLU models become Qwen3 (``qk_norm``), Qwen2 (``qkv_bias`` without ``wo_bias``) or
+    Llama; MoE models become Mixtral when every block is MoE, the score is softmax, top_k >= 2,
+    there are no shared experts, attention biases or QK-norm. A capacity factor is dropped
+    (Mixtral is dropless: identical whenever no token was dropped).
     """
     problems = []
     if config.mlp != "swiglu":
-        problems.append(f"mlp = {config.mlp!r} (Llama and Mixtral use SwiGLU)")
+        problems.append(f"mlp = {config.mlp!r} (Llama, Qwen and Mixtral use SwiGLU)")
     if config.vocab_size <= 0:
         problems.append("vocab_size is 0 (resolve it to the tokenizer's size first)")
     if config.moe_experts == 0:
+        model_type, why = _dense_model_type(config)
+        if why:
+            problems.append(why)
         if problems:
-            raise ConfigError(f"{origin}: cannot export as LlamaForCausalLM: "
-                              f"{'; '.join(problems)}.")
-        return "llama"
+            raise ConfigError(f"{origin}: cannot export as LlamaForCausalLM, Qwen2ForCausalLM "
+                              f"or Qwen3ForCausalLM: {'; '.join(problems)}.")
+        return model_type
     if config.moe_every != 1:
         problems.append(f"moe_every = {config.moe_every} (Mixtral has an MoE block in every "
                         "layer)")
@@ -162,6 +221,8 @@ def check_exportable(config: ModelConfig, origin: str = "model") -> str:
         problems.append(f"moe_score = {config.moe_score!r} (Mixtral routes by softmax)")
     if config.moe_top_k < 2:
         problems.append("moe_top_k = 1 (Mixtral renormalises the top-1 gate to 1)")
+    if config.qkv_bias or config.wo_bias or config.qk_norm:
+        problems.append("attention biases or qk_norm (Mixtral has neither)")
     if problems:
         raise ConfigError(f"{origin}: cannot export as MixtralForCausalLM: "
                           f"{'; '.join(problems)}.")
@@ -189,7 +250,8 @@ def model_config_to_hf(
         hf.update(max_position_embeddings=max_positions, initializer_range=0.02,
                   bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None,
                   use_cache=True, attention_dropout=0.0)
-    for stale in ("rope_scaling", "quantization_config", "_name_or_path", "transformers_version"):
+    for stale in ("rope_scaling", "quantization_config", "_name_or_path", "transformers_version",
+                  "partial_rotary_factor"):
         hf.pop(stale, None)
     hf.update(
         architectures=[SUPPORTED[model_type]],
@@ -204,13 +266,18 @@ def model_config_to_hf(
         hidden_act="silu",
         rms_norm_eps=config.norm_eps,
         tie_word_embeddings=config.tie_embeddings,
-        rope_theta=config.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        **rope_to_hf(config),
         dtype=dtype,
         torch_dtype=dtype,
     )
+    if model_type in ("llama", "qwen3"):
+        hf.update(attention_bias=config.qkv_bias)
     if model_type == "llama":
-        hf.update(attention_bias=False, mlp_bias=False)
+        hf.update(mlp_bias=False)
+    elif model_type in _QWEN:  # full attention in every layer; a base's inert window stays
+        hf.update(use_sliding_window=False, layer_types=["full_attention"] * config.n_layers)
+        hf.setdefault("sliding_window", None)
+        hf.setdefault("max_window_layers", config.n_layers)
     else:
         hf.update(
             num_local_experts=config.moe_experts,

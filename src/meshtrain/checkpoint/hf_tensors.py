@@ -1,4 +1,5 @@
-"""Tensor names and layouts between meshtrain and Hugging Face Llama / Mixtral checkpoints.
+"""Tensor names and layouts between meshtrain and Hugging Face Llama / Qwen2 / Qwen3 / Mixtral
+checkpoints.
 
 Both sides store ``nn.Linear`` weights as [out, in] and use the same rotate-half RoPE layout, so
 attention, dense MLP, norms, embedding and head map one to one by name:
@@ -7,7 +8,8 @@ attention, dense MLP, norms, embedding and head map one to one by name:
 meshtrain                                Hugging Face (``model.layers.<i>.`` prefix inside)
 =======================================  =================================================
 ``tok_embeddings.weight``                ``model.embed_tokens.weight``
-``layers.<i>.attention.w{q,k,v,o}``      ``self_attn.{q,k,v,o}_proj``
+``layers.<i>.attention.w{q,k,v,o}``      ``self_attn.{q,k,v,o}_proj`` (weight and bias)
+``layers.<i>.attention.{q,k}_norm``      ``self_attn.{q,k}_norm`` (Qwen3)
 ``layers.<i>.attention_norm``            ``input_layernorm``
 ``layers.<i>.ffn_norm``                  ``post_attention_layernorm``
 ``layers.<i>.feed_forward.w1/w3/w2``     ``mlp.gate_proj / up_proj / down_proj``
@@ -43,6 +45,12 @@ _LAYER = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
@@ -87,7 +95,7 @@ def to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[st
         leaf = rest.rsplit(".", 1)[1]
         return [(f"{prefix}block_sparse_moe.experts.{j}.{leaf}.weight", tensor[j].t())
                 for j in range(tensor.shape[0])]
-    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Mixtral equivalent "
+    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Qwen/Mixtral equivalent "
                       "(e.g. shared experts or a GELU MLP).")
 
 
@@ -128,4 +136,4 @@ def from_hf(
         leaf = rest.rsplit(".", 1)[1]
         return torch.stack([read(f"{prefix}block_sparse_moe.experts.{j}.{leaf}.weight").t()
                             for j in range(config.moe_experts)])
-    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Mixtral source.")
+    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Qwen/Mixtral source.")

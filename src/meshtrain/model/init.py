@@ -9,7 +9,9 @@ its slice, and every parallel layout starts from the same model as one process.
 Init rules (std of a zero-mean normal unless stated):
 
 =====================================================  ==========================
-norms (``attention_norm``, ``ffn_norm``, ``norm``)      ones
+norms (``attention_norm``, ``ffn_norm``, ``norm``,     ones
+``q_norm``, ``k_norm``)
+biases (``wq wk wv wo`` with ``qkv_bias``/``wo_bias``)  zeros
 ``tok_embeddings``                                      0.02
 input projections ``wq wk wv w1 w3``, ``router``        0.02
 output projections ``wo``, ``w2`` (dense and experts)   0.02 / sqrt(2 * n_layers)
@@ -50,8 +52,11 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def init_std(name: str, config: ModelConfig) -> float | None:
-    """The init std for parameter ``name``, or ``None`` for a norm weight (initialised to 1)."""
+    """The init std for parameter ``name``: ``None`` for a norm weight (initialised to 1),
+    ``0.0`` for a bias (zeros)."""
     parts = canonical_name(name).split(".")
+    if parts[-1] == "bias":
+        return 0.0
     leaf = parts[-2] if parts[-1] == "weight" and len(parts) > 1 else parts[-1]
     if leaf.endswith("norm"):
         return None
@@ -74,6 +79,8 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig)
     std = init_std(name, config)
     if std is None:
         return torch.ones(tuple(shape), dtype=torch.float32)
+    if std == 0.0:
+        return torch.zeros(tuple(shape), dtype=torch.float32)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(name_seed(seed, canonical_name(name)))
     return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
@@ -118,9 +125,25 @@ def init_weights(model: nn.Module, seed: int, shardings: ShardingTable | None = 
 
 
 def _attention_params(config: ModelConfig) -> int:
+    """Projection weights and biases of one attention block (what tensor parallelism splits)."""
+    q_width = config.n_heads * config.head_dim
+    kv_width = config.kv_heads * config.head_dim
+    biases = (q_width + 2 * kv_width if config.qkv_bias else 0) + (
+        config.dim if config.wo_bias else 0)
+    return 2 * config.dim * q_width + 2 * config.dim * kv_width + biases
+
+
+def _attention_matmul_params(config: ModelConfig) -> int:
+    """The projection weights of one attention block (the parameters that do matmuls)."""
     q_width = config.n_heads * config.head_dim
     kv_width = config.kv_heads * config.head_dim
     return 2 * config.dim * q_width + 2 * config.dim * kv_width
+
+
+def _norm_params(config: ModelConfig) -> int:
+    """Norm weights of one block: the two pre-norms and, with ``qk_norm``, the two head norms
+    (replicated whole under tensor parallelism)."""
+    return 2 * config.dim + (2 * config.head_dim if config.qk_norm else 0)
 
 
 def _mlp_params(config: ModelConfig, hidden: int) -> int:
@@ -130,16 +153,17 @@ def _mlp_params(config: ModelConfig, hidden: int) -> int:
 def _layer_counts(config: ModelConfig, layer: int) -> tuple[int, int, int]:
     """``(total, active, matmul-active)`` parameters of block ``layer``."""
     attention = _attention_params(config)
-    norms = 2 * config.dim
+    matmul = _attention_matmul_params(config)
+    norms = _norm_params(config)
     if not config.is_moe_layer(layer):
         mlp = _mlp_params(config, config.ffn_dim)
-        return attention + norms + mlp, attention + norms + mlp, attention + mlp
+        return attention + norms + mlp, attention + norms + mlp, matmul + mlp
     expert = _mlp_params(config, config.expert_ffn_dim)
     router = config.dim * config.moe_experts
     shared = config.moe_shared_experts * expert
     total_mlp = router + config.moe_experts * expert + shared
     active_mlp = router + config.moe_top_k * expert + shared
-    return attention + norms + total_mlp, attention + norms + active_mlp, attention + active_mlp
+    return attention + norms + total_mlp, attention + norms + active_mlp, matmul + active_mlp
 
 
 def count_parameters(config: ModelConfig) -> dict[str, int]:
@@ -170,8 +194,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
     ``6 * N + 12 * n_layers * dim * seq_len`` (PaLM, appendix B): ``N`` is the active matmul
     parameters (attention and MLP projections, router, ``top_k`` routed + shared experts, and the
-    LM head, which costs ``vocab * dim`` even when tied) — norms and the embedding lookup do no
-    matmul. The second term counts the attention scores ``QK^T`` and the weighted sum ``AV``
+    LM head, which costs ``vocab * dim`` even when tied) — norms (QK-norm included), biases and
+    the embedding lookup do no matmul. The second term counts the attention scores ``QK^T``
+    and the weighted sum ``AV``
     (2 matmuls x 2 FLOPs x 3 for forward+backward); ``dim`` here is ``n_heads * head_dim`` and,
     by that convention, the causal mask is not credited with halving the work.
     """

@@ -5,6 +5,8 @@ The module tree (and therefore every parameter name) follows Llama / torchtitan:
     tok_embeddings.weight
     layers.<i>.attention_norm.weight
     layers.<i>.attention.{wq,wk,wv,wo}.weight      (+ parameter-free ``attention.core``)
+    layers.<i>.attention.{wq,wk,wv}.bias            (``qkv_bias``; ``wo.bias`` with ``wo_bias``)
+    layers.<i>.attention.{q_norm,k_norm}.weight     (``qk_norm``)
     layers.<i>.ffn_norm.weight
     layers.<i>.feed_forward.{w1,w2,w3}.weight      (dense block; + parameter-free ``act``)
     layers.<i>.moe.{router.weight, experts.w1, ...} (MoE block, see :mod:`meshtrain.model.moe`)
@@ -26,6 +28,7 @@ from meshtrain.config import MLP_KINDS, ModelConfig
 from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.init import init_weights
 from meshtrain.model.moe import MoE
+from meshtrain.model.rope import rope_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -48,20 +51,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
+    scaling: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary-embedding tables ``cos, sin`` of shape [seq_len, head_dim] for positions 0..S-1.
 
     Uses the half-split ("rotate_half") layout of Hugging Face Llama: dimension ``j`` and
-    ``j + head_dim/2`` form one rotating pair, with frequency ``theta ** (-2j / head_dim)``.
-    Computed in fp32 and then cast to ``dtype``.
+    ``j + head_dim/2`` form one rotating pair, with frequency ``theta ** (-2j / head_dim)``,
+    or the scaled frequency of ``scaling`` (``model.rope_scaling``, see
+    :mod:`meshtrain.model.rope`). Computed in fp32 and then cast to ``dtype``.
     """
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = theta**-exponents
+    inv_freq, multiplier = rope_frequencies(head_dim, theta, scaling, device)
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if multiplier != 1.0:
+        cos, sin = cos * multiplier, sin * multiplier
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,18 +108,29 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query self-attention with rotary position embeddings."""
+    """Multi-head / grouped-query self-attention with rotary position embeddings.
+
+    Options of the config: ``qkv_bias`` / ``wo_bias`` give the projections biases,
+    ``qk_norm`` adds ``q_norm`` / ``k_norm`` (:class:`RMSNorm` over each head, one weight of
+    ``head_dim`` shared by all heads, before RoPE), ``rope_scaling`` scales the RoPE frequencies.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.rope_scaling = dict(config.rope_scaling)
         q_width = config.n_heads * config.head_dim
         kv_width = config.kv_heads * config.head_dim
-        self.wq = nn.Linear(config.dim, q_width, bias=False)
-        self.wk = nn.Linear(config.dim, kv_width, bias=False)
-        self.wv = nn.Linear(config.dim, kv_width, bias=False)
-        self.wo = nn.Linear(q_width, config.dim, bias=False)
+        self.wq = nn.Linear(config.dim, q_width, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, kv_width, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, kv_width, bias=config.qkv_bias)
+        self.wo = nn.Linear(q_width, config.dim, bias=config.wo_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.core = AttentionCore()
         # (seq_len, device, dtype) -> (cos, sin); a plain dict, never a parameter or buffer.
         # The Transformer hands every layer the same dict: one table per length, not one per
@@ -124,7 +142,7 @@ class Attention(nn.Module):
         key = (seq_len, device, dtype)
         if key not in self.rope_cache:
             self.rope_cache[key] = rope_cos_sin(
-                seq_len, self.head_dim, self.rope_theta, device, dtype
+                seq_len, self.head_dim, self.rope_theta, device, dtype, self.rope_scaling
             )
         return self.rope_cache[key]
 
@@ -143,6 +161,8 @@ class Attention(nn.Module):
         q = q.view(batch, seq_len, -1, self.head_dim)
         k = k.view(batch, seq_len, -1, self.head_dim)
         v = v.view(batch, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         mask = None
         if layout is None:
             cos, sin = self.rope(seq_len, q.device, q.dtype)

@@ -2,7 +2,8 @@
 
 ``full`` recomputes each transformer block in backward (stores only block inputs). ``selective``
 recomputes only the cheap, memory-hungry parts inside each block (the attention core and the MLP
-activation function, :data:`RECOMPUTED_UNDER_SELECTIVE`), keeping the matmul outputs, in the spirit of Korthikanti et al. 2022.
+activation function, :data:`RECOMPUTED_UNDER_SELECTIVE`), keeping the matmul outputs, in the
+spirit of Korthikanti et al. 2022.
 
 The module's ``forward`` is replaced *on the instance*, so ``state_dict`` keys and the name-seeded
 initialisation are unchanged (a wrapper module would insert a prefix into every name).

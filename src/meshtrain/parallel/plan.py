@@ -25,6 +25,8 @@ DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
     ("layers.*.attention.wk", "kv"),
     ("layers.*.attention.wv", "kv"),
     ("layers.*.attention.wo", "row"),
+    ("layers.*.attention.q_norm", "heads"),
+    ("layers.*.attention.k_norm", "heads"),
     ("layers.*.feed_forward", "region"),
     ("layers.*.feed_forward.w1", "column"),
     ("layers.*.feed_forward.w3", "column"),

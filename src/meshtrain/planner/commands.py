@@ -54,14 +54,26 @@ def _check_shapes(config: Config) -> None:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    """``meshtrain estimate``: price the layout a run config describes."""
+    """``meshtrain estimate``: price the layout a run config (or a preset's model, sequence
+    length and batch, with ``--set`` layout keys) describes."""
     from meshtrain.planner.estimate import estimate
     from meshtrain.planner.hardware import Cluster, load_profile
     from meshtrain.planner.report import format_estimate
     from meshtrain.planner.workload import Workload
 
-    path = args.config if args.config else default_config_path()
-    config = load_config(path, args.overrides)
+    model = getattr(args, "model", None)
+    if model:
+        from meshtrain.config import parse_override, set_key
+        from meshtrain.planner.presets import preset_config
+
+        if args.config:
+            raise ConfigError("estimate takes --model (a preset) or --config, not both.")
+        config = preset_config(model)  # refuses an unknown name, listing the presets
+        for text in args.overrides:
+            set_key(config, *parse_override(text))
+    else:
+        path = args.config if args.config else default_config_path()
+        config = load_config(path, args.overrides)
     _check_shapes(config)
     par = config.parallel
     world = args.gpus or args.nproc
@@ -91,7 +103,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 def add_plan_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``meshtrain plan``."""
     parser.add_argument("--model", required=True, metavar="NAME|config.toml",
-                        help="a preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, "
+                        help="a preset (llama3.1-8b, llama3.2-1b, qwen2.5-7b, qwen3-8b, "
                              "mixtral-8x7b, ...) or a TOML run config")
     parser.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],

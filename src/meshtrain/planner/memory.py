@@ -40,7 +40,7 @@ import dataclasses
 
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
-from meshtrain.model.init import _attention_params, _mlp_params
+from meshtrain.model.init import _attention_params, _mlp_params, _norm_params
 from meshtrain.planner.context_parallel import saved_kv_bytes
 from meshtrain.planner.workload import Workload
 
@@ -72,7 +72,7 @@ class StageParams:
 
 
 def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    attention = _attention_params(model) / tp + 2 * model.dim
+    attention = _attention_params(model) / tp + _norm_params(model)
     if not model.is_moe_layer(layer):
         return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
     # The MoE layer is replicated over tp at run time (meshtrain.parallel.tensor.apply, style
@@ -108,9 +108,12 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
     sp = layout.sequence_parallel
     if mode == "full":
         return 2.0 / (t if sp else 1)
-    kv_ratio = model.kv_heads / model.n_heads
+    q_ratio = model.n_heads * model.head_dim / h  # 1 unless model.head_width is set
+    kv_ratio = model.kv_heads / model.n_heads * q_ratio
     replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
-    parallel = 4.0 + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    parallel = 4.0 * q_ratio + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    if model.qk_norm:
+        parallel += 2.0 * q_ratio + 2.0 * kv_ratio  # q and k before their norms
     if not flash and mode != "selective":
         parallel += 2.0 * model.n_heads * seq_len / h  # softmax probabilities
     per_hidden = {("swiglu", "none"): 8.0, ("swiglu", "selective"): 6.0}.get(

@@ -12,6 +12,9 @@ plain model's module names). Styles:
 ``region``         the module's *input* enters a TP region: ``f`` (identity fwd / all-reduce bwd),
                    or with sequence parallelism an all-gather of the sequence
 ``region-output``  the module's *output* enters a TP region (the final norm, feeding the head)
+``heads``          a module applied alike to every attention head (the QK-norm): whole on every
+                   tp rank, but each rank runs it on its own heads only, so its gradient is
+                   partial and summed over tp
 ``replicated``     the module runs whole on every tp rank (the MoE layer: router and experts are
                    replicated over tp, each rank computes the complete output, which is therefore
                    *not* reduced). Without sequence parallelism nothing changes (its input is the
@@ -46,6 +49,7 @@ from meshtrain.parallel.tensor.layers import (
     HeadSelectLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    tp_replicated,
 )
 
 
@@ -97,6 +101,10 @@ def apply_tensor_parallel(model: nn.Module, comm: CountedComm, tp_rank: int,
             elif style == "region-output":
                 module.register_forward_hook(
                     lambda m, args, out: _enter_region(out, comm, sequence_parallel))
+                continue
+            elif style == "heads":
+                shardings.register(name, {local: tp_replicated(partial_grad=True)
+                                          for local, _ in module.named_parameters()})
                 continue
             elif style == "replicated":
                 if sequence_parallel:

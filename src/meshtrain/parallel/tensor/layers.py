@@ -48,8 +48,22 @@ def _new_param(like: torch.Tensor, shape: tuple[int, ...]) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=like.dtype, device=like.device))
 
 
+def _copy_bias(linear: nn.Linear, rows: slice | None = None) -> nn.Parameter | None:
+    """A parameter for ``linear``'s bias (its ``rows`` only), or None when it has none."""
+    if linear.bias is None:
+        return None
+    full = linear.bias
+    part = full if rows is None else full[rows]
+    bias = _new_param(full, tuple(part.shape))
+    if not full.is_meta:
+        with torch.no_grad():
+            bias.copy_(part)
+    return bias
+
+
 class ColumnParallelLinear(nn.Module):
-    """``y = x W_r^T``: this rank's block of output features (rows of W); no communication."""
+    """``y = x W_r^T + b_r``: this rank's block of output features (rows of W, entries of the
+    bias); no communication."""
 
     def __init__(self, linear: nn.Linear, tp_rank: int, tp_size: int):
         super().__init__()
@@ -61,17 +75,22 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _new_param(linear.weight, (rows, in_features))
         self.param_shardings = {"weight": tp_split(self.weight, (out_features, in_features), 0,
                                                    lo)}
+        self.bias = _copy_bias(linear, slice(lo, lo + rows))
+        if self.bias is not None:
+            self.param_shardings["bias"] = tp_split(self.bias, (out_features,), 0, lo)
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[lo:lo + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local matmul on the already-entered input."""
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """``y = reduce(x_r W_r^T)``: this rank's block of input features (columns of W)."""
+    """``y = reduce(x_r W_r^T) + b``: this rank's block of input features (columns of W); a
+    bias is whole on every rank and added once, after the reduction (with sequence parallelism
+    to this rank's chunk of the sequence, so its gradient is then partial over tp)."""
 
     def __init__(self, linear: nn.Linear, tp_rank: int, tp_size: int, comm: CountedComm,
                  sequence_parallel: bool):
@@ -86,27 +105,35 @@ class RowParallelLinear(nn.Module):
         self.weight = _new_param(linear.weight, (out_features, cols))
         self.param_shardings = {"weight": tp_split(self.weight, (out_features, in_features), 1,
                                                    lo)}
+        self.bias = _copy_bias(linear)
+        if self.bias is not None:
+            self.param_shardings["bias"] = tp_replicated(partial_grad=sequence_parallel)
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[:, lo:lo + cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Partial product, then all-reduce (or sequence reduce-scatter)."""
+        """Partial product, then all-reduce (or sequence reduce-scatter), then the bias."""
         partial = linear(x, self.weight)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(partial, self.comm)
-        return reduce_from_tp_region(partial, self.comm)
+            out = reduce_scatter_to_sequence_region(partial, self.comm)
+        else:
+            out = reduce_from_tp_region(partial, self.comm)
+        return out if self.bias is None else out + self.bias
 
 
 class HeadSelectLinear(nn.Module):
     """A key/value projection replicated on every tp rank (n_kv_heads not divisible by tp):
     each rank computes only the kv heads its query heads read. Gradients are partial per rank
-    and are summed over tp after backward."""
+    and are summed over tp after backward (the bias's too)."""
 
     def __init__(self, linear: nn.Linear, head_dim: int, heads: list[int]):
         super().__init__()
         self.weight = _new_param(linear.weight, tuple(linear.weight.shape))
         self.param_shardings = {"weight": tp_replicated(partial_grad=True)}
+        self.bias = _copy_bias(linear)
+        if self.bias is not None:
+            self.param_shardings["bias"] = tp_replicated(partial_grad=True)
         rows = [h * head_dim + i for h in heads for i in range(head_dim)]
         self.register_buffer("rows", torch.tensor(rows, dtype=torch.long,
                                                   device=linear.weight.device), persistent=False)
@@ -121,7 +148,8 @@ class HeadSelectLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Project to this rank's kv heads only."""
-        return F.linear(x, self.weight.index_select(0, self.rows))
+        bias = None if self.bias is None else self.bias.index_select(0, self.rows)
+        return F.linear(x, self.weight.index_select(0, self.rows), bias)
 
 
 class VocabParallelEmbedding(nn.Module):
