@@ -101,13 +101,15 @@ def test_indivisible_sequence_and_capacity_are_refused():
 
 def test_cp_alone_and_with_document_masking_and_evaluation_match_one_process(tmp_path):
     from tests.parallel.test_document_mask import _short_documents
+    from tests.parallel.test_model_options import OPTIONS
 
     source = f"data.source={_short_documents(tmp_path)}"
     cases = [tiny_config("parallel.cp=2", nproc=2),
              tiny_config("parallel.cp=2", "data.document_mask=true", "train.seq_len=64", source,
                          "train.eval_every=2", "data.valid_fraction=0.05", nproc=2),
              tiny_config("parallel.cp=2", "model.moe_experts=4", "model.moe_top_k=2",
-                         "model.moe_ffn_dim=32", "model.moe_balance=bias", nproc=2)]
+                         "model.moe_ffn_dim=32", "model.moe_balance=bias", nproc=2),
+             tiny_config("parallel.cp=2", *OPTIONS, nproc=2)]  # biases, QK-norm, yarn RoPE
     records = assert_layouts_match_one_process(2, cases, 3)
     evals = [r["eval_loss"] for r in records[1] if "eval_loss" in r]
     from meshtrain.verify import reference_config, run_layout
