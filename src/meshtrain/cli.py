@@ -190,7 +190,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if is_first:
         print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model "
               f"for {config.train.steps} steps on {world} process(es) "
-              f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}); "
+              f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}"
+              f"{f' cp={config.parallel.cp}' if config.parallel.cp > 1 else ''}); "
               f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
     from meshtrain.checkpoint.manager import preflight
 
