@@ -268,6 +268,67 @@ def energy_schedule_report(result: EnergySchedule, pp: int, curve: PowerCurve) -
             "ranks": result.rank_plan(pp, curve.max_clock_mhz)}
 
 
+def layout_schedule(result: dict, layout, profile: HardwareProfile,
+                    max_slowdown: float = 0.01) -> dict:
+    """The energy schedule of an :func:`~meshtrain.planner.estimate.estimate` result's pipeline
+    (its per-rank stage times), as :func:`energy_schedule_report`; ``cluster_saving_j`` scales
+    one pipeline's saving to every GPU of the layout."""
+    from meshtrain.parallel.pipeline.schedules import build_schedule
+
+    if layout.pp < 2:
+        raise ConfigError("--energy-schedule needs a pipeline (parallel.pp > 1): without one "
+                          "every rank is on the critical path.")
+    curve = power_curve(profile)
+    v = layout.virtual_stages
+    schedule = build_schedule(layout.pp_schedule, layout.pp, layout.microbatches, v)
+    times = [StageTimes(*(x / v for x in result["stage_times_s"][schedule.rank_of(s)]))
+             for s in range(schedule.num_stages)]
+    scheduled = energy_schedule(schedule, times, curve, max_slowdown,
+                                max(profile.power_w - profile.gpu_tdp_w, 0.0))
+    report = energy_schedule_report(scheduled, layout.pp, curve)
+    report["cluster_saving_j"] = ((report["baseline_energy_j"] - report["energy_j"])
+                                  * layout.world_size / layout.pp)
+    return report
+
+
+def parse_slow_stage(text: str) -> tuple[int, float]:
+    """``"S:FACTOR"`` for ``meshtrain simulate --slow-stage``: stage S takes FACTOR times as
+    long (an imbalanced pipeline)."""
+    try:
+        stage, factor = text.split(":")
+        value = (int(stage), float(factor))
+    except ValueError:
+        value = (-1, 0.0)
+    if value[0] < 0 or value[1] <= 0:
+        raise ConfigError(f"--slow-stage takes STAGE:FACTOR, e.g. 3:1.2; got {text!r}")
+    return value
+
+
+def simulate_energy(schedule: Schedule, base: StageTimes, slow_stage: str | None,
+                    hardware: str, max_slowdown: float, with_schedule: bool
+                    ) -> tuple[list[StageTimes], dict | None, list | None]:
+    """For ``meshtrain simulate``: per-stage times (one stage slowed by ``slow_stage``), and
+    with ``with_schedule`` the energy schedule's report and its events (to draw)."""
+    from meshtrain.planner.hardware import load_profile
+
+    times = [base] * schedule.num_stages
+    if slow_stage:
+        stage, factor = parse_slow_stage(slow_stage)
+        if stage >= schedule.num_stages:
+            raise ConfigError(f"--slow-stage {slow_stage}: there are {schedule.num_stages} "
+                              "stages (0-based)")
+        times[stage] = StageTimes(base.f * factor, base.b * factor, base.w * factor, base.comm)
+    if not with_schedule:
+        return times, None, None
+    profile = load_profile(hardware)
+    curve = power_curve(profile)
+    result = energy_schedule(schedule, times, curve, max_slowdown,
+                             max(profile.power_w - profile.gpu_tdp_w, 0.0))
+    report = energy_schedule_report(result, schedule.pp, curve)
+    report["hardware"] = profile.name
+    return times, report, result.events()
+
+
 def format_energy_schedule(report: dict, unit: str = "") -> str:
     """A few lines of :func:`energy_schedule_report`'s report."""
     lines = [f"energy schedule: {report['saving']:.1%} less accelerator energy per step "
