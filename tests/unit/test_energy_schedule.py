@@ -58,7 +58,7 @@ def test_graph_times_are_the_simulators():
     graph = action_graph(schedule, times)
     start, end = graph.earliest()
     sim = simulate(schedule, times)
-    mine = {(r, a): (s, e) for (r, a), s, e in zip(graph.nodes, start, end)}
+    mine = {(r, a): (s, e) for (r, a), s, e in zip(graph.nodes, start, end, strict=True)}
     assert len(mine) == len(sim.events)
     for rank, act, s, e in sim.events:  # a receive's start is its post time there
         assert mine[(rank, act)][1] == pytest.approx(e)
@@ -75,7 +75,7 @@ def test_1f1b_pp2_two_microbatches_by_hand():
     assert result.baseline_makespan == pytest.approx(9.0)
     assert result.makespan == pytest.approx(9.0)
     assert result.baseline_energy_j == pytest.approx(12 * 700 + 6 * 210)
-    slowed = {(r, str(a)): c for (r, a), c in zip(result.graph.nodes, result.clocks)
+    slowed = {(r, str(a)): c for (r, a), c in zip(result.graph.nodes, result.clocks, strict=True)
               if c < 1980}
     assert slowed == {(0, "F1@s0"): 990, (0, "B0@s0"): 1320}
     # 700 (F0) + 2 * 271.25 (F1) + 3 * 355.185 (B0) + 1400 (B1) + 1 idle unit on rank 0;

@@ -21,8 +21,9 @@ The assignment is one pass in execution order: each action starts as early as it
 slowed) predecessors allow and takes the lowest clock that still lets it finish by its latest
 finish time (computed backwards from the target step time at full clock). Actions with zero
 slack at the original step time are never slowed; the others may also use ``max_slowdown`` of
-extra step time. An action that finishes by its latest finish time lets its successors start by
-theirs, so the step ends by the target. A clock floor spreads slack over the actions of a chain
+extra step time (both targets are tried: a longer step costs every rank static power). An
+action that finishes by its latest finish time lets its successors start by theirs, so the step
+ends by the target. A clock floor spreads slack over the actions of a chain
 (the cubic makes two half-slowed actions cheaper than one fully slowed one); the pass is run for
 every floor and the lowest-energy result kept.
 """
@@ -118,8 +119,7 @@ class ActionGraph:
         return latest
 
 
-def action_graph(schedule: Schedule,
-                 times: StageTimes | Sequence[StageTimes] = StageTimes()) -> ActionGraph:
+def action_graph(schedule: Schedule, times: StageTimes | Sequence[StageTimes]) -> ActionGraph:
     """The dependency graph of ``schedule``'s actions under per-stage ``times``."""
     per_stage = _per_stage(schedule, times)
     nodes: list[tuple[int, Action]] = []
@@ -180,7 +180,8 @@ class EnergySchedule:
     def events(self) -> list[tuple[int, Action, float, float]]:
         """``(rank, action, start, end)`` of the scheduled step (draw with
         :func:`meshtrain.parallel.pipeline.timeline.plot_timeline`)."""
-        return [(r, a, s, e) for (r, a), s, e in zip(self.graph.nodes, self.start, self.end)]
+        timed = zip(self.graph.nodes, self.start, self.end, strict=True)
+        return [(r, a, s, e) for (r, a), s, e in timed]
 
     def rank_plan(self, pp: int, max_clock: float) -> list[dict]:
         """Per rank: the time-weighted mean clock of its compute and how much of its compute
@@ -245,16 +246,18 @@ def energy_schedule(schedule: Schedule, times: StageTimes | Sequence[StageTimes]
     _, base_energy = step_energy(graph, full, end0, pp, curve)
     tolerance = EPS * max(base, 1.0)
     critical = [latest - end <= tolerance
-                for latest, end in zip(graph.latest_finish(base), end0)]
-    latest = graph.latest_finish(base * (1 + max_slowdown))
+                for latest, end in zip(graph.latest_finish(base), end0, strict=True)]
     best = EnergySchedule(full, graph, start0, end0, base, base, base_energy, base_energy,
                           server_w)
-    for floor in curve.clocks():
-        clocks, start, end = _assign(graph, curve, latest, critical, floor)
-        makespan, energy = step_energy(graph, clocks, end, pp, curve)
-        if energy < best.energy_j - tolerance:
-            best = EnergySchedule(clocks, graph, start, end, base, makespan, base_energy,
-                                  energy, server_w)
+    # A longer step costs every rank static power, so the allowance is not always worth using.
+    for target in sorted({base, base * (1 + max_slowdown)}):
+        latest = graph.latest_finish(target)
+        for floor in curve.clocks():
+            clocks, start, end = _assign(graph, curve, latest, critical, floor)
+            makespan, energy = step_energy(graph, clocks, end, pp, curve)
+            if energy < best.energy_j - tolerance:
+                best = EnergySchedule(clocks, graph, start, end, base, makespan, base_energy,
+                                      energy, server_w)
     return best
 
 
