@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     sim.add_argument("--plot", metavar="PNG", help="write the timeline as a PNG")
     sim.add_argument("--trace", metavar="JSON", help="write a Chrome trace-event JSON")
+    sim.add_argument("--slow-stage", metavar="S:FACTOR",
+                     help="stage S takes FACTOR times as long (e.g. 3:1.2)")
+    sim.add_argument("--energy-schedule", action="store_true",
+                     help="lower the clocks of actions off the critical path; report the "
+                          "saving and draw the scheduled step (docs/energy.md)")
+    sim.add_argument("--hardware", default="h100-80g",
+                     help="--energy-schedule: the GPU profile's clock-power curve")
+    sim.add_argument("--max-slowdown", type=float, default=0.01,
+                     help="--energy-schedule: longest step allowed, as a fraction (0.01)")
     _add_convert_parser(sub)
     return parser
 
@@ -114,6 +123,7 @@ def _add_planner_parsers(sub) -> None:
     """``estimate``, ``plan`` and ``calibrate`` (options in :mod:`meshtrain.planner.commands`)."""
     from meshtrain.planner.commands import (
         add_calibrate_options,
+        add_estimate_options,
         add_hardware_options,
         add_plan_options,
     )
@@ -124,6 +134,7 @@ def _add_planner_parsers(sub) -> None:
                      help="price a preset's model, sequence length and batch (llama3.1-8b, "
                           "qwen2.5-7b, qwen3-32b, ...; see meshtrain plan) instead of --config")
     add_hardware_options(est, gpus_required=False)
+    add_estimate_options(est)
     add_plan_options(sub.add_parser("plan", help="rank parallel layouts for a model and cluster"))
     prep = sub.add_parser("prepare", help="tokenize text sources once into memory-mapped shards")
     prep.add_argument("sources", nargs="+", help=".txt/.jsonl/.parquet files, directories, globs")
@@ -275,15 +286,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     v = args.virtual_stages if args.virtual_stages is not None else \
         default_virtual_stages(args.schedule)
-    _, result, report = simulate_named(args.schedule, args.pp, args.microbatches, v,
-                                       parse_times(args.times), args.comm)
+    from meshtrain.parallel.pipeline.simulator import StageTimes, simulate
+    from meshtrain.planner.energy_schedule import format_energy_schedule, simulate_energy
+
+    schedule, result, report = simulate_named(args.schedule, args.pp, args.microbatches, v,
+                                              parse_times(args.times), args.comm)
+    times, energy, events = simulate_energy(
+        schedule, StageTimes(**report["stage_times"]), args.slow_stage, args.hardware,
+        args.max_slowdown, args.energy_schedule)
+    if args.slow_stage:
+        result = simulate(schedule, times)
+        report.update(slow_stage=args.slow_stage, makespan=result.makespan,
+                      bubble_fraction=result.bubble_fraction, closed_form_bubble=None)
+    title = (f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: bubble "
+             f"{result.bubble_fraction:.3f}")
+    if energy is not None:
+        report["energy_schedule"] = energy
+        title += f"; energy schedule saves {energy['saving']:.1%} ({energy['slowdown']:+.2%})"
     if args.plot:
-        plot_timeline(result.events, args.pp, args.plot,
-                      f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: bubble "
-                      f"{result.bubble_fraction:.3f}")
+        plot_timeline(events or result.events, args.pp, args.plot, title)
     if args.trace:
-        write_chrome_trace(result.events, args.trace)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+        write_chrome_trace(events or result.events, args.trace)
+    text = format_report(report)
+    if energy is not None:
+        text += "\n" + format_energy_schedule(energy)
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0
 
 

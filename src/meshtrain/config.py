@@ -222,6 +222,9 @@ class TrainConfig:
     max_restarts: int = 0
     """Restart every worker up to this many times after a failure; a restarted run resumes from
     the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""
+    carbon_g_per_kwh: float = 0.0
+    price_per_kwh: float = 0.0
+    """Grid g CO2 per kWh and price per kWh for the run summary's CO2 and cost; 0 = omitted."""
 
 
 @dataclass
@@ -492,8 +495,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 def default_config_path() -> Path | None:
     """The demo config shipped in ``configs/demo.toml`` (or packaged beside this module)."""
-    candidates = [
-        Path(__file__).resolve().parents[2] / "configs" / "demo.toml",
-        Path(__file__).resolve().parent / "configs" / "demo.toml",
-    ]
+    here = Path(__file__).resolve()
+    candidates = [here.parents[2] / "configs" / "demo.toml", here.parent / "configs" / "demo.toml"]
     return next((c for c in candidates if c.is_file()), None)

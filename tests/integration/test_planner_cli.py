@@ -87,3 +87,33 @@ def test_calibrate_writes_a_usable_profile(tmp_path, meshtrain):
                     "--set", "model.vocab_size=512")
     assert est.returncode == 0, est.stderr
     assert json.loads(est.stdout)["hardware"] == "measured"
+
+
+def test_simulate_energy_schedule_json(meshtrain, tmp_path):
+    run = meshtrain("simulate", "--schedule", "1f1b", "--pp", "8", "--microbatches", "16",
+                    "--slow-stage", "3:1.2", "--energy-schedule", "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    # one stage 20 % slower: 15 steps of 2 units + 16 of its 2.4 (hand count of the 1F1B chain)
+    assert out["makespan"] == pytest.approx(76.2)
+    energy = out["energy_schedule"]
+    assert energy["slowdown"] <= 0.01 + 1e-9 and 0.05 < energy["saving"] < 0.3
+    assert len(energy["ranks"]) == 8
+    bad = meshtrain("simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2",
+                    "--slow-stage", "5:1.2")
+    assert bad.returncode == 2
+
+
+def test_plan_objective_and_budget(meshtrain):
+    run = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
+                    "--json", "--top", "3", "--objective", "energy")
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["candidates"]
+    assert [r["kwh_per_1b_tokens"] for r in rows] == sorted(r["kwh_per_1b_tokens"] for r in rows)
+    run = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
+                    "--objective", "energy", "--tokens", "1e12", "--deadline-hours", "1")
+    assert run.returncode == 0, run.stderr
+    assert "no layout on up to 16 GPUs" in run.stdout and "deadline of at least" in run.stdout
+    half = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
+                     "--tokens", "1e12")
+    assert half.returncode == 2

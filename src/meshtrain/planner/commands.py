@@ -32,6 +32,16 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                         help="grid carbon intensity, g CO2 per kWh")
 
 
+def add_estimate_options(parser: argparse.ArgumentParser) -> None:
+    """``estimate``'s own options: the pipeline energy schedule."""
+    parser.add_argument("--energy-schedule", action="store_true",
+                        help="lower the clocks of pipeline actions off the critical path and "
+                             "report the energy saved per step (docs/energy.md)")
+    parser.add_argument("--max-slowdown", type=float, default=0.01,
+                        help="longest step the energy schedule may cause, as a fraction "
+                             "(default 0.01)")
+
+
 def _energy(args: argparse.Namespace) -> dict:
     return {"pue": args.pue, "price_per_kwh": args.price_per_kwh,
             "carbon_g_per_kwh": args.carbon_g_per_kwh}
@@ -96,7 +106,13 @@ def run_estimate(args: argparse.Namespace) -> int:
     cluster = Cluster(profile, gpus, args.gpus_per_node)
     result = estimate(Workload.from_config(config), layout, cluster, _energy(args))
     result["hardware"] = profile.name
-    print(json.dumps(result, indent=2) if args.json else format_estimate(result, profile.name))
+    text = format_estimate(result, profile.name)
+    if getattr(args, "energy_schedule", False):
+        from meshtrain.planner.energy_schedule import format_energy_schedule, layout_schedule
+
+        result["energy_schedule"] = layout_schedule(result, layout, profile, args.max_slowdown)
+        text += "\n" + format_energy_schedule(result["energy_schedule"], " per pipeline")
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0
 
 
@@ -106,6 +122,16 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="a preset (llama3.1-8b, llama3.2-1b, qwen2.5-7b, qwen3-8b, "
                              "mixtral-8x7b, ...) or a TOML run config")
     parser.add_argument("--top", type=int, default=10, help="candidates to show (default 10)")
+    parser.add_argument("--objective", default="time", choices=("time", "energy", "cost",
+                                                                 "carbon"),
+                        help="what to minimise (default time); see docs/energy.md")
+    parser.add_argument("--tokens", type=float, metavar="T",
+                        help="a training budget in tokens: choose the GPU count (up to --gpus) "
+                             "too, and price the whole run (needs --deadline-hours)")
+    parser.add_argument("--deadline-hours", type=float, metavar="H",
+                        help="with --tokens: the run must finish within H hours")
+    parser.add_argument("--gpu-hour-price", type=float, default=0.0,
+                        help="--objective cost: price of one GPU hour (default 0: energy only)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override a model/train value")
     add_hardware_options(parser, gpus_required=True)
@@ -132,14 +158,40 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1.")
     profile = load_profile(args.hardware)
+    if (args.tokens is None) != (args.deadline_hours is None):
+        raise ConfigError("--tokens and --deadline-hours go together (a budget and a deadline).")
+    if args.tokens is not None:
+        return _run_budget_plan(args, config, profile)
     cluster = Cluster(profile, args.gpus, args.gpus_per_node)
     result = plan(Workload.from_config(config), cluster, args.top, _energy(args)).to_dict()
+    if args.objective != "time":
+        from meshtrain.planner.objective import rank_rows
+
+        result["candidates"] = rank_rows(result["candidates"], args.objective,
+                                         args.gpu_hour_price)
+    result["objective"] = args.objective
     result.update(model=args.model, hardware=profile.name, gpus=args.gpus,
                   gpus_per_node=args.gpus_per_node, seq_len=config.train.seq_len,
                   global_batch=config.train.global_batch)
     title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
              f"seq {config.train.seq_len}, global batch {config.train.global_batch}")
     print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+    return 0
+
+
+def _run_budget_plan(args: argparse.Namespace, config: Config, profile) -> int:
+    """``plan --tokens T --deadline-hours H``: GPU count and layout for the objective."""
+    from meshtrain.planner.objective import budget_plan, format_budget_plan
+    from meshtrain.planner.workload import Workload
+
+    answer = budget_plan(Workload.from_config(config), profile, args.gpus, args.gpus_per_node,
+                         args.tokens, args.deadline_hours, args.objective, _energy(args),
+                         args.gpu_hour_price)
+    answer.update(model=args.model, hardware=profile.name, seq_len=config.train.seq_len,
+                  global_batch=config.train.global_batch)
+    title = (f"{args.model} on up to {args.gpus} x {profile.name}, seq {config.train.seq_len}, "
+             f"global batch {config.train.global_batch}")
+    print(json.dumps(answer, indent=2) if args.json else format_budget_plan(answer, title))
     return 0
 
 

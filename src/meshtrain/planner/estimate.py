@@ -157,6 +157,13 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     cp_f = c.cp_comm * forward_share(lay)
     comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2 + cp_f
     comm_b = (c.tp_comm + c.ep_comm) * 2 / 3 + pp_comm / 2 + c.cp_comm - cp_f
+    stage_times = []  # [F, B-input, B-weight] of one micro-batch through each rank's layers
+    for cost in costs:
+        share = cost.cp_comm * forward_share(lay)
+        spread = cost.tp_comm + cost.ep_comm
+        stage_times.append([cost.forward + spread / 3 + pp_comm / 2 + share,
+                            cost.backward_input + cost.recompute + spread * 2 / 3 + pp_comm / 2
+                            + cost.cp_comm - share, cost.backward_weight])
     f = c.forward + comm_f
     bi = c.backward_input + c.recompute + comm_b
     w = c.backward_weight
@@ -226,6 +233,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "pipeline_model": pipe.source,
         "breakdown": breakdown,
         "bound": _bound(breakdown),
+        "stage_times_s": stage_times,
     }
     result["fits"] = result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
     result.update(energy_per_token(result, cluster, energy or {}))

@@ -83,6 +83,19 @@ class HardwareProfile:
     measured, and data-parallel reductions are priced at ``intra_node_gbps``."""
     shared_memory_reduce_latency_us: float = 0.0
     """Fixed cost of one shared-memory reduction (its three barriers and thread hand-off)."""
+    gpu_tdp_w: float = 0.0
+    """The accelerator's own power limit at full load, watts (``power_w`` adds the server's
+    share); 0 = unknown (no energy schedule). See :mod:`meshtrain.planner.energy_schedule`."""
+    max_clock_mhz: float = 0.0
+    """Highest (boost) compute clock, MHz; the clock every action runs at without a schedule."""
+    min_clock_mhz: float = 0.0
+    """Lowest clock the energy schedule uses: about where the supply voltage stops falling
+    with the clock (below it power falls only linearly while time still grows)."""
+    clock_step_mhz: float = 15.0
+    """Spacing of the settable clocks (NVIDIA application clocks come in 15 MHz steps)."""
+    static_power_fraction: float = 0.3
+    """Share of ``gpu_tdp_w`` that does not scale with the clock (leakage, memory, fans): what a
+    waiting accelerator draws, the floor under the cubic dynamic part."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -123,32 +136,38 @@ PROFILES: dict[str, HardwareProfile] = {
             "a100-40g", peak_tflops=312.0, memory_gb=40.0, hbm_gbps=1555.0,
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "a100-80g", peak_tflops=312.0, memory_gb=80.0, hbm_gbps=2039.0,
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h200", peak_tflops=989.0, memory_gb=141.0, hbm_gbps=4800.0,
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, memory_gb=180.0, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
             power_w=1790.0, source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
             "mi300x", peak_tflops=1307.0, memory_gb=192.0, hbm_gbps=5300.0,
             matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
+            gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
             power_w=1300.0, source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
     )
 }

@@ -126,8 +126,9 @@ class PlanResult:
 
 
 def plan(workload: Workload, cluster: Cluster, top: int = 10,
-         energy: dict | None = None) -> PlanResult:
-    """Search, prune what does not fit, rank by predicted tokens/s."""
+         energy: dict | None = None, explain: bool = True) -> PlanResult:
+    """Search, prune what does not fit, rank by predicted tokens/s (``explain``: say why
+    nothing fits, searching larger clusters; else leave ``nothing_fits`` short)."""
     layouts = enumerate_layouts(workload, cluster)
     if not layouts:
         raise ConfigError(f"no layout of {cluster.gpus} GPUs divides this model and batch "
@@ -140,7 +141,10 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
              for r in feasible[:3 * top]]
     feasible = sorted((r for r in front if r["fits"]), key=lambda r: -r["tokens_per_s"])
     rows = [candidate_row(r) for r in feasible[:top]]
-    message = None if feasible else explain_nothing_fits(workload, cluster, results)
+    message = None
+    if not feasible:
+        message = (explain_nothing_fits(workload, cluster, results) if explain
+                   else f"nothing fits on {cluster.gpus} GPUs")
     count = sum(1 for r in results if r["fits"])
     return PlanResult(rows, len(results), count, message)
 

@@ -1,7 +1,9 @@
 """Step metrics: ``RUN_DIR/metrics.jsonl`` (rank 0), a progress display, optional TensorBoard.
 
 Every line of ``metrics.jsonl`` is one optimizer step with at least ``step, loss, grad_norm, lr,
-tokens, step_time_s, tokens_per_s, mfu, comm_bytes, mem``. ``mfu`` is null where the device's peak
+tokens, step_time_s, tokens_per_s, mfu, comm_bytes, mem, energy_j, energy_total_j,
+energy_source``: the job's joules (all ranks) of the step, their running total and ``nvml`` or
+``estimate`` (:mod:`meshtrain.training.energy`). ``mfu`` is null where the device's peak
 FLOP/s is unknown: it is never guessed. ``mem.peak_bytes`` is ``torch.cuda.max_memory_allocated``
 on CUDA and the process's peak resident set size (the kernel's ``VmHWM``) on CPU.
 """
@@ -62,6 +64,12 @@ class MetricsWriter:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
+        self.resumed_energy_j = 0.0
+        """The running energy total of the last kept line (resuming), else 0."""
+        if start_step > 0 and self.path.is_file():
+            lines = self.path.read_text().splitlines()
+            if lines:
+                self.resumed_energy_j = float(json.loads(lines[-1]).get("energy_total_j", 0.0))
         self.file = self.path.open("a" if start_step > 0 else "w")
         self.total_steps = total_steps
         self.start_time = time.time()

@@ -34,6 +34,7 @@ from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training import timing
+from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import (
@@ -101,6 +102,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(config.model, train.seq_len)
         self.peak_flops = device_peak_flops(self.device, train.precision, train.peak_tflops)
         self.run_dir = Path(train.run_dir)
+        self.energy = EnergyMeter(self.device, torch.get_num_threads())
+        self.energy_total_j = 0.0
 
     def _build_pipeline(self) -> PipelineExecutor | None:
         stages = pipeline_stages(self.model)
@@ -261,9 +264,14 @@ class Trainer:
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
         memory = self._memory()
         lr = learning_rate(self.step, self.config.train)
-        losses = torch.stack([result["lm"], result["aux"]])
+        # This rank's joules since the previous step's reduction travel with the loss: summed
+        # over pp and dp × cp, times tp (its ranks do the same work): the job's energy.
+        losses = torch.stack([result["lm"], result["aux"],
+                              result["lm"].new_tensor(self.energy.read())])
         self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
         self.mesh.comm("dp_cp").all_reduce(losses)  # cp ranks hold parts of every sequence
+        energy_j = float(losses[2]) * self.mesh.tp
+        self.energy_total_j += energy_j
         # Loss and norm are global (equal on every rank), so every rank decides alike.
         try:
             apply_update = self.nonfinite.check(
@@ -305,6 +313,9 @@ class Trainer:
             "mem": memory,
             "nonfinite_skips": self.nonfinite.total_skipped,
             "restarts": self.restarts,
+            "energy_j": energy_j,
+            "energy_total_j": self.energy_total_j,
+            "energy_source": self.energy.source,
         }
         if self.peak_flops:
             record["mfu"] = (tokens * self.flops_per_token / elapsed
@@ -357,6 +368,7 @@ class Trainer:
         writer = None
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
+            self.energy_total_j = writer.resumed_energy_j
             summary = reduction_summary(self.engine)
             if summary:
                 print(f"meshtrain: {summary}", flush=True)
@@ -373,6 +385,9 @@ class Trainer:
         finally:
             if writer is not None:
                 writer.close()
+        if writer is not None:
+            print(summary_line(self.energy_total_j, self.energy.source, self.mesh.world_size,
+                               train.carbon_g_per_kwh, train.price_per_kwh), flush=True)
         self.save_final()
         return history
 

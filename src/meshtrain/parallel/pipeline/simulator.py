@@ -15,7 +15,7 @@ inputs and output gradients of the linear layers), a fraction of the stage's act
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshtrain.config import ConfigError
@@ -105,8 +105,11 @@ def peak_inflight(schedule: Schedule) -> list[int]:
 
 
 def simulate(schedule: Schedule,
-             times: StageTimes | Sequence[StageTimes] = StageTimes()) -> SimulationResult:
+             times: StageTimes | Sequence[StageTimes] = StageTimes(),
+             durations: Mapping[tuple[int, Action], float] | None = None) -> SimulationResult:
     """Time ``schedule``; ``times`` is one :class:`StageTimes` for all stages or one per stage.
+    ``durations`` overrides the cost of single compute actions, keyed by ``(rank, action)``
+    (e.g. actions slowed by an energy schedule).
 
     Raises :class:`~.checker.ScheduleError` if the lists deadlock. Run
     :func:`~.checker.check_schedule` first for the full static checks.
@@ -125,6 +128,8 @@ def simulate(schedule: Schedule,
         else:
             start = max([start, *(ready[d] for d in deps)])
             cost = per_stage[act.stage].cost(act.kind)
+            if durations is not None:
+                cost = durations.get((rank, act), cost)
             end = start + cost
             busy[rank] += cost
             free[rank] = end
