@@ -225,6 +225,8 @@ class TrainConfig:
     carbon_g_per_kwh: float = 0.0
     price_per_kwh: float = 0.0
     """Grid g CO2 per kWh and price per kWh for the run summary's CO2 and cost; 0 = omitted."""
+    energy_schedule: bool = False
+    """Lock each pipeline rank's GPU clocks to its energy schedule's (docs/energy.md)."""
 
 
 @dataclass

@@ -373,6 +373,10 @@ def validate_train(config: Config) -> None:
                           "data.valid_fraction (e.g. 0.01), or train.eval_every = 0.")
     if t.compile:
         _check_compile(config)
+    if t.energy_schedule and config.parallel.pp < 2:
+        raise ConfigError("train.energy_schedule = true needs a pipeline (parallel.pp > 1): "
+                          "without one every rank is on the critical path and no clock can be "
+                          "lowered. Set parallel.pp > 1 or train.energy_schedule = false.")
     if t.device == "cuda":
         import torch
 

@@ -183,6 +183,16 @@ class EnergySchedule:
         timed = zip(self.graph.nodes, self.start, self.end, strict=True)
         return [(r, a, s, e) for (r, a), s, e in timed]
 
+    def rank_clocks(self, pp: int, max_clock: float) -> list[float]:
+        """One clock per pipeline rank that keeps the step within the schedule's: the highest
+        clock any of the rank's compute actions was given (a GPU runs one locked clock; each of
+        its actions then finishes no later than the schedule allows)."""
+        clocks = [0.0] * pp
+        for n, (rank, act) in enumerate(self.graph.nodes):
+            if act.kind.is_compute and self.graph.duration[n] > 0:
+                clocks[rank] = max(clocks[rank], self.clocks[n])
+        return [c or max_clock for c in clocks]
+
     def rank_plan(self, pp: int, max_clock: float) -> list[dict]:
         """Per rank: the time-weighted mean clock of its compute and how much of its compute
         time (at full clock) runs below the maximum clock."""
@@ -194,7 +204,8 @@ class EnergySchedule:
             slowed = sum(self.graph.duration[n] for n in ids if self.clocks[n] < max_clock)
             mean = (sum(self.clocks[n] * self.graph.duration[n] for n in ids) / busy
                     if busy else max_clock)
-            plan.append({"rank": rank, "mean_clock_mhz": mean,
+            plan.append({"rank": rank, "locked_clock_mhz": self.rank_clocks(pp, max_clock)[rank],
+                         "mean_clock_mhz": mean,
                          "min_clock_mhz": min((self.clocks[n] for n in ids), default=max_clock),
                          "slowed_share": slowed / busy if busy else 0.0})
         return plan
@@ -271,23 +282,30 @@ def energy_schedule_report(result: EnergySchedule, pp: int, curve: PowerCurve) -
             "ranks": result.rank_plan(pp, curve.max_clock_mhz)}
 
 
-def layout_schedule(result: dict, layout, profile: HardwareProfile,
-                    max_slowdown: float = 0.01) -> dict:
-    """The energy schedule of an :func:`~meshtrain.planner.estimate.estimate` result's pipeline
-    (its per-rank stage times), as :func:`energy_schedule_report`; ``cluster_saving_j`` scales
-    one pipeline's saving to every GPU of the layout."""
+def layout_energy_schedule(result: dict, layout, profile: HardwareProfile,
+                           max_slowdown: float = 0.01) -> tuple[EnergySchedule, PowerCurve]:
+    """The :class:`EnergySchedule` of an estimate's pipeline (its per-rank stage times, split
+    evenly over each rank's virtual stages) and the profile's power curve."""
     from meshtrain.parallel.pipeline.schedules import build_schedule
 
-    if layout.pp < 2:
-        raise ConfigError("--energy-schedule needs a pipeline (parallel.pp > 1): without one "
-                          "every rank is on the critical path.")
     curve = power_curve(profile)
     v = layout.virtual_stages
     schedule = build_schedule(layout.pp_schedule, layout.pp, layout.microbatches, v)
     times = [StageTimes(*(x / v for x in result["stage_times_s"][schedule.rank_of(s)]))
              for s in range(schedule.num_stages)]
-    scheduled = energy_schedule(schedule, times, curve, max_slowdown,
-                                max(profile.power_w - profile.gpu_tdp_w, 0.0))
+    return energy_schedule(schedule, times, curve, max_slowdown,
+                           max(profile.power_w - profile.gpu_tdp_w, 0.0)), curve
+
+
+def layout_schedule(result: dict, layout, profile: HardwareProfile,
+                    max_slowdown: float = 0.01) -> dict:
+    """The energy schedule of an :func:`~meshtrain.planner.estimate.estimate` result's pipeline
+    (its per-rank stage times), as :func:`energy_schedule_report`; ``cluster_saving_j`` scales
+    one pipeline's saving to every GPU of the layout."""
+    if layout.pp < 2:
+        raise ConfigError("--energy-schedule needs a pipeline (parallel.pp > 1): without one "
+                          "every rank is on the critical path.")
+    scheduled, curve = layout_energy_schedule(result, layout, profile, max_slowdown)
     report = energy_schedule_report(scheduled, layout.pp, curve)
     report["cluster_saving_j"] = ((report["baseline_energy_j"] - report["energy_j"])
                                   * layout.world_size / layout.pp)

@@ -366,6 +366,13 @@ class Trainer:
         self.restore()
         every = self.config.checkpoint.every
         writer = None
+        if train.energy_schedule:
+            from meshtrain.training.energy_clocks import install_energy_schedule
+
+            note = install_energy_schedule(self.config, self.device, self.mesh.pp_rank,
+                                           self.pipeline)
+            if self.mesh.is_logging_rank:
+                print(f"meshtrain: train.energy_schedule (rank 0): {note}", flush=True)
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
             self.energy_total_j = writer.resumed_energy_j
@@ -388,6 +395,13 @@ class Trainer:
         if writer is not None:
             print(summary_line(self.energy_total_j, self.energy.source, self.mesh.world_size,
                                train.carbon_g_per_kwh, train.price_per_kwh), flush=True)
+            if train.energy_schedule:
+                from meshtrain.training.energy_clocks import clock_failure
+
+                failure = clock_failure(self.pipeline)
+                if failure:
+                    print(f"meshtrain: train.energy_schedule (rank 0): {failure}; the run used "
+                          "the default clocks", flush=True)
         self.save_final()
         return history
 

@@ -68,6 +68,9 @@ class PipelineExecutor:
         # tokens -> the micro-batch's SequenceLayout (document masking, cp), or None
         self.layout_fn: Callable[[torch.Tensor], object] | None = None
         self.aux_total = torch.zeros((), device=device)
+        self.before_compute: Callable[[Action], None] | None = None
+        """Called with each compute action before it runs (``train.energy_schedule`` sets the
+        GPU clock there)."""
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._w_queues: dict[tuple[int, int], WeightGradQueue] = {}
 
@@ -99,6 +102,8 @@ class PipelineExecutor:
                 inputs[(mb, s)] = _arrived(received.pop(("act", mb, s - 1))).requires_grad_()
             elif kind in (ActionKind.B, ActionKind.I) and ("grad", mb, s + 1) in received:
                 grads_out[(mb, s)] = _arrived(received.pop(("grad", mb, s + 1)))
+            if self.before_compute is not None:
+                self.before_compute(action)
             start = stamp(self.device)  # a CUDA event on CUDA: no host sync here
             if kind is ActionKind.F:
                 loss_total += self._forward(mb, s, microbatches, loss_fn, inputs, outputs)
