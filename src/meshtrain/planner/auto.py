@@ -39,7 +39,13 @@ import sys
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.layout import Layout
-from meshtrain.planner.hardware import PROFILES, Cluster, HardwareProfile, load_profile
+from meshtrain.planner.hardware import (
+    PROFILES,
+    Cluster,
+    HardwareProfile,
+    load_profile,
+    profile_for_gpu,
+)
 from meshtrain.planner.workload import Workload, layout_from_json
 
 BUILTIN_CPU = HardwareProfile(
@@ -57,10 +63,6 @@ memory is replaced by this node's RAM per process)."""
 
 REPRICE_TOP = 20
 """Candidates re-priced with the pipeline schedule simulator after the closed-form ranking."""
-
-_GPU_NAMES = (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"), ("mi300", "mi300x"),
-              ("a100", "a100-80g"))
-
 
 def _uses_cuda(config: Config) -> bool:
     import torch
@@ -95,9 +97,9 @@ def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareP
         import torch
 
         name = torch.cuda.get_device_name().lower()
-        for key, profile in _GPU_NAMES:
-            if key in name:
-                return PROFILES[profile], f"data-sheet profile {profile} for {name}"
+        profile = profile_for_gpu(name)
+        if profile is not None:
+            return PROFILES[profile], f"data-sheet profile {profile} for {name}"
         raise ConfigError(f"parallel.auto: no built-in profile for the GPU {name!r}; run "
                           f"meshtrain calibrate or set parallel.auto_profile to a profile "
                           f"({', '.join(PROFILES)}) or a calibrate JSON.")

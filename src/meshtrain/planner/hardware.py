@@ -173,6 +173,17 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
+GPU_NAMES = (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"), ("mi300", "mi300x"),
+             ("a100", "a100-80g"))
+"""(part of the device name, profile) to match a GPU's reported name to its data-sheet profile."""
+
+
+def profile_for_gpu(device_name: str) -> str | None:
+    """The data-sheet profile name for a GPU by its reported name (None when there is none)."""
+    name = device_name.lower()
+    return next((profile for key, profile in GPU_NAMES if key in name), None)
+
+
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A named profile, or a profile JSON file written by ``meshtrain calibrate``."""
     key = name_or_path.lower()

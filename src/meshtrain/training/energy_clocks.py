@@ -3,9 +3,10 @@
 The planner's energy schedule (:mod:`meshtrain.planner.energy_schedule`) gives every compute
 action of a pipeline step a clock: full clock on the critical path, lower ones where an action
 has slack, so the step stays within 1 % of the full-clock step. The stage times come from
-``meshtrain estimate`` of this run's own config on the GPU's profile (the one ``parallel.auto``
-uses). Before each compute action the executor calls :class:`ClockSetter`, which locks the
-GPU's clocks through NVML when the action's clock differs from the current one.
+``meshtrain estimate`` of this run's own config on the GPU's profile (``parallel.auto_profile``
+when set, else the data-sheet profile matching the GPU's name). Before each compute action the
+executor calls :class:`ClockSetter`, which locks the GPU's clocks through NVML when the action's
+clock differs from the current one.
 
 Limits: locking clocks needs NVML and administrator rights; without them the run says why and
 goes on unchanged. The clock changes when the host issues an action; with CUDA's asynchronous
@@ -73,10 +74,16 @@ def install_energy_schedule(config: Config, device: torch.device, pp_rank: int,
     if device.type != "cuda":
         return (f"not applied: the {device.type} device has no GPU clocks to set; the run goes "
                 "on unchanged")
-    from meshtrain.planner.auto import resolve_profile
+    from meshtrain.planner.hardware import PROFILES, load_profile, profile_for_gpu
     from meshtrain.training.energy import apply_clock_limit
 
-    profile, source = resolve_profile(config, config.parallel.layout().world_size, in_job=True)
+    given = config.parallel.auto_profile
+    name = given or profile_for_gpu(torch.cuda.get_device_name(device))
+    if name is None:
+        return (f"not applied: no built-in profile for the GPU "
+                f"{torch.cuda.get_device_name(device)!r}; set parallel.auto_profile to one of "
+                f"{', '.join(PROFILES)} or a calibrate JSON; the run goes on unchanged")
+    profile, source = load_profile(name), f"profile {name}"
     clocks = action_clocks(config, profile, pp_rank)
     executor.before_compute = ClockSetter(clocks, lambda mhz: apply_clock_limit(device, mhz))
     return (f"clocks of {min(clocks.values(), default=0):.0f}-"
