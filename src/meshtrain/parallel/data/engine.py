@@ -111,8 +111,12 @@ class DataParallelEngine:
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
+        # On the CPU, gloo's tensor collectives copy the whole bucket through a scratch buffer;
+        # the in-place forms (CountedComm.*_in_place) do not, and need no shard staging buffer.
+        self.in_place = self.buckets[0].device.type == "cpu"
         self.staging = StagingPool(grad_dtype, max(b.padded_numel for b in self.buckets),
-                                   max(b.shard_numel for b in self.buckets),
+                                   0 if self.in_place else max(b.shard_numel
+                                                               for b in self.buckets),
                                    self.buckets[0].device)
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
@@ -359,7 +363,11 @@ class DataParallelEngine:
             else:
                 slot, buf, out = self.staging.take(b, self._drain_oldest)
                 self._gather_grads(b, buf)
-            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+            if self.in_place:  # the staging buffer is scratch: reduced where it is
+                handle = comm.reduce_scatter_in_place(buf, async_op=True)
+                out = b.shard(buf)
+            else:
+                handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
                 b.grad_shard.add_(out)
@@ -452,8 +460,11 @@ class DataParallelEngine:
             if shard.master is not b.master_source:
                 b.master_source.copy_(shard.master)
             if self.stage in (1, 2):
-                mine = b.shard(b.param_buffer).clone()
-                self.comms[b.axis].all_gather_into(b.param_buffer, mine)
+                comm = self.comms[b.axis]
+                if self.in_place:  # this rank's slice already holds its updated shard
+                    comm.all_gather_in_place(b.param_buffer)
+                else:
+                    comm.all_gather_into(b.param_buffer, b.shard(b.param_buffer).clone())
 
     def zero_grad(self) -> None:
         """Reset gradient buffers for the next step."""

@@ -22,7 +22,8 @@ class StagingPool:
 
     def __init__(self, dtype: torch.dtype, full_numel: int, shard_numel: int,
                  device: torch.device):
-        """Pairs of ``full_numel`` and ``shard_numel`` elements (the largest bucket's)."""
+        """Pairs of ``full_numel`` and ``shard_numel`` elements (the largest bucket's);
+        ``shard_numel = 0``: no shard buffers (reductions in place), the shard is None."""
         self.dtype, self.device = dtype, device
         self.full_numel, self.shard_numel = full_numel, shard_numel
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -42,12 +43,14 @@ class StagingPool:
             self.free.append(len(self.pairs) - 1)
         slot = self.free.pop(0)
         full, shard = self.pairs[slot]
-        return slot, full[:bucket.padded_numel], shard[:bucket.shard_numel]
+        return slot, full[:bucket.padded_numel], (None if shard is None
+                                                  else shard[:bucket.shard_numel])
 
     def release(self, slot: int) -> None:
         """Return a pair whose reduction has finished."""
         self.free.append(slot)
 
     def _new_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.empty(self.full_numel, dtype=self.dtype, device=self.device),
-                torch.empty(self.shard_numel, dtype=self.dtype, device=self.device))
+        shard = (torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+                 if self.shard_numel else None)
+        return torch.empty(self.full_numel, dtype=self.dtype, device=self.device), shard

@@ -67,8 +67,12 @@ class ParameterGatherer:
             storage = self._storage(bucket)
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
-            self._handles[bucket.index] = self.comm.all_gather_into(alias, bucket.param_shard,
-                                                                    async_op=True)
+            if self.engine.in_place:  # no scratch copy of the bucket (CountedComm)
+                bucket.shard(alias).copy_(bucket.param_shard)
+                self._handles[bucket.index] = self.comm.all_gather_in_place(alias, async_op=True)
+            else:
+                self._handles[bucket.index] = self.comm.all_gather_into(
+                    alias, bucket.param_shard, async_op=True)
         if wait:
             self._wait(bucket)
 
