@@ -236,7 +236,7 @@ def memory(dry: DryRank) -> dict:
     gatherer = getattr(engine, "gatherer", None)
     if gatherer is not None:
         full = [b.padded_numel * b.dtype.itemsize
-                for b in gatherer.block_buckets]
+                for b in gatherer.unit_buckets]
         pairs = max((a + b for a, b in zip(full, full[1:], strict=False)), default=sum(full))
         root = gatherer.root_bucket
         transients["zero3_gather"] = pairs + (0 if root is None else

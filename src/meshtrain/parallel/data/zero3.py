@@ -1,14 +1,17 @@
-"""ZeRO-3 parameter gathering: each block's parameters exist in full only while it computes.
+"""ZeRO-3 parameter gathering: each unit's parameters exist in full only while it computes.
 
-Every transformer block is one bucket. At rest a rank holds only its shard of each bucket; the
-full flat buffer keeps its tensor but its memory is released (storage resized to zero bytes; on
-the CPU an anonymous memory map whose pages are handed back, :mod:`.mapped`), so the
-parameters (views into it) cost nothing.
+A unit is a transformer block, or, when a block's parameters exceed ``parallel.dp_bucket_mb``,
+one of its sub-modules (attention, MLP, down to single projections; the blocks' norm weights then
+join the root unit), so that what is gathered, prefetched, staged and reduced at once stays
+about a bucket (:func:`meshtrain.parallel.data._zero3_units`). Every unit is one bucket. At rest
+a rank holds only its shard of each bucket; the full flat buffer keeps its tensor but its memory
+is released (storage resized to zero bytes; on the CPU an anonymous memory map whose pages are
+handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
 
-- Forward: a block's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
-  and starts prefetching the next block; its post-forward hook frees it again.
-- Backward: a hook on the block's output fires when the gradient reaches it; it re-gathers the
-  block (prefetching the previous one) before the block's backward runs. Once the block's
+- Forward: a unit's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
+  and starts prefetching the next unit; its post-forward hook frees it again.
+- Backward: a hook on the unit's output fires when the gradient reaches it; it re-gathers the
+  unit (prefetching the previous one) before the unit's backward runs. Once the unit's
   gradients are reduce-scattered (:class:`DataParallelEngine`), its storage is freed.
 - The root unit (embedding, final norm, head) is gathered when the model's forward starts, freed
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
@@ -30,15 +33,16 @@ from meshtrain.parallel.data.mapped import release_full_buffer, restore_full_buf
 
 
 class ParameterGatherer:
-    """Gathers and frees ZeRO-3 buckets around each block's forward and backward."""
+    """Gathers and frees ZeRO-3 buckets around each unit's forward and backward; ``units``
+    (modules, in forward order) and ``unit_buckets`` correspond one to one."""
 
     def __init__(self, engine: DataParallelEngine, model: torch.nn.Module,
-                 blocks: list[torch.nn.Module], block_buckets: list[FlatBucket],
+                 units: list[torch.nn.Module], unit_buckets: list[FlatBucket],
                  root_bucket: FlatBucket | None):
         self.engine = engine
         self.comm = engine.comm
-        self.blocks = blocks
-        self.block_buckets = block_buckets
+        self.units = units
+        self.unit_buckets = unit_buckets
         self.root_bucket = root_bucket
         self._handles: dict[int, object] = {}
         self._gathered: set[int] = set()
@@ -47,9 +51,9 @@ class ParameterGatherer:
             self._free(bucket)
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
-            block.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+        for i, unit in enumerate(units):
+            unit.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            unit.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
         engine.on_bucket_reduced = self._on_reduced
 
     # ------------------------------------------------------------------ storage
@@ -87,8 +91,8 @@ class ParameterGatherer:
         self._in_backward.clear()
         if self.root_bucket is not None:
             self._gather(self.root_bucket, wait=True)
-        if self.block_buckets:
-            self._gather(self.block_buckets[0], wait=False)
+        if self.unit_buckets:
+            self._gather(self.unit_buckets[0], wait=False)
 
     def _root_post_forward(self, module, args, output) -> None:
         if self.root_bucket is None:
@@ -99,24 +103,24 @@ class ParameterGatherer:
             tensor.register_hook(lambda grad: self._gather(self.root_bucket, wait=True))
 
     def _pre_forward(self, i: int) -> None:
-        self._gather(self.block_buckets[i], wait=True)
-        if i not in self._in_backward and i + 1 < len(self.block_buckets):
-            self._gather(self.block_buckets[i + 1], wait=False)
+        self._gather(self.unit_buckets[i], wait=True)
+        if i not in self._in_backward and i + 1 < len(self.unit_buckets):
+            self._gather(self.unit_buckets[i + 1], wait=False)
 
     def _post_forward(self, i: int, output) -> None:
         if i in self._in_backward:  # a recomputation inside backward: keep the parameters
             return
-        self._free(self.block_buckets[i])
+        self._free(self.unit_buckets[i])
         tensor = output[0] if isinstance(output, tuple) else output
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             tensor.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i: int) -> None:
         self._in_backward.add(i)
-        self.engine.stage_gradients(self.block_buckets[i])
-        self._gather(self.block_buckets[i], wait=True)
+        self.engine.stage_gradients(self.unit_buckets[i])
+        self._gather(self.unit_buckets[i], wait=True)
         if i > 0:
-            self._gather(self.block_buckets[i - 1], wait=False)
+            self._gather(self.unit_buckets[i - 1], wait=False)
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
