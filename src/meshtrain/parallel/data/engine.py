@@ -264,6 +264,7 @@ class DataParallelEngine:
                 if self._fresh[b.index]:
                     self._launch(b)
             self._drain()
+            self.staging.clear()
             return
         self._syncing = True
         self._next_launch = 0
@@ -384,6 +385,7 @@ class DataParallelEngine:
                 self._launch(self.buckets[self._next_launch])
                 self._next_launch += 1
         self._drain()
+        self.staging.clear()
 
     def _drain_oldest(self) -> bool:
         """Finish the oldest reduction in flight; False when none is."""
