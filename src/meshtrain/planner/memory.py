@@ -183,7 +183,8 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
         activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
     buffers = 2 * bucket_mb * 2**20
     if lay.zero >= 3:
-        buffers = zero3_transient_bytes(workload, lay, layers, bucket_mb)
+        buffers = zero3_transient_bytes(workload, lay, layers, params.dense + params.expert,
+                                        bucket_mb)
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
 
 
@@ -209,12 +210,14 @@ def zero3_units(model: ModelConfig, layer: int, tp: int, bucket_bytes: float,
 
 
 def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
-                          bucket_mb: float = 25.0) -> float:
-    """What a ZeRO-3 rank allocates beyond its model states at the peak of backward: the unit
-    being used and the one prefetched (the largest consecutive pair, in parameter bytes), and
-    the gradient staging buffers of the engine's pool
-    (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS`, each the largest unit's gradients
-    in full and its shard)."""
+                          rank_params: float, bucket_mb: float = 25.0) -> float:
+    """What a ZeRO-3 rank allocates beyond its model states at the peak of backward: the root
+    unit (``rank_params`` minus the units: embedding, final norm, head and, when blocks are
+    split, their norm weights), gathered from the logits' gradient to the end of backward; the
+    unit being used and the one prefetched (the largest consecutive pair); and the gradient
+    staging buffers of the engine's pool
+    (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS`, each sized for the largest bucket,
+    the root's included: its gradients in full and its shard)."""
     from meshtrain.parallel.data.staging import INITIAL_PAIRS
 
     model = workload.model
@@ -224,9 +227,10 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
              for u in zero3_units(model, layer, layout.tp, bucket_mb * 2**20, pb)]
     if not units:
         return 0.0
+    root = max(rank_params - sum(units), 0.0)
     pairs = max((a + b for a, b in zip(units, units[1:], strict=False)), default=units[0])
-    staging = INITIAL_PAIRS * max(units) * gb * (1 + 1 / max(layout.dp, 1))
-    return pairs * pb + staging
+    staging = INITIAL_PAIRS * max(max(units), root) * gb * (1 + 1 / max(layout.dp, 1))
+    return (root + pairs) * pb + staging
 
 
 def zero_paper_model_states(params: float, zero: int, dp: int) -> float:
