@@ -111,8 +111,7 @@ class DataParallelEngine:
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
-        # On the CPU, gloo's tensor collectives copy the whole bucket through a scratch buffer;
-        # the in-place forms (CountedComm.*_in_place) do not, and need no shard staging buffer.
+        # CPU: in-place collectives (no gloo scratch copy, no shard staging; CountedComm).
         self.in_place = self.buckets[0].device.type == "cpu"
         self.staging = StagingPool(grad_dtype, max(b.padded_numel for b in self.buckets),
                                    0 if self.in_place else max(b.shard_numel
@@ -131,6 +130,8 @@ class DataParallelEngine:
         self._slot_of = {id(s.param): s for b in self.buckets for s in b.slots}
         self._ready_count = [0] * len(self.buckets)
         self._next_launch = 0
+        self.launch_order = list(range(len(self.buckets)))
+        """Bucket indices in the order their reductions are issued (the same on every rank)."""
         self._pending: list[tuple[object, Callable[[], None]]] = []
         self._syncing = True
         self._streaming = False
@@ -296,9 +297,10 @@ class DataParallelEngine:
         if not self._syncing:
             return
         self._ready_count[bucket.index] += 1
-        while (self._next_launch < len(self.buckets) and self._ready_count[self._next_launch]
-               == len(self.buckets[self._next_launch].slots)):
-            self._launch(self.buckets[self._next_launch])
+        order = self.launch_order
+        while (self._next_launch < len(order) and self._ready_count[order[self._next_launch]]
+               == len(self.buckets[order[self._next_launch]].slots)):
+            self._launch(self.buckets[order[self._next_launch]])
             self._next_launch += 1
 
     def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
@@ -381,8 +383,8 @@ class DataParallelEngine:
         """Call after each micro-batch's backward: launch what is left (parameters that got no
         gradient count as zero), wait for every reduction and finish it."""
         if self._syncing:
-            while self._next_launch < len(self.buckets):
-                self._launch(self.buckets[self._next_launch])
+            while self._next_launch < len(self.launch_order):
+                self._launch(self.buckets[self.launch_order[self._next_launch]])
                 self._next_launch += 1
         self._drain()
         self.staging.clear()

@@ -45,6 +45,10 @@ class ParameterGatherer:
         self.unit_buckets = unit_buckets
         self.root_bucket = root_bucket
         self._handles: dict[int, object] = {}
+        n = len(units)
+        self._next = {i: i + 1 for i in range(n - 1)}  # prefetch order, forward and backward
+        self._prev = {i + 1: i for i in range(n - 1)}
+        self._seen: list[int] | None = []  # units in the first forward's call order
         self._gathered: set[int] = set()
         self._in_backward: set[int] = set()
         for bucket in engine.buckets:
@@ -94,7 +98,21 @@ class ParameterGatherer:
         if self.unit_buckets:
             self._gather(self.unit_buckets[0], wait=False)
 
+    def _learn_order(self) -> None:
+        """After the first forward: prefetch, and reduce in reverse, in the order the units
+        really ran (registration order may differ: an MLP calls ``w3`` before ``w2``). Every
+        rank runs the same forward, so all learn the same order."""
+        seen, self._seen = self._seen, None
+        if seen is None or sorted(seen) != list(range(len(self.units))):
+            return
+        self._next = dict(zip(seen, seen[1:], strict=False))
+        self._prev = dict(zip(seen[1:], seen, strict=False))
+        order = [self.unit_buckets[i].index for i in reversed(seen)]
+        rest = [i for i in range(len(self.engine.buckets)) if i not in set(order)]
+        self.engine.launch_order = order + rest
+
     def _root_post_forward(self, module, args, output) -> None:
+        self._learn_order()
         if self.root_bucket is None:
             return
         self._free(self.root_bucket)
@@ -103,9 +121,11 @@ class ParameterGatherer:
             tensor.register_hook(lambda grad: self._gather(self.root_bucket, wait=True))
 
     def _pre_forward(self, i: int) -> None:
+        if self._seen is not None and i not in self._seen:
+            self._seen.append(i)
         self._gather(self.unit_buckets[i], wait=True)
-        if i not in self._in_backward and i + 1 < len(self.unit_buckets):
-            self._gather(self.unit_buckets[i + 1], wait=False)
+        if i not in self._in_backward and i in self._next:
+            self._gather(self.unit_buckets[self._next[i]], wait=False)
 
     def _post_forward(self, i: int, output) -> None:
         if i in self._in_backward:  # a recomputation inside backward: keep the parameters
@@ -119,8 +139,8 @@ class ParameterGatherer:
         self._in_backward.add(i)
         self.engine.stage_gradients(self.unit_buckets[i])
         self._gather(self.unit_buckets[i], wait=True)
-        if i > 0:
-            self._gather(self.unit_buckets[i - 1], wait=False)
+        if i in self._prev:
+            self._gather(self.unit_buckets[self._prev[i]], wait=False)
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
