@@ -54,8 +54,9 @@ ZERO3_MMAP_THRESHOLD = str(1024 * 1024)
 """``MALLOC_MMAP_THRESHOLD_`` for a ZeRO-3 job (``parallel.zero = 3``): blocks of 1 MiB and more
 are mapped, each handed back to the kernel when freed. Memory is what such a job is for: with
 the 32 MiB threshold the heap keeps (fragmented) the bucket-sized temporaries of activations,
-gradients and optimizer steps, and a dp 8 ZeRO-3 worker at ~85M parameters peaked ~60-80 MiB
-higher (docs/parallelism.md, "Peak memory measured from outside"; the speed cost is there too)."""
+gradients and optimizer steps, and a dp 8 ZeRO-3 worker at ~85M parameters peaked 276-325 MiB
+above a tiny model's run instead of 244-264, at 1.06-1.20x the step time with 1 MiB
+(docs/parallelism.md, "Peak memory measured from outside")."""
 
 OPT_OUT_ENV = "MESHTRAIN_HOST_ALLOCATOR"
 """Set to ``default`` to keep glibc's own ``malloc`` settings."""
