@@ -203,8 +203,15 @@ class DataParallelEngine:
             full = b.mapped.tensor
         else:
             full = b.new_buffer()
+        sharded_init = self.stage == 3 and self._init_values is not None
         if self._init_values is None:
             b.flatten_params_into(full)
+        elif sharded_init:  # only the parameters this rank's shard holds, straight into it
+            b.param_shard = b.new_buffer(full=False)
+            for s, start, length in b.segments(sharded=True):
+                first = b.shard_start + start - s.offset
+                value = self._init_values(s.name, s.param).reshape(-1)
+                b.param_shard[start:start + length].copy_(value[first:first + length])
         else:  # one parameter's value at a time, straight into the flat buffer
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(
@@ -212,7 +219,8 @@ class DataParallelEngine:
         b.param_buffer = full
         b.bind_params(full)
         if self.stage == 3:
-            b.param_shard = b.shard(full).clone()
+            if not sharded_init:
+                b.param_shard = b.shard(full).clone()
             release_full_buffer(b)  # only the shard stays (ZeRO-3 gathers on use)
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
