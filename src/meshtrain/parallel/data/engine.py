@@ -216,7 +216,7 @@ class DataParallelEngine:
         else:  # one parameter's value at a time, straight into the flat buffer
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(
-                    self._init_values(s.name, s.param).reshape(-1))
+                    self._init_values(s.name, s.param, (0, s.numel)))
         b.param_buffer = full
         b.bind_params(full)
         if self.stage == 3:
