@@ -256,24 +256,3 @@ def init_weights_for(moe: MoE, config: ModelConfig) -> None:
     with torch.no_grad():
         for name, param in moe.named_parameters():
             param.copy_(init_tensor(f"layers.0.moe.{name}", param.shape, 0, config) * 10)
-
-
-def test_init_is_block_seeded_so_any_range_is_generated_alone() -> None:
-    """A range of a parameter (across block boundaries) or of a dim-0 / dim-1 piece equals the
-    same elements of the full tensor, bit for bit."""
-    from meshtrain.model.init import INIT_BLOCK, init_range, initial_value
-    from meshtrain.parallel.sharding import ParamSharding
-
-    config = ModelConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=264)
-    name, shape = "layers.0.feed_forward.w1.weight", (3, INIT_BLOCK // 2 + 5)
-    full = init_tensor(name, shape, 7, config).reshape(-1)
-    for start, stop in ((0, 10), (INIT_BLOCK - 3, INIT_BLOCK + 4), (17, full.numel())):
-        assert torch.equal(init_range(name, shape, start, stop, 7, config), full[start:stop])
-    rows = ParamSharding.piece(shape, (2, shape[1]), (1, 0), tp_dim=0)
-    piece = torch.empty(2, shape[1])
-    want = full.view(shape)[1:].reshape(-1)
-    got = initial_value(name, piece, 7, config, rows, (5, INIT_BLOCK + 9))
-    assert torch.equal(got, want[5:INIT_BLOCK + 9])
-    cols = ParamSharding.piece(shape, (3, 100), (0, 50), tp_dim=1)
-    got = initial_value(name, torch.empty(3, 100), 7, config, cols, (90, 210))
-    assert torch.equal(got, full.view(shape)[:, 50:150].reshape(-1)[90:210])

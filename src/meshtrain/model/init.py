@@ -1,13 +1,10 @@
 """Name-seeded weight initialisation, and parameter / FLOP counts from a config.
 
-Every parameter's values, flattened in row-major order, are drawn in fixed-size blocks of
-:data:`INIT_BLOCK` elements; block ``k`` comes from its own ``torch.Generator`` seeded by a
-stable hash (SHA-256) of ``f"{seed}/{name}/{k}"``, where ``name`` is the parameter's full name
-in the unsharded model (e.g. ``layers.3.attention.wq.weight``). So the value never depends on
-which modules a rank built or in what order, and any range of a parameter can be generated
-alone (:func:`init_range`): a ZeRO-3 rank generates only the blocks its shard covers, a piece
-that is a contiguous range of the full tensor (a dim-0 split) only its own, other pieces are
-cut from the full tensor. Every parallel layout starts from the same model as one process.
+Every parameter is drawn from its own ``torch.Generator`` seeded by a stable hash (SHA-256) of
+``f"{seed}/{name}"``, where ``name`` is the parameter's full name in the unsharded model
+(e.g. ``layers.3.attention.wq.weight``). So the value never depends on which modules a rank
+built or in what order: a sharded rank calls :func:`init_tensor` for the *full* tensor and keeps
+its slice, and every parallel layout starts from the same model as one process.
 
 Init rules (std of a zero-mean normal unless stated):
 
@@ -46,14 +43,9 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-INIT_BLOCK = 1 << 20
-"""Elements per independently seeded block of a parameter's initial values."""
-
-
-def name_seed(seed: int, name: str, block: int = 0) -> int:
-    """A stable 63-bit generator seed for block ``block`` of parameter ``name`` (independent of
-    Python's hash())."""
-    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit generator seed for parameter ``name`` (independent of Python's hash())."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -74,64 +66,31 @@ def init_std(name: str, config: ModelConfig) -> float | None:
     raise ValueError(f"no init rule for parameter {name!r}; add one to meshtrain.model.init")
 
 
-def init_range(name: str, shape: Sequence[int], start: int, stop: int, seed: int,
-               config: ModelConfig) -> torch.Tensor:
-    """Elements ``[start, stop)`` (fp32, CPU, 1-D) of the flattened full initial value of
-    parameter ``name`` with ``shape``: only the blocks of :data:`INIT_BLOCK` covering the range
-    are drawn, each bit-identical to its part of :func:`init_tensor`."""
-    numel = math.prod(shape)
-    if not 0 <= start <= stop <= numel:
-        raise ValueError(f"range [{start}, {stop}) outside {name!r} of {numel} elements")
-    std = init_std(name, config)
-    if std is None:
-        return torch.ones(stop - start, dtype=torch.float32)
-    out = torch.empty(stop - start, dtype=torch.float32)
-    generator = torch.Generator(device="cpu")
-    canonical = canonical_name(name)
-    for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
-        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, numel)
-        generator.manual_seed(name_seed(seed, canonical, block))
-        values = torch.randn(hi - lo, generator=generator, dtype=torch.float32)
-        a, b = max(lo, start), min(hi, stop)
-        out[a - start:b - start] = values[a - lo:b - lo]
-    return out.mul_(std)
-
-
 def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig) -> torch.Tensor:
     """The full initial value (fp32, CPU) of parameter ``name`` with ``shape``.
 
     Depends only on ``(seed, name, shape, config)``; see the module docstring for the rules.
     """
-    return init_range(name, shape, 0, math.prod(shape), seed, config).view(tuple(shape))
+    std = init_std(name, config)
+    if std is None:
+        return torch.ones(tuple(shape), dtype=torch.float32)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(name_seed(seed, canonical_name(name)))
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
 
 
 def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig,
-                  sharding: ParamSharding | None = None,
-                  flat_range: tuple[int, int] | None = None) -> torch.Tensor:
-    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``, or with
-    ``flat_range = (start, stop)`` only elements ``[start, stop)`` of the flattened piece (1-D).
+                  sharding: ParamSharding | None = None) -> torch.Tensor:
+    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``.
 
     A parallel layout may have replaced a parameter by this rank's piece; its sharding record
     (``sharding``, :class:`~meshtrain.parallel.sharding.ParamSharding`) then gives the full shape
-    and cuts the piece, so the values match the unsplit model's. A range of a whole parameter,
-    or of a piece that is one contiguous range of the full tensor (split along dim 0 only), is
-    generated alone; any other piece is cut from the full tensor, the one full tensor that
-    exists at a time.
+    and cuts the piece, so the values match the unsplit model's. Only one full tensor exists at
+    a time.
     """
-    piece = sharding is not None and sharding.is_piece
-    if flat_range is None:
-        if not piece:
-            return init_tensor(name, param.shape, seed, config)
-        return sharding.local_piece(init_tensor(name, sharding.full_shape, seed, config))
-    start, stop = flat_range
-    if not piece:
-        return init_range(name, param.shape, start, stop, seed, config)
-    full, shape = tuple(sharding.full_shape), tuple(param.shape)
-    offset = sharding.global_offset(len(full))
-    if (full[1:] == shape[1:] and not any(offset[1:]) and sharding.expert_rows() is None):
-        base = offset[0] * math.prod(full[1:])  # the piece is rows offset[0]... of the full one
-        return init_range(name, full, base + start, base + stop, seed, config)
-    return initial_value(name, param, seed, config, sharding).reshape(-1)[start:stop]
+    if sharding is None or not sharding.is_piece:
+        return init_tensor(name, param.shape, seed, config)
+    return sharding.local_piece(init_tensor(name, sharding.full_shape, seed, config))
 
 
 def reset_buffers(model: nn.Module) -> None:
