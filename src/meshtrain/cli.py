@@ -180,8 +180,16 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
 def requested_device(args: argparse.Namespace) -> str:
     """The ``train.device`` a train-like command asks for (its config file and ``--set``s), read
     before anything imports torch."""
+    return requested_allocator_job(args)[0]
+
+
+def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
+    """``(train.device, parallel.zero)`` of a train-like command (what its host allocator
+    settings depend on, :func:`meshtrain.host_allocator.allocator_env`), read before anything
+    imports torch."""
     path = args.config if args.config else default_config_path()
-    return load_config(path, args.overrides).train.device
+    config = load_config(path, args.overrides)
+    return config.train.device, config.parallel.zero
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None and args.command == "train":  # the real command line, not a test's call
             from meshtrain.host_allocator import reexec_with_allocator_env
 
-            reexec_with_allocator_env(requested_device(args))
+            reexec_with_allocator_env(*requested_allocator_job(args))
         return COMMANDS[args.command](args)
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)

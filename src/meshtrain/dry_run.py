@@ -213,7 +213,7 @@ def memory(dry: DryRank) -> dict:
     output until :meth:`DataParallelEngine.end_microbatch`) and the two largest buckets' own
     reduction staging (autograd's gradients before their hook, and under ZeRO >= 2 the fresh
     full buffer each reduction fills). ``largest_transient``: the largest of the ZeRO-3 gather
-    (the root unit and the largest pair of consecutive blocks: the one in use and the one
+    (the root unit and the largest pair of consecutive units: the one in use and the one
     prefetched), the pipeline's message buffers alive at once (:func:`pipeline_message_peak`)
     and, with ZeRO >= 2 under a pipeline, the full gradients
     accumulated over the micro-batches before their reduction."""
@@ -236,7 +236,7 @@ def memory(dry: DryRank) -> dict:
     gatherer = getattr(engine, "gatherer", None)
     if gatherer is not None:
         full = [b.padded_numel * b.dtype.itemsize
-                for b in gatherer.block_buckets]
+                for b in gatherer.unit_buckets]
         pairs = max((a + b for a, b in zip(full, full[1:], strict=False)), default=sum(full))
         root = gatherer.root_bucket
         transients["zero3_gather"] = pairs + (0 if root is None else

@@ -204,7 +204,7 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     os.environ["MESHTRAIN_THREADS"] = str(threads)
     os.environ[diagnostics.LAUNCHED_ENV] = "1"
     # CPU workers start with meshtrain's malloc settings (none for a job on a GPU)
-    os.environ.update(allocator_env(device=config.train.device))
+    os.environ.update(allocator_env(device=config.train.device, zero=config.parallel.zero))
     # torch elastic logs every worker failure at length; the summary below replaces that.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -26,7 +26,12 @@ def test_dp2_every_zero_stage_matches_one_process():
     cases += [tiny_config("parallel.zero=0", "parallel.microbatches=2", nproc=2),
               tiny_config("parallel.zero=3", "parallel.microbatches=2", nproc=2),
               tiny_config("parallel.zero=1", "parallel.dp_bucket_mb=0.005",
-                          "parallel.check_replicas_every=1", nproc=2)]
+                          "parallel.check_replicas_every=1", nproc=2),
+              # ZeRO-3 units smaller than a block (single projections), also recomputed.
+              tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
+                          "parallel.microbatches=2", nproc=2),
+              tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
+                          "parallel.activation_checkpointing=full", nproc=2)]
     results = assert_layouts_match_one_process(2, cases, STEPS)
 
     plain, z1, z2, z3 = (_dp_bytes(r) for r in results[:4])

@@ -78,7 +78,9 @@ def test_70b_dp64_zero3_matches_planner():
     assert abs(_model_states_diff(report)) < 0.02
     assert report["detail"]["largest_transient_kind"] == "zero3_gather"
     dp = report["collectives"]["axes"]["dp"]["ops"]
-    assert dp["all_gather"]["calls"] == 2 * dp["reduce_scatter"]["calls"] == 2 * 81
+    # Each block (~3.4 GB in bf16) exceeds the 25 MiB bucket: its seven projections are units,
+    # its norm weights join the root unit (embedding, final norm, head).
+    assert dp["all_gather"]["calls"] == 2 * dp["reduce_scatter"]["calls"] == 2 * (80 * 7 + 1)
 
 
 def test_70b_uneven_stage_is_priced_as_the_runtime_splits_it():
@@ -218,3 +220,20 @@ def test_pipeline_message_peak_is_bounded_by_the_schedule_not_the_step():
     assert one_f_one_b[0] == one_f_one_b[1] and max(one_f_one_b[0]) <= 2 * 4
     gpipe = build_schedule("gpipe", 4, 16, 1)
     assert all(dry_run.pipeline_message_peak(gpipe, r) >= 16 for r in (1, 2, 3))
+
+
+def test_zero3_sub_block_units_reduce_in_the_order_they_ran():
+    """Blocks over ``dp_bucket_mb`` are split into single projections; after the first forward
+    the engine reduces them in the reverse of the order they ran (``w2`` before ``w3`` before
+    ``w1``), not of their registration, and the step's collectives are one per unit."""
+    config = tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005", nproc=2)
+    dry = dry_run.build_rank(config, 2, 0)
+    engine = dry.trainer.engine
+    collectives = dry_run.measured_collectives(dry)
+    names = [engine.buckets[i].slots[0].name.split(".", 2)[2] for i in engine.launch_order[:7]]
+    assert names == ["feed_forward.w2.weight", "feed_forward.w3.weight",
+                         "feed_forward.w1.weight", "attention.wo.weight", "attention.wv.weight",
+                         "attention.wk.weight", "attention.wq.weight"]
+    assert len(engine.buckets) == 2 * 7 + 1  # the root: embedding, norms, head
+    dp = collectives["axes"]["dp"]["ops"]
+    assert dp["reduce_scatter"]["calls"] == len(engine.buckets)

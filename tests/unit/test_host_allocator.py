@@ -13,6 +13,7 @@ from meshtrain.config import ConfigError
 from meshtrain.host_allocator import (
     ALLOCATOR_ENV,
     OPT_OUT_ENV,
+    ZERO3_MMAP_THRESHOLD,
     allocator_env,
     allocator_environment,
     gpu_visible,
@@ -35,6 +36,18 @@ def test_a_users_own_value_wins():
     added = allocator_env(user)
     assert "MALLOC_TRIM_THRESHOLD_" not in added
     assert added == {k: v for k, v in ALLOCATOR_ENV.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+
+
+@needs_glibc
+def test_zero3_maps_blocks_from_one_mib_and_a_users_value_still_wins():
+    """A ZeRO-3 job (memory is what it is for) maps blocks from 1 MiB; the rest is the same."""
+    added = allocator_env({}, zero=3)
+    assert added["MALLOC_MMAP_THRESHOLD_"] == ZERO3_MMAP_THRESHOLD == str(2**20)
+    assert added["MALLOC_TRIM_THRESHOLD_"] == ALLOCATOR_ENV["MALLOC_TRIM_THRESHOLD_"]
+    assert allocator_env({}, zero=2) == ALLOCATOR_ENV
+    assert "MALLOC_MMAP_THRESHOLD_" not in allocator_env({"MALLOC_MMAP_THRESHOLD_": "4096"},
+                                                         zero=3)
+    assert allocator_env({}, device="cuda", zero=3) == {}
 
 
 def test_opt_out_keeps_glibc_defaults():
@@ -140,7 +153,7 @@ def test_no_reexec_for_a_job_on_a_gpu():
 
 
 def test_train_reads_the_device_from_its_config_and_overrides(tmp_path):
-    from meshtrain.cli import build_parser, requested_device
+    from meshtrain.cli import build_parser, requested_allocator_job, requested_device
 
     config = tmp_path / "run.toml"
     config.write_text('[train]\ndevice = "cuda"\n')
@@ -149,6 +162,8 @@ def test_train_reads_the_device_from_its_config_and_overrides(tmp_path):
     assert requested_device(parse(["train", "--config", str(config),
                                    "--set", "train.device=cpu"])) == "cpu"
     assert requested_device(parse(["train"])) == "auto"  # the built-in demo's
+    assert requested_allocator_job(parse(["train", "--config", str(config), "--set",
+                                          "parallel.zero=3"])) == ("cuda", 3)
 
 
 def test_glibc_default_environment_hides_the_settings_from_children(monkeypatch):

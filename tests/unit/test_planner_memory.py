@@ -99,3 +99,25 @@ def test_planner_places_layers_as_the_pipeline_runtime_does(schedule, pp, v, spl
                ("1f1b", 2, "5,3"): [[0, 1, 2, 3, 4], [5, 6, 7]]}
     if (schedule, pp, split) in literal:
         assert held == literal[(schedule, pp, split)]
+
+
+@pytest.mark.parametrize("bucket_mb", [100.0, 25.0, 8.0])
+def test_zero3_units_are_priced_as_the_runtime_splits_them(bucket_mb):
+    """The planner's ZeRO-3 units (whole block, attention + MLP, or single projections) hold
+    the same parameters as the units the data-parallel engine builds, for each bucket size."""
+    import torch
+
+    from meshtrain.model.transformer import Transformer
+    from meshtrain.parallel.data import _zero3_units
+    from meshtrain.planner.memory import zero3_units
+
+    model_cfg = ModelConfig(dim=768, n_layers=2, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+                            vocab_size=264)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    units, _ = _zero3_units(model, int(bucket_mb * 2**20))
+    runtime = [sum(p.numel() for _, p in params) for _, params in units]
+    planned = [u for layer in range(2) for u in zero3_units(model_cfg, layer, 1,
+                                                             bucket_mb * 2**20, 4)]
+    assert planned == runtime
+    assert len(runtime) == {100.0: 2, 25.0: 4, 8.0: 14}[bucket_mb]

@@ -151,6 +151,19 @@ class CommLog:
         return "\n".join(f"  {r.describe()}" for r in self.recent) or "  (none)"
 
 
+class _Works:
+    """One handle over several async works: ``wait()`` waits for each, in order."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        """Wait for every work."""
+        for work in self.works:
+            work.wait()
+        return True
+
+
 class CountedComm:
     """Collectives over one axis's process group, counted into a :class:`CommLog`.
 
@@ -271,6 +284,35 @@ class CountedComm:
             return None
         return self._issued(entry, _reduce_scatter_flat(shard, full, op=op, group=self.group,
                                                         async_op=async_op), async_op)
+
+    def all_gather_in_place(self, full: torch.Tensor, async_op: bool = False):
+        """All-gather with no temporary buffer: ``full`` is ``size`` equal dim-0 slices, this
+        rank's already holding its shard; one broadcast per rank fills the others from their
+        owners. Counted as one all-gather. gloo's ``all_gather_into_tensor`` passes the whole
+        output through a scratch copy of its own, so on the CPU this form keeps a bucket-sized
+        allocation off the heap (docs/parallelism.md, "Peak memory measured from outside")."""
+        return self._sliced("all_gather", full, dist.broadcast, "src", async_op)
+
+    def reduce_scatter_in_place(self, full: torch.Tensor, async_op: bool = False):
+        """Reduce-scatter with no temporary buffer: afterwards this rank's dim-0 slice of
+        ``full`` holds the sum of every rank's slice there; the other slices are scratch
+        (overwritten). One reduce per rank, to the slice's owner. Counted as one
+        reduce-scatter (see :meth:`all_gather_in_place` for why)."""
+        return self._sliced("reduce_scatter", full, dist.reduce, "dst", async_op)
+
+    def _sliced(self, op: str, full: torch.Tensor, call, peer_kw: str, async_op: bool):
+        if not self.active:
+            return None
+        if full.shape[0] % self.size:
+            raise ValueError(f"{op}: {full.shape[0]} rows do not split over {self.size} ranks")
+        entry = self._enter(op, full.shape, full.dtype, self._nbytes(full))
+        if entry is None:
+            return None
+        rows = full.shape[0] // self.size
+        works = [call(full[j * rows:(j + 1) * rows], group=self.group, async_op=async_op,
+                      **{peer_kw: dist.get_global_rank(self.group, j)})
+                 for j in range(self.size)]
+        return self._issued(entry, _Works(works) if async_op else None, async_op)
 
     def all_to_all_single(self, output: torch.Tensor, inputs: torch.Tensor,
                           output_splits: list[int] | None = None,

@@ -198,9 +198,55 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     if last:  # logits (activation dtype) and their fp32 copy for the loss, one micro-batch
         activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
     buffers = 2 * bucket_mb * 2**20
-    if lay.zero >= 3:  # the gathered block being used and the one being prefetched
-        buffers = 2 * params.largest_layer * workload.act_bytes
+    if lay.zero >= 3:
+        buffers = zero3_transient_bytes(workload, lay, layers, params.dense + params.expert,
+                                        bucket_mb)
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
+
+
+def zero3_units(model: ModelConfig, layer: int, tp: int, bucket_bytes: float,
+                param_bytes: int) -> list[float]:
+    """Parameters of each ZeRO-3 unit of block ``layer`` on one tp rank, in forward order, as
+    the runtime splits it (:func:`meshtrain.parallel.data._zero3_units`): the whole block when
+    it fits in ``bucket_bytes``, else its attention and MLP, each split into its projections
+    when it does not fit either (the norm weights then join the root unit). A MoE block stays
+    whole."""
+    d = model.dim
+    q, kv = d * model.n_heads * model.head_dim / tp, d * model.kv_heads * model.head_dim / tp
+    attention = [q, kv, kv, q]
+    if model.is_moe_layer(layer):
+        return [sum(_layer_params(model, layer, tp, 1))]
+    mlp = [d * model.ffn_dim / tp] * (3 if model.mlp == "swiglu" else 2)
+    if (sum(attention) + sum(mlp) + 2 * d) * param_bytes <= bucket_bytes:
+        return [sum(attention) + sum(mlp) + 2 * d]
+    units: list[float] = []
+    for part in (attention, mlp):
+        units += [sum(part)] if sum(part) * param_bytes <= bucket_bytes else part
+    return units
+
+
+def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
+                          rank_params: float, bucket_mb: float = 25.0) -> float:
+    """What a ZeRO-3 rank allocates beyond its model states at the peak of backward: the root
+    unit (``rank_params`` minus the units: embedding, final norm, head and, when blocks are
+    split, their norm weights), gathered from the logits' gradient to the end of backward; the
+    unit being used and the one prefetched (the largest consecutive pair); and the gradient
+    staging buffers of the engine's pool
+    (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS`, each sized for the largest bucket,
+    the root's included: its gradients in full and its shard)."""
+    from meshtrain.parallel.data.staging import INITIAL_PAIRS
+
+    model = workload.model
+    pb = 2 if workload.precision == "bf16" else 4
+    gb = workload.traits.grad_reduce_bytes if workload.precision == "bf16" else 4
+    units = [u for layer in layers
+             for u in zero3_units(model, layer, layout.tp, bucket_mb * 2**20, pb)]
+    if not units:
+        return 0.0
+    root = max(rank_params - sum(units), 0.0)
+    pairs = max((a + b for a, b in zip(units, units[1:], strict=False)), default=units[0])
+    staging = INITIAL_PAIRS * max(max(units), root) * gb * (1 + 1 / max(layout.dp, 1))
+    return (root + pairs) * pb + staging
 
 
 def zero_paper_model_states(params: float, zero: int, dp: int) -> float:

@@ -4,20 +4,54 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.model.feed_forward import FeedForward
+from meshtrain.model.transformer import Attention, TransformerBlock
 from meshtrain.parallel.data.engine import DataParallelEngine, OptimizerShard
 from meshtrain.parallel.data.zero3 import ParameterGatherer
+from meshtrain.parallel.state import attach_parallel_state
 
 __all__ = ["DataParallelEngine", "OptimizerShard", "ParameterGatherer", "apply_data_parallel"]
 
 
-def _block_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list, list]:
-    """ZeRO-3 units: each transformer block, plus the root (everything outside the blocks)."""
-    blocks = list(model.layers.values())
-    block_params = [[(f"layers.{key}.{n}", p) for n, p in block.named_parameters()]
-                    for key, block in model.layers.items()]
-    in_blocks = {id(p) for group in block_params for _, p in group}
-    root = [(n, p) for n, p in model.named_parameters() if id(p) not in in_blocks]
-    return blocks, block_params, root
+#: Modules whose forward calls each parameter-holding child as a module (so the child's hooks
+#: see every use of its parameters): only these are split into smaller ZeRO-3 units.
+_SPLITTABLE = (TransformerBlock, Attention, FeedForward)
+
+
+def _holds_matrix(module: torch.nn.Module) -> bool:
+    return any(p.ndim >= 2 for p in module.parameters())
+
+
+def _split_unit(module: torch.nn.Module, prefix: str, limit: float, units: list) -> None:
+    """Append ``module``'s ZeRO-3 units to ``units`` as ``(module, named params)`` in forward
+    (registration) order: the module itself when its parameters fit in ``limit`` bytes or it is
+    not one of :data:`_SPLITTABLE`, else each child holding a matrix, split the same way.
+    Vector-only children (norm weights) are left out: they join the root unit."""
+    named = [(prefix + n, p) for n, p in module.named_parameters()]
+    size = sum(p.numel() * p.element_size() for _, p in named)
+    own = list(module.named_parameters(recurse=False))
+    if size <= limit or not isinstance(module, _SPLITTABLE) or own:
+        units.append((module, named))
+        return
+    for name, child in module.named_children():
+        if _holds_matrix(child):
+            _split_unit(child, f"{prefix}{name}.", limit, units)
+
+
+def _zero3_units(model: torch.nn.Module, bucket_bytes: int) -> tuple[list, list]:
+    """ZeRO-3 units in forward order, ``(module, named params)`` each, and the root (everything
+    outside them). A block whose parameters exceed ``bucket_bytes`` is split into its
+    sub-modules (attention, MLP, and further down to single projections), so what is gathered,
+    staged and reduced at once is at most about a bucket; a compiled block stays one unit (the
+    hooks of its sub-modules would run inside the compiled graph)."""
+    compiled = attach_parallel_state(model).compiled
+    units: list = []
+    for key, block in model.layers.items():
+        limit = bucket_bytes if f"layers.{key}" not in compiled else float("inf")
+        _split_unit(block, f"layers.{key}.", limit, units)
+    placed = {id(p) for _, group in units for _, p in group}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in placed]
+    return units, root
 
 
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
@@ -25,18 +59,20 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         grad_dtype: torch.dtype = torch.float32,
                         init_values=None) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
-    ``zero`` (0 = plain DP) and, for stage 3, the per-block gather/free hooks. ``shared_memory``,
-    ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`."""
+    ``zero`` (0 = plain DP) and, for stage 3, the gather/free hooks of each unit
+    (:func:`_zero3_units`: a block, or its sub-modules when it exceeds ``bucket_mb``).
+    ``shared_memory``, ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`."""
     bucket_bytes = int(bucket_mb * 2**20)
     if zero < 3:
         return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
                                   grad_dtype=grad_dtype, init_values=init_values)
-    blocks, block_params, root = _block_units(model)
-    units = list(reversed(block_params)) + ([root] if root else [])
-    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=units, grad_dtype=grad_dtype,
-                                init_values=init_values)
-    n = len(blocks)
-    block_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
+    units, root = _zero3_units(model, bucket_bytes)
+    groups = [params for _, params in reversed(units)] + ([root] if root else [])
+    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=groups,
+                                grad_dtype=grad_dtype, init_values=init_values)
+    n = len(units)
+    unit_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
     root_bucket = engine.buckets[n] if root else None
-    engine.gatherer = ParameterGatherer(engine, model, blocks, block_buckets, root_bucket)
+    engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], unit_buckets,
+                                        root_bucket)
     return engine

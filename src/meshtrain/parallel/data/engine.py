@@ -113,8 +113,11 @@ class DataParallelEngine:
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
+        # CPU: in-place collectives (no gloo scratch copy, no shard staging; CountedComm).
+        self.in_place = self.buckets[0].device.type == "cpu"
         self.staging = StagingPool(grad_dtype, max(b.padded_numel for b in self.buckets),
-                                   max(b.shard_numel for b in self.buckets),
+                                   0 if self.in_place else max(b.shard_numel
+                                                               for b in self.buckets),
                                    self.buckets[0].device)
         covered = sum(len(b.slots) for b in self.buckets)
         if covered != len(named):
@@ -129,6 +132,8 @@ class DataParallelEngine:
         self._slot_of = {id(s.param): s for b in self.buckets for s in b.slots}
         self._ready_count = [0] * len(self.buckets)
         self._next_launch = 0
+        self.launch_order = list(range(len(self.buckets)))
+        """Bucket indices in the order their reductions are issued (the same on every rank)."""
         self._pending: list[tuple[object, Callable[[], None]]] = []
         self._syncing = True
         self._streaming = False
@@ -200,8 +205,15 @@ class DataParallelEngine:
             full = b.mapped.tensor
         else:
             full = b.new_buffer()
+        sharded_init = self.stage == 3 and self._init_values is not None
         if self._init_values is None:
             b.flatten_params_into(full)
+        elif sharded_init:  # only the parameters this rank's shard holds, straight into it
+            b.param_shard = b.new_buffer(full=False)
+            for s, start, length in b.segments(sharded=True):
+                first = b.shard_start + start - s.offset
+                value = self._init_values(s.name, s.param).reshape(-1)
+                b.param_shard[start:start + length].copy_(value[first:first + length])
         else:  # one parameter's value at a time, straight into the flat buffer
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(
@@ -209,7 +221,8 @@ class DataParallelEngine:
         b.param_buffer = full
         b.bind_params(full)
         if self.stage == 3:
-            b.param_shard = b.shard(full).clone()
+            if not sharded_init:
+                b.param_shard = b.shard(full).clone()
             release_full_buffer(b)  # only the shard stays (ZeRO-3 gathers on use)
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
@@ -262,6 +275,7 @@ class DataParallelEngine:
                 if self._fresh[b.index]:
                     self._launch(b)
             self._drain()
+            self.staging.clear()
             return
         self._syncing = True
         self._next_launch = 0
@@ -293,9 +307,10 @@ class DataParallelEngine:
         if not self._syncing:
             return
         self._ready_count[bucket.index] += 1
-        while (self._next_launch < len(self.buckets) and self._ready_count[self._next_launch]
-               == len(self.buckets[self._next_launch].slots)):
-            self._launch(self.buckets[self._next_launch])
+        order = self.launch_order
+        while (self._next_launch < len(order) and self._ready_count[order[self._next_launch]]
+               == len(self.buckets[order[self._next_launch]].slots)):
+            self._launch(self.buckets[order[self._next_launch]])
             self._next_launch += 1
 
     def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
@@ -361,7 +376,11 @@ class DataParallelEngine:
             else:
                 slot, buf, out = self.staging.take(b, self._drain_oldest)
                 self._gather_grads(b, buf)
-            handle = comm.reduce_scatter_into(out, buf, async_op=True)
+            if self.in_place:  # the staging buffer is scratch: reduced where it is
+                handle = comm.reduce_scatter_in_place(buf, async_op=True)
+                out = b.shard(buf)
+            else:
+                handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
                 b.grad_shard.add_(out)
@@ -374,10 +393,11 @@ class DataParallelEngine:
         """Call after each micro-batch's backward: launch what is left (parameters that got no
         gradient count as zero), wait for every reduction and finish it."""
         if self._syncing:
-            while self._next_launch < len(self.buckets):
-                self._launch(self.buckets[self._next_launch])
+            while self._next_launch < len(self.launch_order):
+                self._launch(self.buckets[self.launch_order[self._next_launch]])
                 self._next_launch += 1
         self._drain()
+        self.staging.clear()
 
     def _drain_oldest(self) -> bool:
         """Finish the oldest reduction in flight; False when none is."""
@@ -454,8 +474,11 @@ class DataParallelEngine:
             if shard.master is not b.master_source:
                 b.master_source.copy_(shard.master)
             if self.stage in (1, 2):
-                mine = b.shard(b.param_buffer).clone()
-                self.comms[b.axis].all_gather_into(b.param_buffer, mine)
+                comm = self.comms[b.axis]
+                if self.in_place:  # this rank's slice already holds its updated shard
+                    comm.all_gather_in_place(b.param_buffer)
+                else:
+                    comm.all_gather_into(b.param_buffer, b.shard(b.param_buffer).clone())
 
     def zero_grad(self) -> None:
         """Reset gradient buffers for the next step."""

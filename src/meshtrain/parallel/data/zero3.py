@@ -1,14 +1,17 @@
-"""ZeRO-3 parameter gathering: each block's parameters exist in full only while it computes.
+"""ZeRO-3 parameter gathering: each unit's parameters exist in full only while it computes.
 
-Every transformer block is one bucket. At rest a rank holds only its shard of each bucket; the
-full flat buffer keeps its tensor but its memory is released (storage resized to zero bytes; on
-the CPU an anonymous memory map whose pages are handed back, :mod:`.mapped`), so the
-parameters (views into it) cost nothing.
+A unit is a transformer block, or, when a block's parameters exceed ``parallel.dp_bucket_mb``,
+one of its sub-modules (attention, MLP, down to single projections; the blocks' norm weights then
+join the root unit), so that what is gathered, prefetched, staged and reduced at once stays
+about a bucket (:func:`meshtrain.parallel.data._zero3_units`). Every unit is one bucket. At rest
+a rank holds only its shard of each bucket; the full flat buffer keeps its tensor but its memory
+is released (storage resized to zero bytes; on the CPU an anonymous memory map whose pages are
+handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
 
-- Forward: a block's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
-  and starts prefetching the next block; its post-forward hook frees it again.
-- Backward: a hook on the block's output fires when the gradient reaches it; it re-gathers the
-  block (prefetching the previous one) before the block's backward runs. Once the block's
+- Forward: a unit's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
+  and starts prefetching the next unit; its post-forward hook frees it again.
+- Backward: a hook on the unit's output fires when the gradient reaches it; it re-gathers the
+  unit (prefetching the previous one) before the unit's backward runs. Once the unit's
   gradients are reduce-scattered (:class:`DataParallelEngine`), its storage is freed.
 - The root unit (embedding, final norm, head) is gathered when the model's forward starts, freed
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
@@ -30,26 +33,31 @@ from meshtrain.parallel.data.mapped import release_full_buffer, restore_full_buf
 
 
 class ParameterGatherer:
-    """Gathers and frees ZeRO-3 buckets around each block's forward and backward."""
+    """Gathers and frees ZeRO-3 buckets around each unit's forward and backward; ``units``
+    (modules, in forward order) and ``unit_buckets`` correspond one to one."""
 
     def __init__(self, engine: DataParallelEngine, model: torch.nn.Module,
-                 blocks: list[torch.nn.Module], block_buckets: list[FlatBucket],
+                 units: list[torch.nn.Module], unit_buckets: list[FlatBucket],
                  root_bucket: FlatBucket | None):
         self.engine = engine
         self.comm = engine.comm
-        self.blocks = blocks
-        self.block_buckets = block_buckets
+        self.units = units
+        self.unit_buckets = unit_buckets
         self.root_bucket = root_bucket
         self._handles: dict[int, object] = {}
+        n = len(units)
+        self._next = {i: i + 1 for i in range(n - 1)}  # prefetch order, forward and backward
+        self._prev = {i + 1: i for i in range(n - 1)}
+        self._seen: list[int] | None = []  # units in the first forward's call order
         self._gathered: set[int] = set()
         self._in_backward: set[int] = set()
         for bucket in engine.buckets:
             self._free(bucket)
         model.register_forward_pre_hook(self._root_pre_forward)
         model.register_forward_hook(self._root_post_forward)
-        for i, block in enumerate(blocks):
-            block.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
-            block.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+        for i, unit in enumerate(units):
+            unit.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
+            unit.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
         engine.on_bucket_reduced = self._on_reduced
 
     # ------------------------------------------------------------------ storage
@@ -67,8 +75,12 @@ class ParameterGatherer:
             storage = self._storage(bucket)
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
-            self._handles[bucket.index] = self.comm.all_gather_into(alias, bucket.param_shard,
-                                                                    async_op=True)
+            if self.engine.in_place:  # no scratch copy of the bucket (CountedComm)
+                bucket.shard(alias).copy_(bucket.param_shard)
+                self._handles[bucket.index] = self.comm.all_gather_in_place(alias, async_op=True)
+            else:
+                self._handles[bucket.index] = self.comm.all_gather_into(
+                    alias, bucket.param_shard, async_op=True)
         if wait:
             self._wait(bucket)
 
@@ -83,10 +95,24 @@ class ParameterGatherer:
         self._in_backward.clear()
         if self.root_bucket is not None:
             self._gather(self.root_bucket, wait=True)
-        if self.block_buckets:
-            self._gather(self.block_buckets[0], wait=False)
+        if self.unit_buckets:
+            self._gather(self.unit_buckets[0], wait=False)
+
+    def _learn_order(self) -> None:
+        """After the first forward: prefetch, and reduce in reverse, in the order the units
+        really ran (registration order may differ: an MLP calls ``w3`` before ``w2``). Every
+        rank runs the same forward, so all learn the same order."""
+        seen, self._seen = self._seen, None
+        if seen is None or sorted(seen) != list(range(len(self.units))):
+            return
+        self._next = dict(zip(seen, seen[1:], strict=False))
+        self._prev = dict(zip(seen[1:], seen, strict=False))
+        order = [self.unit_buckets[i].index for i in reversed(seen)]
+        rest = [i for i in range(len(self.engine.buckets)) if i not in set(order)]
+        self.engine.launch_order = order + rest
 
     def _root_post_forward(self, module, args, output) -> None:
+        self._learn_order()
         if self.root_bucket is None:
             return
         self._free(self.root_bucket)
@@ -95,24 +121,26 @@ class ParameterGatherer:
             tensor.register_hook(lambda grad: self._gather(self.root_bucket, wait=True))
 
     def _pre_forward(self, i: int) -> None:
-        self._gather(self.block_buckets[i], wait=True)
-        if i not in self._in_backward and i + 1 < len(self.block_buckets):
-            self._gather(self.block_buckets[i + 1], wait=False)
+        if self._seen is not None and i not in self._seen:
+            self._seen.append(i)
+        self._gather(self.unit_buckets[i], wait=True)
+        if i not in self._in_backward and i in self._next:
+            self._gather(self.unit_buckets[self._next[i]], wait=False)
 
     def _post_forward(self, i: int, output) -> None:
         if i in self._in_backward:  # a recomputation inside backward: keep the parameters
             return
-        self._free(self.block_buckets[i])
+        self._free(self.unit_buckets[i])
         tensor = output[0] if isinstance(output, tuple) else output
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             tensor.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i: int) -> None:
         self._in_backward.add(i)
-        self.engine.stage_gradients(self.block_buckets[i])
-        self._gather(self.block_buckets[i], wait=True)
-        if i > 0:
-            self._gather(self.block_buckets[i - 1], wait=False)
+        self.engine.stage_gradients(self.unit_buckets[i])
+        self._gather(self.unit_buckets[i], wait=True)
+        if i in self._prev:
+            self._gather(self.unit_buckets[self._prev[i]], wait=False)
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
