@@ -256,3 +256,40 @@ def init_weights_for(moe: MoE, config: ModelConfig) -> None:
     with torch.no_grad():
         for name, param in moe.named_parameters():
             param.copy_(init_tensor(f"layers.0.moe.{name}", param.shape, 0, config) * 10)
+
+
+def test_init_is_block_seeded_so_any_range_is_generated_alone() -> None:
+    """A range of a parameter (across block boundaries) or of a dim-0 / dim-1 piece equals the
+    same elements of the full tensor, bit for bit."""
+    from meshtrain.model.init import INIT_BLOCK, init_range, initial_value
+    from meshtrain.parallel.sharding import ParamSharding
+
+    config = ModelConfig(dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=264)
+    name, shape = "layers.0.feed_forward.w1.weight", (3, INIT_BLOCK // 2 + 5)
+    full = init_tensor(name, shape, 7, config).reshape(-1)
+    for start, stop in ((0, 10), (INIT_BLOCK - 3, INIT_BLOCK + 4), (17, full.numel())):
+        assert torch.equal(init_range(name, shape, start, stop, 7, config), full[start:stop])
+    rows = ParamSharding.piece(shape, (2, shape[1]), (1, 0), tp_dim=0)
+    piece = torch.empty(2, shape[1])
+    want = full.view(shape)[1:].reshape(-1)
+    got = initial_value(name, piece, 7, config, rows, (5, INIT_BLOCK + 9))
+    assert torch.equal(got, want[5:INIT_BLOCK + 9])
+    cols = ParamSharding.piece(shape, (3, 100), (0, 50), tp_dim=1)
+    got = initial_value(name, torch.empty(3, 100), 7, config, cols, (90, 210))
+    assert torch.equal(got, full.view(shape)[:, 50:150].reshape(-1)[90:210])
+
+
+@pytest.mark.parametrize("full, offset, size", [
+    ((6, 10), (0, 4), (6, 3)),        # a row-parallel piece: columns of every row
+    ((4, 5, 6), (1, 0, 2), (2, 5, 3)),  # an expert-parallel piece cut along two dims
+    ((3, 700_000), (1, 100), (2, 650_000)),  # spanning several 2^20-element blocks
+])
+def test_a_box_is_the_same_cut_of_the_whole_tensor(full, offset, size):
+    from meshtrain.config import ModelConfig
+    from meshtrain.model.init import init_box, init_tensor
+
+    config = ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+    name = "layers.0.attention.wo.weight"
+    whole = init_tensor(name, full, 0, config)
+    box = whole[tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))]
+    assert torch.equal(init_box(name, full, offset, size, 0, config), box)

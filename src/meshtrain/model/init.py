@@ -1,10 +1,15 @@
 """Name-seeded weight initialisation, and parameter / FLOP counts from a config.
 
-Every parameter is drawn from its own ``torch.Generator`` seeded by a stable hash (SHA-256) of
-``f"{seed}/{name}"``, where ``name`` is the parameter's full name in the unsharded model
-(e.g. ``layers.3.attention.wq.weight``). So the value never depends on which modules a rank
-built or in what order: a sharded rank calls :func:`init_tensor` for the *full* tensor and keeps
-its slice, and every parallel layout starts from the same model as one process.
+Every parameter's values, flattened in row-major order, are drawn in fixed-size blocks of
+:data:`INIT_BLOCK` elements; block ``k`` comes from its own ``torch.Generator`` seeded by a
+stable hash (SHA-256) of ``f"{seed}/{name}/{k}"`` (``f"{seed}/{name}"`` for block 0, so a
+parameter of one block keeps the value of a whole-tensor draw), where ``name`` is the
+parameter's full name in the unsharded model (e.g. ``layers.3.attention.wq.weight``). So the
+value never depends on which modules a rank built or in what order, and any part of a parameter
+can be generated alone: a range (:func:`init_range`: a ZeRO-3 rank's shard, a dim-0 piece) or a
+box (:func:`init_box`: a tensor-parallel piece along any dim, an expert-parallel rank's experts),
+drawing one block at a time. Every parallel layout starts from the same model as one process,
+and no rank draws a full tensor it does not hold.
 
 Init rules (std of a zero-mean normal unless stated):
 
@@ -45,9 +50,16 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-def name_seed(seed: int, name: str) -> int:
-    """A stable 63-bit generator seed for parameter ``name`` (independent of Python's hash())."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+INIT_BLOCK = 1 << 20
+"""Elements per independently seeded block of a parameter's initial values."""
+
+
+def name_seed(seed: int, name: str, block: int = 0) -> int:
+    """A stable 63-bit generator seed for block ``block`` of parameter ``name`` (independent of
+    Python's hash()). Block 0 keeps the seed of the whole-tensor draw, so a parameter of at most
+    :data:`INIT_BLOCK` elements has the same initial value as when parameters were drawn whole."""
+    key = f"{seed}/{name}" if block == 0 else f"{seed}/{name}/{block}"
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -71,33 +83,111 @@ def init_std(name: str, config: ModelConfig) -> float | None:
     raise ValueError(f"no init rule for parameter {name!r}; add one to meshtrain.model.init")
 
 
+def init_range(name: str, shape: Sequence[int], start: int, stop: int, seed: int,
+               config: ModelConfig) -> torch.Tensor:
+    """Elements ``[start, stop)`` (fp32, CPU, 1-D) of the flattened full initial value of
+    parameter ``name`` with ``shape``: only the blocks of :data:`INIT_BLOCK` covering the range
+    are drawn, each bit-identical to its part of :func:`init_tensor`."""
+    numel = math.prod(shape)
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"range [{start}, {stop}) outside {name!r} of {numel} elements")
+    std = init_std(name, config)
+    if std is None:
+        return torch.ones(stop - start, dtype=torch.float32)
+    if std == 0.0:  # biases: exact zeros (a scaled draw would give -0.0 for negative values)
+        return torch.zeros(stop - start, dtype=torch.float32)
+    out = torch.empty(stop - start, dtype=torch.float32)
+    generator = torch.Generator(device="cpu")
+    canonical = canonical_name(name)
+    for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, numel)
+        generator.manual_seed(name_seed(seed, canonical, block))
+        values = torch.randn(hi - lo, generator=generator, dtype=torch.float32)
+        a, b = max(lo, start), min(hi, stop)
+        out[a - start:b - start] = values[a - lo:b - lo]
+    return out.mul_(std)
+
+
+def init_box(name: str, full_shape: Sequence[int], offset: Sequence[int], size: Sequence[int],
+             seed: int, config: ModelConfig) -> torch.Tensor:
+    """The box ``[offset, offset + size)`` (per dim; fp32, CPU, shape ``size``) of the full
+    initial value of parameter ``name`` with ``full_shape``, drawn block by block: never more
+    than one block of :data:`INIT_BLOCK` elements beyond the box, bit-identical to cutting it
+    from :func:`init_tensor`."""
+    full, offset, size = tuple(full_shape), tuple(offset), tuple(size)
+    std = init_std(name, config)
+    if std is None or std == 0.0:
+        return (torch.ones if std is None else torch.zeros)(size, dtype=torch.float32)
+    out = torch.empty(math.prod(size), dtype=torch.float32)
+    if out.numel() == 0:
+        return out.view(size)
+    strides = [math.prod(full[d + 1:]) for d in range(len(full))]
+    box_strides = [math.prod(size[d + 1:]) for d in range(len(size))]
+    first = sum(o * s for o, s in zip(offset, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offset, size, strides, strict=True)) + 1
+    generator = torch.Generator(device="cpu")
+    canonical = canonical_name(name)
+    numel = math.prod(full)
+    for block in range(first // INIT_BLOCK, -(-last // INIT_BLOCK)):
+        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, numel)
+        generator.manual_seed(name_seed(seed, canonical, block))
+        values = torch.randn(hi - lo, generator=generator, dtype=torch.float32)
+        index = torch.arange(max(lo, first), min(hi, last))
+        inside = torch.ones(index.shape, dtype=torch.bool)
+        position = torch.zeros_like(index)
+        for dim in range(len(full)):
+            coord = (index // strides[dim]) % full[dim] - offset[dim]
+            inside &= (coord >= 0) & (coord < size[dim])
+            position += coord * box_strides[dim]
+        out[position[inside]] = values[index[inside] - lo]
+    return out.mul_(std).view(size)
+
+
 def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig) -> torch.Tensor:
     """The full initial value (fp32, CPU) of parameter ``name`` with ``shape``.
 
     Depends only on ``(seed, name, shape, config)``; see the module docstring for the rules.
     """
-    std = init_std(name, config)
-    if std is None:
-        return torch.ones(tuple(shape), dtype=torch.float32)
-    if std == 0.0:
-        return torch.zeros(tuple(shape), dtype=torch.float32)
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(name_seed(seed, canonical_name(name)))
-    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32) * std
+    return init_range(name, shape, 0, math.prod(shape), seed, config).view(tuple(shape))
 
 
 def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig,
-                  sharding: ParamSharding | None = None) -> torch.Tensor:
-    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``.
+                  sharding: ParamSharding | None = None,
+                  flat_range: tuple[int, int] | None = None) -> torch.Tensor:
+    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``, or with
+    ``flat_range = (start, stop)`` only elements ``[start, stop)`` of the flattened piece (1-D).
 
     A parallel layout may have replaced a parameter by this rank's piece; its sharding record
     (``sharding``, :class:`~meshtrain.parallel.sharding.ParamSharding`) then gives the full shape
-    and cuts the piece, so the values match the unsplit model's. Only one full tensor exists at
-    a time.
+    and where the piece sits, so the values match the unsplit model's. Only the piece is
+    generated, block by block (:func:`init_box`; a range of a whole parameter or of a piece that
+    is one contiguous range of the full tensor with :func:`init_range`): no rank ever draws a
+    full tensor it does not hold. Experts re-placed out of order are drawn one expert at a time.
     """
-    if sharding is None or not sharding.is_piece:
-        return init_tensor(name, param.shape, seed, config)
-    return sharding.local_piece(init_tensor(name, sharding.full_shape, seed, config))
+    piece = sharding is not None and sharding.is_piece
+    if not piece:
+        if flat_range is None:
+            return init_tensor(name, param.shape, seed, config)
+        return init_range(name, param.shape, *flat_range, seed, config)
+    full, shape = tuple(sharding.full_shape), tuple(param.shape)
+    offset = sharding.global_offset(len(full))
+    rows = sharding.expert_rows()
+    dim = sharding.ep_dim
+    in_order = rows is None or rows == list(range(rows[0], rows[0] + len(rows)))
+    if flat_range is not None and in_order and full[1:] == shape[1:] and not any(offset[1:]):
+        base = offset[0] * math.prod(full[1:])  # the piece is rows offset[0]... of the full one
+        return init_range(name, full, base + flat_range[0], base + flat_range[1], seed, config)
+    if in_order:
+        first = list(offset)
+        if rows is not None:
+            first[dim] = rows[0]
+        value = init_box(name, full, first, shape, seed, config)
+    else:
+        one = list(shape)
+        one[dim] = 1
+        value = torch.cat([init_box(name, full, [*offset[:dim], row, *offset[dim + 1:]], one,
+                                    seed, config) for row in rows], dim=dim)
+    return value if flat_range is None else value.reshape(-1)[flat_range[0]:flat_range[1]]
 
 
 def reset_buffers(model: nn.Module) -> None:

@@ -105,7 +105,8 @@ def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPla
     if device.type == "meta":
         return None
     config, seed = model.config, plan.init_seed
-    return lambda name, param: initial_value(name, param, seed, config, shardings[name])
+    return lambda name, param, flat_range=None: initial_value(name, param, seed, config,
+                                                              shardings[name], flat_range)
 
 
 def pipeline_stages(model: torch.nn.Module):

@@ -78,8 +78,9 @@ class DataParallelEngine:
                  init_values: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None):
         """``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
         when every rank of their group is on this host; ``grad_dtype``: the dtype gradients are
-        accumulated and reduced in (see the module docstring); ``init_values``: ``(name, param)
-        -> initial value`` for parameters that hold no values yet (a model materialised from
+        accumulated and reduced in (see the module docstring); ``init_values``: ``(name, param,
+        flat_range=None) -> initial value`` (or its flat ``[start, stop)`` elements; ZeRO-3
+        asks only for its shard's) for parameters that hold no values yet (a model materialised from
         the meta device), written straight into the flat buffers; None = flatten the
         parameters' current values."""
         if stage not in (0, 1, 2, 3):
@@ -212,12 +213,12 @@ class DataParallelEngine:
             b.param_shard = b.new_buffer(full=False)
             for s, start, length in b.segments(sharded=True):
                 first = b.shard_start + start - s.offset
-                value = self._init_values(s.name, s.param).reshape(-1)
-                b.param_shard[start:start + length].copy_(value[first:first + length])
+                b.param_shard[start:start + length].copy_(
+                    self._init_values(s.name, s.param, (first, first + length)))
         else:  # one parameter's value at a time, straight into the flat buffer
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(
-                    self._init_values(s.name, s.param).reshape(-1))
+                    self._init_values(s.name, s.param, (0, s.numel)))
         b.param_buffer = full
         b.bind_params(full)
         if self.stage == 3:
