@@ -226,10 +226,15 @@ def test_zero3_sub_block_units_reduce_in_the_order_they_ran():
     """Blocks over ``dp_bucket_mb`` are split into single projections; after the first forward
     the engine reduces them in the reverse of the order they ran (``w2`` before ``w3`` before
     ``w1``), not of their registration, and the step's collectives are one per unit."""
+    from meshtrain.mesh import shutdown_distributed
+
     config = tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005", nproc=2)
-    dry = dry_run.build_rank(config, 2, 0)
-    engine = dry.trainer.engine
-    collectives = dry_run.measured_collectives(dry)
+    try:
+        dry = dry_run.build_rank(config, 2, 0)
+        engine = dry.trainer.engine
+        collectives = dry_run.measured_collectives(dry)
+    finally:
+        shutdown_distributed()  # the fake process group must not outlive the test
     names = [engine.buckets[i].slots[0].name.split(".", 2)[2] for i in engine.launch_order[:7]]
     assert names == ["feed_forward.w2.weight", "feed_forward.w3.weight",
                          "feed_forward.w1.weight", "attention.wo.weight", "attention.wv.weight",

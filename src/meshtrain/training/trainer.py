@@ -380,6 +380,7 @@ class Trainer:
             if summary:
                 print(f"meshtrain: {summary}", flush=True)
         history = []
+        self.energy.read()  # the first step's energy starts here, not when the trainer was built
         try:
             while self.step < train.steps:
                 record = self.train_step()
