@@ -3,6 +3,9 @@ tests/distributed.py's WorkerPool), for the tests' own ranks and for meshtrain c
 call in this process; each test still gets fresh meshes and groups."""
 
 import os
+from types import SimpleNamespace
+
+import pytest
 
 from tests.distributed import REUSE_ENV, use_pool_for_meshtrain_commands
 
@@ -13,3 +16,17 @@ use_pool_for_meshtrain_commands()
 # send waits until its receive is posted (NCCL's rendezvous), so no test passes only because
 # gloo matches tags and buffers sends (meshtrain.parallel.pipeline.p2p).
 os.environ.setdefault("MESHTRAIN_P2P_SEMANTICS", "nccl-rendezvous")
+
+
+@pytest.fixture
+def meshtrain(capsys):
+    """Run ``meshtrain ARGS...`` in this process; returns its exit status and captured output
+    (``returncode``, ``stdout``, ``stderr``)."""
+    from meshtrain.cli import main
+
+    def run(*args: str) -> SimpleNamespace:
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
+
+    return run

@@ -7,17 +7,15 @@ and exported a model of the same architecture and RoPE that ``transformers`` loa
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_guide import _install_tools, _user_env, guide_blocks
+from tests.integration.test_guide import _install_tools, _user_env, guide_blocks, run_doc_blocks
 
 pytest.importorskip("transformers")
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "finetune.md"
-BLOCK_TIMEOUT_S = 300
 ARCHITECTURES = {"llama3.1": "LlamaForCausalLM", "qwen2.5": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 
@@ -35,19 +33,7 @@ def test_finetune_walkthrough_runs(tmp_path, family):
     work.mkdir()
     _install_tools(bin_dir)
     env = dict(_user_env(bin_dir), FAMILY=family)
-    outputs = []
-    for line, block in guide_blocks(DOC.read_text()):
-        try:
-            run = subprocess.run(["bash", "-e", "-c", block], cwd=work, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 timeout=BLOCK_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
-            pytest.fail(f"docs/finetune.md block at line {line} ran past {BLOCK_TIMEOUT_S} s:\n"
-                        f"{block}\n--- output ---\n{error.output}")
-        if run.returncode != 0:
-            pytest.fail(f"docs/finetune.md block at line {line} exited {run.returncode}:\n"
-                        f"{block}\n--- output ---\n{run.stdout}")
-        outputs.append(run.stdout)
+    outputs = [out for _, out in run_doc_blocks(DOC, work, env)]
 
     source = json.loads((work / "hf-model" / "config.json").read_text())
     exported = json.loads((work / "hf-finetuned" / "config.json").read_text())

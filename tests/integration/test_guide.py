@@ -127,6 +127,25 @@ def _user_env(bin_dir: Path) -> dict[str, str]:
     return env
 
 
+def run_doc_blocks(doc: Path, work: Path, env: dict[str, str]) -> list[tuple[str, str]]:
+    """Run every ``sh`` block of ``doc`` in order, each in its own ``bash -e`` from ``work``;
+    returns ``(block, output)`` of each, failing the test at the first block that fails."""
+    outputs = []
+    for line, block in guide_blocks(doc.read_text()):
+        try:
+            run = subprocess.run(["bash", "-e", "-c", block], cwd=work, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired as error:
+            pytest.fail(f"{doc.name} block at line {line} ran past {BLOCK_TIMEOUT_S} s:\n"
+                        f"{block}\n--- output ---\n{error.output}")
+        if run.returncode != 0:
+            pytest.fail(f"{doc.name} block at line {line} exited {run.returncode}:\n{block}"
+                        f"\n--- output ---\n{run.stdout}")
+        outputs.append((block, run.stdout))
+    return outputs
+
+
 def test_sh_blocks_are_found():
     blocks = [block for _, block in guide_blocks(GUIDE.read_text())]
     for command in ("meshtrain prepare", "meshtrain estimate", "meshtrain plan",
@@ -139,20 +158,7 @@ def test_guide_runs(tmp_path):
     work, bin_dir = tmp_path / "work", tmp_path / "bin"
     work.mkdir()
     _install_tools(bin_dir)
-    env = _user_env(bin_dir)
-    outputs = []
-    for line, block in guide_blocks(GUIDE.read_text()):
-        try:
-            run = subprocess.run(["bash", "-e", "-c", block], cwd=work, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 timeout=BLOCK_TIMEOUT_S)
-        except subprocess.TimeoutExpired as error:
-            pytest.fail(f"docs/guide.md block at line {line} ran past {BLOCK_TIMEOUT_S} s:\n"
-                        f"{block}\n--- output ---\n{error.output}")
-        if run.returncode != 0:
-            pytest.fail(f"docs/guide.md block at line {line} exited {run.returncode}:\n{block}"
-                        f"\n--- output ---\n{run.stdout}")
-        outputs.append((block, run.stdout))
+    outputs = run_doc_blocks(GUIDE, work, _user_env(bin_dir))
 
     assert (work / "prepared" / "meta.json").is_file()
     records = [json.loads(r) for r in (work / "runs/tiny/metrics.jsonl").read_text().splitlines()]

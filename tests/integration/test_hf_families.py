@@ -128,20 +128,26 @@ def _train_config(mesh_dir, run_dir, *overrides: str) -> Config:
     return config
 
 
-def train_from_weights(config_dicts: list[dict], steps: int) -> list[list[dict]]:
-    """Each config's first ``steps`` metric records (logging rank; [] elsewhere), starting from
-    its ``checkpoint.init_from`` weights as ``meshtrain train`` does."""
+def _restored_trainer(config_dict: dict):
+    """This rank's trainer for ``config_dict``, started from its ``checkpoint.init_from``
+    weights as ``meshtrain train`` starts."""
     from meshtrain.training.trainer import Trainer
     from meshtrain.worker import build_mesh
 
+    config = Config.from_dict(config_dict)
+    trainer = Trainer(config, build_mesh(config))
+    trainer.restore()
+    return trainer
+
+
+def train_from_weights(config_dicts: list[dict], steps: int) -> list[list[dict]]:
+    """Each config's first ``steps`` metric records (logging rank; [] elsewhere), starting from
+    its ``checkpoint.init_from`` weights."""
     out = []
     for config_dict in config_dicts:
-        config = Config.from_dict(config_dict)
-        mesh = build_mesh(config)
-        trainer = Trainer(config, mesh)
-        trainer.restore()
+        trainer = _restored_trainer(config_dict)
         records = [trainer.train_step() for _ in range(steps)]
-        out.append(records if mesh.is_logging_rank else [])
+        out.append(records if trainer.mesh.is_logging_rank else [])
     return out
 
 
@@ -167,15 +173,10 @@ def local_attention_tensors(config_dicts: list[dict]) -> list[dict]:
     """Build each config's trainer on this rank; its attention tensors of layer 0, whole
     names -> (local value, sharding record fields)."""
     from meshtrain.parallel import parallel_state
-    from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     out = []
     for config_dict in config_dicts:
-        config = Config.from_dict(config_dict)
-        mesh = build_mesh(config)
-        trainer = Trainer(config, mesh)
-        trainer.restore()
+        trainer = _restored_trainer(config_dict)
         shardings = parallel_state(trainer.model).shardings
         found = {}
         for name, param in trainer.model.named_parameters():
@@ -183,7 +184,7 @@ def local_attention_tensors(config_dicts: list[dict]) -> list[dict]:
                 record = shardings[name]
                 found[name] = (param.detach().clone(), record.full_shape, record.offset,
                                record.tp_dim, record.tp_replicated, record.tp_partial_grad)
-        out.append({"tp_rank": mesh.tp_rank, "params": found})
+        out.append({"tp_rank": trainer.mesh.tp_rank, "params": found})
     return out
 
 

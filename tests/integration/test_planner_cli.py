@@ -9,22 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
-
-from meshtrain.cli import main
-
-
-@pytest.fixture
-def meshtrain(capsys):
-    def run(*args: str) -> SimpleNamespace:
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
-
-    return run
-
 
 SMALL = ["--set", "model.dim=2048", "--set", "model.n_layers=8", "--set", "model.n_heads=16",
          "--set", "model.ffn_dim=5632", "--set", "train.seq_len=2048",

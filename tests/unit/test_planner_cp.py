@@ -6,11 +6,9 @@ The expected figures are worked out by hand in each test (not with the planner's
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from meshtrain.cli import main
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
@@ -28,16 +26,6 @@ TINY = ModelConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=2
 def _estimate(workload: Workload, gpus_per_node: int = 8, **layout) -> dict:
     lay = Layout(**layout)
     return estimate(workload, lay, Cluster(H100, lay.world_size, gpus_per_node))
-
-
-@pytest.fixture
-def meshtrain(capsys):
-    def run(*args: str) -> SimpleNamespace:
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
-
-    return run
 
 
 def test_cp_comm_bytes_match_the_hand_count():
