@@ -183,16 +183,6 @@ class EnergySchedule:
         timed = zip(self.graph.nodes, self.start, self.end, strict=True)
         return [(r, a, s, e) for (r, a), s, e in timed]
 
-    def rank_clocks(self, pp: int, max_clock: float) -> list[float]:
-        """One clock per pipeline rank that keeps the step within the schedule's: the highest
-        clock any of the rank's compute actions was given (a GPU runs one locked clock; each of
-        its actions then finishes no later than the schedule allows)."""
-        clocks = [0.0] * pp
-        for n, (rank, act) in enumerate(self.graph.nodes):
-            if act.kind.is_compute and self.graph.duration[n] > 0:
-                clocks[rank] = max(clocks[rank], self.clocks[n])
-        return [c or max_clock for c in clocks]
-
     def rank_plan(self, pp: int, max_clock: float) -> list[dict]:
         """Per rank: the time-weighted mean clock of its compute and how much of its compute
         time (at full clock) runs below the maximum clock."""
@@ -204,8 +194,7 @@ class EnergySchedule:
             slowed = sum(self.graph.duration[n] for n in ids if self.clocks[n] < max_clock)
             mean = (sum(self.clocks[n] * self.graph.duration[n] for n in ids) / busy
                     if busy else max_clock)
-            plan.append({"rank": rank, "locked_clock_mhz": self.rank_clocks(pp, max_clock)[rank],
-                         "mean_clock_mhz": mean,
+            plan.append({"rank": rank, "mean_clock_mhz": mean,
                          "min_clock_mhz": min((self.clocks[n] for n in ids), default=max_clock),
                          "slowed_share": slowed / busy if busy else 0.0})
         return plan
