@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--energy-schedule: the GPU profile's clock-power curve")
     sim.add_argument("--max-slowdown", type=float, default=0.01,
                      help="--energy-schedule: longest step allowed, as a fraction (0.01)")
+    sim.add_argument("--steady-state", action="store_true",
+                     help="--energy-schedule: steps overlap without a flush (the next step's "
+                          "warm-up fills this one's drain), so only idle inside each rank's "
+                          "busy span is slack")
     _add_convert_parser(sub)
     return parser
 
@@ -301,7 +305,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                               parse_times(args.times), args.comm)
     times, energy, events = simulate_energy(
         schedule, StageTimes(**report["stage_times"]), args.slow_stage, args.hardware,
-        args.max_slowdown, args.energy_schedule)
+        args.max_slowdown, args.energy_schedule, args.steady_state)
     if args.slow_stage:
         result = simulate(schedule, times)
         report.update(slow_stage=args.slow_stage, makespan=result.makespan,

@@ -124,3 +124,44 @@ def test_max_slowdown_zero_keeps_the_step():
     assert result.saving > 0
     with pytest.raises(ConfigError):
         energy_schedule(schedule, times, H100, max_slowdown=-0.1)
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (8, 32)])
+def test_balanced_zero_bubble_saves_nothing_in_the_steady_state(pp, m):
+    # zb-v at F = B = W on equal stages is a parallelogram: every rank busy without a gap from
+    # its first action to its last. When steps follow one another without a flush, the next
+    # step's warm-up fills the drain, so there is no slack and nothing may be slowed.
+    schedule = build_schedule("zb-v", pp, m, 2)
+    result = energy_schedule(schedule, StageTimes(1, 1, 1), H100, 0.01, steady_state=True)
+    assert result.saving == 0.0
+    assert all(c == 1980 for c in result.clocks)
+
+
+def test_flushed_zero_bubble_slows_only_the_drain():
+    # The same schedule with a flush (meshtrain's steps end with the optimizer step): the only
+    # slack is the parallelogram's edge, so the ranks that finish before the step's end are the
+    # only ones slowed, and the saving shrinks as micro-batches make the edge a smaller share.
+    savings = []
+    for m in (8, 32):
+        schedule = build_schedule("zb-v", 4, m, 2)
+        result = energy_schedule(schedule, StageTimes(1, 1, 1), H100, 0.01)
+        base = simulate(schedule, StageTimes(1, 1, 1))
+        ends = {}
+        for r, _, _, e in base.compute_events():
+            ends[r] = max(ends.get(r, 0.0), e)
+        slowed = {r for (r, a), c in zip(result.graph.nodes, result.clocks, strict=True)
+                  if c < 1980}
+        assert slowed and all(ends[r] < base.makespan - 0.5 for r in slowed)
+        savings.append(result.saving)
+    assert 0 < savings[1] < savings[0]
+
+
+def test_steady_state_keeps_slack_inside_a_rank():
+    # Steady state removes only the fill/drain edges: an imbalanced zb-v (ranks waiting for a
+    # slow stage inside their span) and zb-h1's own bubbles still leave actions to slow.
+    schedule = build_schedule("zb-v", 4, 8, 2)
+    times = [StageTimes(1, 1, 1)] * 8
+    times[2] = StageTimes(1.2, 1.2, 1.2)
+    assert energy_schedule(schedule, times, H100, 0.01, steady_state=True).saving > 0.01
+    zb_h1 = build_schedule("zb-h1", 4, 8)
+    assert energy_schedule(zb_h1, StageTimes(1, 1, 1), H100, 0.01, steady_state=True).saving > 0

@@ -178,11 +178,30 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
-        """The tensor (detached, contiguous) or bytes behind ``write_item``."""
+        """The tensor (detached, contiguous) or bytes behind ``write_item``.
+
+        A chunk is a view into a flat ZeRO buffer. DCP's file writer clones any tensor whose
+        storage is larger than the tensor, and keeps every written tensor until the rank's file
+        is closed, so views would cost a copy of the rank's whole share during a save. A CPU
+        view is therefore handed over as a tensor of its own storage over the same memory (no
+        copy, through numpy), which the writer neither clones nor pays for keeping."""
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.blobs[write_item.index.fqn])
         chunk = self.chunks[(write_item.index.fqn, write_item.index.offset)]
-        return chunk.tensor.detach().contiguous()
+        return _own_storage(chunk.tensor.detach().contiguous())
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or the same CPU memory as a tensor whose storage is exactly its bytes."""
+    if (tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == tensor.nbytes
+            or tensor.dtype not in _NUMPY_DTYPES):
+        return tensor
+    return torch.from_numpy(tensor.numpy())
+
+
+#: Dtypes numpy can view without a copy (bf16 and the fp8 kinds have no numpy dtype).
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):

@@ -108,10 +108,12 @@ class ActionGraph:
             end.append(s + duration[n])
         return start, end
 
-    def latest_finish(self, target: float) -> list[float]:
+    def latest_finish(self, target: float,
+                      rank_target: Sequence[float] | None = None) -> list[float]:
         """The latest end of every node (full-clock durations) for the step to end by
-        ``target``."""
-        latest = [target] * len(self.nodes)
+        ``target``, and each rank's nodes by ``rank_target[rank]`` when given."""
+        latest = [target if rank_target is None else min(target, rank_target[r])
+                  for r, _ in self.nodes]
         for n in range(len(self.nodes) - 1, -1, -1):
             begin = latest[n] - self.duration[n]
             for p, lag in self.preds[n]:
@@ -233,25 +235,38 @@ def _assign(graph: ActionGraph, curve: PowerCurve, latest: list[float], frozen: 
 
 def energy_schedule(schedule: Schedule, times: StageTimes | Sequence[StageTimes],
                     curve: PowerCurve, max_slowdown: float = 0.01,
-                    server_w: float = 0.0) -> EnergySchedule:
+                    server_w: float = 0.0, steady_state: bool = False) -> EnergySchedule:
     """Clocks for ``schedule``'s actions that cut energy at no more than ``max_slowdown``
-    longer steps, never slowing an action on the critical path (see the module doc)."""
+    longer steps, never slowing an action on the critical path (see the module doc).
+
+    ``steady_state``: steps follow one another without a flush, the next step's warm-up
+    filling this one's drain (as zero-bubble schedules run with the optimizer step validated
+    after the fact, Qi et al. 2024 §4): each rank's actions must then end by its own last
+    end at full clock (plus the allowance), so only idle time inside a rank's busy span is
+    slack. meshtrain's steps flush (each ends with the optimizer step on every rank), so the
+    runtime's schedule uses the fill and drain idle as well (the default)."""
     if max_slowdown < 0:
         raise ConfigError(f"--max-slowdown must be >= 0, got {max_slowdown}")
     graph = action_graph(schedule, times)
     pp = schedule.pp
     start0, end0 = graph.earliest()
     base = max(end0, default=0.0)
+    rank_end = None
+    if steady_state:
+        rank_end = [0.0] * pp
+        for (rank, _), end in zip(graph.nodes, end0, strict=True):
+            rank_end[rank] = max(rank_end[rank], end)
     full = [curve.max_clock_mhz] * len(graph.nodes)
     _, base_energy = step_energy(graph, full, end0, pp, curve)
     tolerance = EPS * max(base, 1.0)
     critical = [latest - end <= tolerance
-                for latest, end in zip(graph.latest_finish(base), end0, strict=True)]
+                for latest, end in zip(graph.latest_finish(base, rank_end), end0, strict=True)]
     best = EnergySchedule(full, graph, start0, end0, base, base, base_energy, base_energy,
                           server_w)
     # A longer step costs every rank static power, so the allowance is not always worth using.
     for target in sorted({base, base * (1 + max_slowdown)}):
-        latest = graph.latest_finish(target)
+        latest = graph.latest_finish(
+            target, None if rank_end is None else [e + target - base for e in rank_end])
         for floor in curve.clocks():
             clocks, start, end = _assign(graph, curve, latest, critical, floor)
             makespan, energy = step_energy(graph, clocks, end, pp, curve)
@@ -315,10 +330,12 @@ def parse_slow_stage(text: str) -> tuple[int, float]:
 
 
 def simulate_energy(schedule: Schedule, base: StageTimes, slow_stage: str | None,
-                    hardware: str, max_slowdown: float, with_schedule: bool
+                    hardware: str, max_slowdown: float, with_schedule: bool,
+                    steady_state: bool = False
                     ) -> tuple[list[StageTimes], dict | None, list | None]:
     """For ``meshtrain simulate``: per-stage times (one stage slowed by ``slow_stage``), and
-    with ``with_schedule`` the energy schedule's report and its events (to draw)."""
+    with ``with_schedule`` the energy schedule's report and its events (to draw);
+    ``steady_state`` as in :func:`energy_schedule`."""
     from meshtrain.planner.hardware import load_profile
 
     times = [base] * schedule.num_stages
@@ -333,9 +350,10 @@ def simulate_energy(schedule: Schedule, base: StageTimes, slow_stage: str | None
     profile = load_profile(hardware)
     curve = power_curve(profile)
     result = energy_schedule(schedule, times, curve, max_slowdown,
-                             max(profile.power_w - profile.gpu_tdp_w, 0.0))
+                             max(profile.power_w - profile.gpu_tdp_w, 0.0), steady_state)
     report = energy_schedule_report(result, schedule.pp, curve)
     report["hardware"] = profile.name
+    report["steady_state"] = steady_state
     return times, report, result.events()
 
 

@@ -197,11 +197,46 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
             activations += largest  # the block being recomputed
     if last:  # logits (activation dtype) and their fp32 copy for the loss, one micro-batch
         activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
-    buffers = 2 * bucket_mb * 2**20
     if lay.zero >= 3:
         buffers = zero3_transient_bytes(workload, lay, layers, params.dense + params.expert,
                                         bucket_mb)
+    else:
+        buffers = sum(grad_reduce_transient_bytes(workload, lay.zero, n, count, bucket_mb)
+                      for count, n in ((params.dense, shards), (params.expert, shards // lay.ep)))
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
+
+
+def grad_reduce_transient_bytes(workload: Workload, zero: int, shards: int, params: float,
+                                bucket_mb: float = 25.0) -> float:
+    """What the gradient reduction of ``params`` parameters over ``shards`` ranks allocates
+    beyond the model states at the end of backward, under ZeRO ``zero`` < 3, as the runtime
+    does it (:class:`meshtrain.parallel.data.engine.DataParallelEngine`; the dry run counts the
+    same, :func:`meshtrain.dry_run.memory`):
+
+    - ZeRO 0 all-reduces each bucket in place: nothing;
+    - ZeRO 1 reduce-scatters each bucket into an output of its shard's size, and the outputs of
+      every bucket stay alive until the last reduction is waited for: G P / N;
+    - ZeRO 2 reduces each bucket from the engine's staging pool
+      (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS` pairs of a full bucket and its
+      shard) into the gradient shard, and autograd's gradients of the bucket being filled live
+      until its hook copies them in: (pairs x (1 + 1/N) + 1) buckets;
+    - through the CPU shared-memory reducer (ZeRO 0-1), reductions are in place and instead
+      (N-1)/N of the gradients, the peers' segments this rank sums, become resident.
+    """
+    from meshtrain.parallel.data.staging import INITIAL_PAIRS
+
+    if shards <= 1 or params <= 0:
+        return 0.0
+    gb = workload.traits.grad_reduce_bytes if workload.precision == "bf16" else 4
+    grads = params * gb
+    if zero <= 1 and workload.traits.shared_memory_reduce:
+        return grads * (shards - 1) / shards
+    if zero == 0:
+        return 0.0
+    if zero == 1:
+        return grads / shards
+    bucket = min(bucket_mb * 2**20, grads)
+    return (INITIAL_PAIRS * (1 + 1 / shards) + 1) * bucket
 
 
 def zero3_units(model: ModelConfig, layer: int, tp: int, bucket_bytes: float,

@@ -32,6 +32,11 @@ class RuntimeTraits:
     elementwise_traffic: float = 8.0
     """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
     byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
+    shared_memory_reduce: bool = False
+    """ZeRO 0-1 gradients reduce through meshtrain's CPU shared-memory reducer (all dp ranks on
+    one host, ``parallel.dp_shared_memory``): in place, but each rank reads its segment of every
+    peer's gradient buffer, so (N-1)/N of its stage's gradients become resident in its address
+    space (the kernel counts those shared pages in every reader's VmHWM)."""
     optimizer_bytes_per_param: float = 44.0
     """Memory traffic of the gradient clipping + AdamW update + zero_grad per parameter (shard).
     meshtrain in fp32: the clip's norm (4) and scale (8), PyTorch's fused AdamW kernel reading
@@ -72,6 +77,9 @@ class Workload:
         """The workload a run config describes."""
         if config.parallel.grad_reduce_dtype == "bf16":
             traits = dataclasses.replace(traits, grad_reduce_bytes=2)
+        if (config.train.device == "cpu" and config.parallel.dp_shared_memory
+                and config.train.precision == "fp32"):  # the reducer takes fp32 buckets only
+            traits = dataclasses.replace(traits, shared_memory_reduce=True)
         return cls(config.model, config.train.seq_len, config.train.global_batch,
                    config.train.precision, traits)
 
