@@ -114,3 +114,43 @@ def test_every_step_records_energy_and_the_summary_prints_kwh(tmp_path, monkeypa
     kwh = total / 3.6e6
     assert f"energy {kwh:.4g} kWh (estimate, 1 rank(s) summed)" in out
     assert f"{kwh * 400:.4g} g CO2, cost {kwh * 0.2:.4g}" in out
+
+
+def _energy_of_steps(config_dict: dict, steps: int, profile: str) -> dict:
+    """One rank: train ``steps`` steps with the CPU estimate; its power, elapsed time and (on
+    rank 0) the metric records."""
+    import os
+
+    from meshtrain.config import Config
+    from meshtrain.worker import build_mesh
+
+    os.environ["MESHTRAIN_PROFILE"] = profile  # absent: the per-core estimate
+    config = Config.from_dict(config_dict)
+    mesh = build_mesh(config)
+    trainer = Trainer(config, mesh)
+    trainer.energy.read()
+    start = time.perf_counter()
+    records = [trainer.train_step() for _ in range(steps)]
+    return {"records": records, "elapsed": time.perf_counter() - start,
+            "watts": trainer.energy.power_w, "logging": mesh.is_logging_rank}
+
+
+def test_energy_is_summed_over_every_rank(tmp_path):
+    # dp 2 x tp 2: the step's energy is every rank's, summed over dp and counted tp times
+    # (tp ranks do the same work), so it lies between 4 ranks' power over the steps rank 0
+    # timed and 4 ranks' power over the whole time they ran; one rank's or two ranks' energy
+    # (a missing sum or a missing tp factor) falls below the lower bound.
+    from tests.distributed import run_distributed
+
+    config = tiny_config("parallel.dp=2", "parallel.tp=2", nproc=4)
+    out = run_distributed(4, _energy_of_steps, config.to_dict(), 4, str(tmp_path / "absent"))
+    rank0 = next(r for r in out if r["logging"])
+    records = rank0["records"]
+    total = sum(r["energy_j"] for r in records)
+    assert records[-1]["energy_total_j"] == pytest.approx(total)
+    assert all(r["energy_source"] == "estimate" for r in records)
+    # tp ranks are counted as their tp rank 0's twin, so bound by the longest-running rank.
+    upper = len(out) * max(r["watts"] for r in out) * max(r["elapsed"] for r in out)
+    steps = [r["step_time_s"] for r in records]
+    lower = 0.9 * len(out) * min(r["watts"] for r in out) * (sum(steps) - steps[-1])
+    assert lower <= total <= upper * 1.01, (lower, total, upper)
