@@ -13,8 +13,9 @@ import sys
 import pytest
 
 SMALL = ["--set", "model.dim=2048", "--set", "model.n_layers=8", "--set", "model.n_heads=16",
-         "--set", "model.ffn_dim=5632", "--set", "train.seq_len=2048",
-         "--set", "train.global_batch=64", "--set", "train.precision=bf16"]
+         "--set", "model.ffn_dim=5632", "--set", "model.vocab_size=32000",
+         "--set", "train.seq_len=2048", "--set", "train.global_batch=64",
+         "--set", "train.precision=bf16"]
 
 
 def test_estimate_json_has_the_contract_keys(meshtrain):
@@ -69,8 +70,7 @@ def test_calibrate_writes_a_usable_profile(tmp_path, meshtrain):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
         assert len(profile["measured"][op]) == 2
     assert profile["peak_tflops"] > 0 and profile["intra_node_gbps"] > 0
-    est = meshtrain("estimate", "--hardware", str(out), "--gpus", "2", "--json",
-                    "--set", "model.vocab_size=512")
+    est = meshtrain("estimate", "--hardware", str(out), "--gpus", "2", "--json", *SMALL)
     assert est.returncode == 0, est.stderr
     assert json.loads(est.stdout)["hardware"] == "measured"
 
@@ -103,3 +103,44 @@ def test_plan_objective_and_budget(meshtrain):
     half = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
                      "--tokens", "1e12")
     assert half.returncode == 2
+
+
+def test_estimate_without_a_model_is_refused_with_what_is_missing(meshtrain):
+    # --set alone must define the model: no demo model filled in behind the user's back.
+    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "8",
+                    "--set", "model.dim=6144", "--set", "model.n_layers=48",
+                    "--set", "model.n_heads=48")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    message = " ".join(run.stderr.split())
+    assert "missing: model.ffn_dim, model.vocab_size, train.seq_len" in message
+    assert "--model PRESET" in message and "--config" in message
+    full = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "8", "--json",
+                     "--set", "model.dim=6144", "--set", "model.n_layers=48",
+                     "--set", "model.n_heads=48", "--set", "model.ffn_dim=24576",
+                     "--set", "model.vocab_size=51200", "--set", "model.mlp=gelu",
+                     "--set", "train.seq_len=2048", "--set", "train.global_batch=8",
+                     "--set", "train.precision=bf16", "--set", "parallel.tp=8")
+    assert full.returncode == 0, full.stderr
+    # GPT-style 22B (Korthikanti et al. 2022): multi-head attention (not the demo's 4 kv
+    # heads): 12 h^2 + 2 h (norms) per layer, untied embedding and head, a final norm.
+    h, layers, vocab = 6144, 48, 51200
+    assert json.loads(full.stdout)["params"] == layers * (12 * h * h + 2 * h) + 2 * vocab * h + h
+
+
+def test_estimate_warns_about_tp_beyond_a_node(meshtrain):
+    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16", "--json", *SMALL,
+                    "--set", "parallel.tp=16")
+    assert run.returncode == 0, run.stderr
+    assert "spans 2 nodes" in run.stderr
+    assert json.loads(run.stdout)["warnings"]
+    inside = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16", "--json", *SMALL,
+                       "--set", "parallel.tp=8")
+    assert json.loads(inside.stdout)["warnings"] == [] and "warning" not in inside.stderr
+
+
+@pytest.mark.parametrize("name,memory", [("h800", 80.0), ("h100-96g", 96.0)])
+def test_h800_and_h100_96g_profiles(meshtrain, name, memory):
+    run = meshtrain("estimate", "--hardware", name, "--gpus", "8", "--json", *SMALL)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["hardware"] == name and out["memory_limit_gb"] == pytest.approx(memory - 3.0)

@@ -89,27 +89,28 @@ def test_zero_shards_and_gradients_reduce_over_dp_times_cp():
     assert alone["per_rank"][0]["optim_bytes"] == 4 * with_cp["per_rank"][0]["optim_bytes"]
 
 
+#: A small model for the CLI cases (estimate needs --set to define the model).
+_SHAPE = ["--set", "model.dim=512", "--set", "model.n_layers=4", "--set", "model.n_heads=8",
+          "--set", "model.ffn_dim=1408", "--set", "model.vocab_size=1024",
+          "--set", "train.global_batch=8", "--set", "train.precision=bf16"]
+
+
 def test_estimate_cli_accepts_cp_and_fills_dp(meshtrain):
-    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16", "--json",
-                    "--set", "model.dim=512", "--set", "model.n_layers=4",
-                    "--set", "model.n_heads=8", "--set", "model.vocab_size=1024",
-                    "--set", "train.seq_len=4096", "--set", "train.global_batch=8",
-                    "--set", "train.precision=bf16", "--set", "parallel.tp=2",
+    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16", "--json", *_SHAPE,
+                    "--set", "train.seq_len=4096", "--set", "parallel.tp=2",
                     "--set", "parallel.cp=4")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert (out["layout"]["dp"], out["layout"]["cp"], out["layout"]["tp"]) == (2, 4, 2)
     assert out["cp_comm_bytes"] > 0 and out["breakdown"]["cp_comm_s"] > 0
-    text = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16",
-                     "--set", "model.vocab_size=1024", "--set", "train.seq_len=4096",
-                     "--set", "parallel.cp=4")
+    text = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "16", *_SHAPE,
+                     "--set", "train.seq_len=4096", "--set", "parallel.cp=4")
     assert text.returncode == 0 and "cp=4" in text.stdout
 
 
 def test_estimate_cli_refuses_a_cp_the_sequence_cannot_split(meshtrain):
-    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "5",
-                    "--set", "model.vocab_size=1024", "--set", "train.seq_len=96",
-                    "--set", "parallel.cp=5")
+    run = meshtrain("estimate", "--hardware", "h100-80g", "--gpus", "5", *_SHAPE,
+                    "--set", "train.seq_len=96", "--set", "parallel.cp=5")
     assert run.returncode == 2 and "Traceback" not in run.stderr
     message = " ".join(run.stderr.split())
     assert "2 × cp = 10" in message
@@ -130,7 +131,10 @@ def test_plan_picks_cp_for_llama3_405b_at_128k_on_16k_h100():
     result = plan(Workload.from_config(config), Cluster(H100, 16384, 8), top=3)
     best = result.candidates[0]
     assert best["cp"] > 1
-    assert (best["tp"], best["pp"]) == (8, 16)  # Llama 3's tp and pp (it used cp 16, dp 8)
+    # Llama 3 used tp 8, pp 16 (cp 16, dp 8). pp 8 with 8 chunks per rank has the same bubble
+    # as pp 16 with 4 and is priced within 2 % of it, so either may come first.
+    assert best["tp"] == 8 and best["pp"] in (8, 16)
+    assert best["pp"] * best["virtual_stages"] == 64
     assert 0.30 <= best["mfu"] <= 0.50  # published: 38 %
 
 

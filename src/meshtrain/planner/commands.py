@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from meshtrain.config import Config, ConfigError, default_config_path, load_config
+from meshtrain.config import Config, ConfigError, load_config
 
 
 def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -> None:
@@ -63,6 +64,32 @@ def _check_shapes(config: Config) -> None:
         raise ConfigError(f'train.precision = "{config.train.precision}"; use bf16 or fp32.')
 
 
+#: What ``estimate`` needs from ``--set`` alone (no ``--config``, no ``--model``): the model's
+#: shape, its vocabulary, the batch and the precision. Every other key keeps its documented
+#: default (:class:`meshtrain.config.ModelConfig`: multi-head attention, SwiGLU, untied
+#: embeddings).
+REQUIRED_WITHOUT_CONFIG = ("model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim",
+                           "model.vocab_size", "train.seq_len", "train.global_batch",
+                           "train.precision")
+
+
+def _model_from_overrides(overrides: list[str]) -> Config:
+    """The run config ``--set`` alone describes, refused unless it defines the model: never the
+    demo's model filled in silently."""
+    from meshtrain.config import parse_override
+
+    given = {parse_override(text)[0] for text in overrides}
+    missing = [key for key in REQUIRED_WITHOUT_CONFIG if key not in given]
+    if missing:
+        from meshtrain.planner.presets import PRESETS
+
+        raise ConfigError(
+            "estimate needs a model: --model PRESET (" + ", ".join(sorted(PRESETS)[:6])
+            + ", ...), --config run.toml, or --set for each of "
+            + ", ".join(REQUIRED_WITHOUT_CONFIG) + f"; missing: {', '.join(missing)}.")
+    return load_config(None, overrides)
+
+
 def run_estimate(args: argparse.Namespace) -> int:
     """``meshtrain estimate``: price the layout a run config (or a preset's model, sequence
     length and batch, with ``--set`` layout keys) describes."""
@@ -81,9 +108,10 @@ def run_estimate(args: argparse.Namespace) -> int:
         config = preset_config(model)  # refuses an unknown name, listing the presets
         for text in args.overrides:
             set_key(config, *parse_override(text))
+    elif args.config:
+        config = load_config(args.config, args.overrides)
     else:
-        path = args.config if args.config else default_config_path()
-        config = load_config(path, args.overrides)
+        config = _model_from_overrides(args.overrides)
     _check_shapes(config)
     par = config.parallel
     world = args.gpus or args.nproc
@@ -106,6 +134,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     cluster = Cluster(profile, gpus, args.gpus_per_node)
     result = estimate(Workload.from_config(config), layout, cluster, _energy(args))
     result["hardware"] = profile.name
+    result["warnings"] = layout_warnings(layout, args.gpus_per_node)
+    for warning in result["warnings"]:
+        print(f"meshtrain: warning: {warning}", file=sys.stderr)
     text = format_estimate(result, profile.name)
     if getattr(args, "energy_schedule", False):
         from meshtrain.planner.energy_schedule import format_energy_schedule, layout_schedule
@@ -114,6 +145,16 @@ def run_estimate(args: argparse.Namespace) -> int:
         text += "\n" + format_energy_schedule(result["energy_schedule"], " per pipeline")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
+
+
+def layout_warnings(layout, gpus_per_node: int) -> list[str]:
+    """What a priced layout does that users rarely mean: tensor parallelism beyond a node."""
+    if layout.tp > gpus_per_node:
+        return [f"parallel.tp = {layout.tp} spans {-(-layout.tp // gpus_per_node)} nodes of "
+                f"{gpus_per_node} GPUs: every layer's tp all-reduce then crosses the network "
+                f"(priced at the inter-node bandwidth); tp <= {gpus_per_node} keeps it on the "
+                "node's links."]
+    return []
 
 
 def add_plan_options(parser: argparse.ArgumentParser) -> None:

@@ -152,6 +152,23 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
+            "h100-96g", peak_tflops=989.0, memory_gb=96.0, hbm_gbps=4000.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0,
+            source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
+                   "compute, links and power as h100-80g"),
+        HardwareProfile(
+            "h800", peak_tflops=989.0, memory_gb=80.0, hbm_gbps=3350.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0,
+            source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
+                   "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
+                   "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
+        HardwareProfile(
             "h200", peak_tflops=989.0, memory_gb=141.0, hbm_gbps=4800.0,
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
@@ -173,9 +190,10 @@ PROFILES: dict[str, HardwareProfile] = {
 }
 
 
-GPU_NAMES = (("h200", "h200"), ("h100", "h100-80g"), ("b200", "b200"), ("mi300", "mi300x"),
-             ("a100", "a100-80g"))
-"""(part of the device name, profile) to match a GPU's reported name to its data-sheet profile."""
+GPU_NAMES = (("gh200", "h100-96g"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100-80g"),
+             ("b200", "b200"), ("mi300", "mi300x"), ("a100", "a100-80g"))
+"""(part of the device name, profile) to match a GPU's reported name to its data-sheet profile,
+first match wins (a GH200 superchip's GPU is an H100 with 96 GB, not an H200)."""
 
 
 def profile_for_gpu(device_name: str) -> str | None:

@@ -41,10 +41,12 @@ def format_estimate(result: dict, profile_name: str) -> str:
 
 def format_plan(plan: dict, title: str) -> str:
     """A ranked table of candidates with one line each on what bounds them."""
-    lines = [title, f"{plan['searched']} layouts searched, {plan['feasible']} fit in memory."]
+    listed = len(plan["candidates"])
+    lines = [title, f"{plan['searched']} layouts searched, {plan['feasible']} fit in memory"
+             + (f"; the best {listed} are listed." if listed else ".")]
     if plan["nothing_fits"]:
         return "\n".join(lines + [plan["nothing_fits"]])
-    header = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} "
+    header = (f"{'#':>2} {'dp':>4} {'tp':>3} {'sp':>2} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} "
               f"{'schedule':<18} "
               f"{'mb':>4} {'mbs':>3} {'ckpt':<9} {'GB':>5} {'step s':>7} {'tok/s':>10} "
               f"{'MFU':>5} {'kWh/1B':>7}")
@@ -53,7 +55,8 @@ def format_plan(plan: dict, title: str) -> str:
         schedule = c["schedule"] + (f" v{c['virtual_stages']}" if c["virtual_stages"] > 1
                                     else "")
         lines.append(
-            f"{i:>2} {c['dp']:>4} {c['tp']:>3} {c['pp']:>3} {c['cp']:>3} {c['ep']:>3} "
+            f"{i:>2} {c['dp']:>4} {c['tp']:>3} {'y' if c['sequence_parallel'] else '-':>2} "
+            f"{c['pp']:>3} {c['cp']:>3} {c['ep']:>3} "
             f"{c['zero']:>4} "
             f"{schedule:<18} {c['microbatches']:>4} {c['micro_batch_size']:>3} "
             f"{c['activation_checkpointing']:<9} {c['memory_gb_per_gpu']:>5.1f} "

@@ -4,8 +4,9 @@ The space: tp over the powers of two that fit in a node and divide the heads; cp
 what is left that split the sequence into ``2 cp`` equal chunks (the runtime's check); pp over
 divisors of what is left after both (at most the layer count); dp the rest; ep over divisors of
 dp and the expert count (MoE only); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and
-DeepSpeed pair them); sequence parallelism whenever tp > 1 (same communication volume, less
-memory); schedules 1f1b, interleaved-1f1b (2 and 4 chunks), zb-h1 and zb-v with pipelining
+DeepSpeed pair them); with tp > 1 sequence parallelism on and off (the same communication
+volume, less activation memory, but more, smaller kernels); schedules 1f1b, interleaved-1f1b
+(2, 4 and 8 chunks), zb-h1 and zb-v with pipelining
 (gpipe only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
 checkpointing none, selective, full. When nothing fits, :func:`explain_nothing_fits` says what
 dominates memory and how many GPUs the smallest feasible layout would need.
@@ -14,6 +15,7 @@ dominates memory and how many GPUs the smallest feasible layout would need.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from meshtrain.config import ConfigError
 from meshtrain.layout import Layout
@@ -24,6 +26,8 @@ from meshtrain.planner.workload import Workload, context_parallel_fits, layout_f
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
+VIRTUAL_STAGES = (2, 4, 8)
+"""Chunks per rank tried for interleaved 1F1B."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -37,7 +41,7 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> list[tuple[str, int
     if n_layers >= 2 * pp:
         options.append(("zb-v", 1))
     if microbatches % pp == 0:
-        options += [("interleaved-1f1b", v) for v in (2, 4) if n_layers >= v * pp]
+        options += [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if n_layers >= v * pp]
     return options
 
 
@@ -73,10 +77,11 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                         if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
                             continue
                         for schedule, v in _schedules(pp, model.n_layers, m):
-                            for ckpt in checkpointing:
+                            for sp, ckpt in itertools.product(
+                                    (True, False) if tp > 1 else (False,), checkpointing):
                                 layouts.append(Layout(
                                     dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                    sequence_parallel=tp > 1, pp_schedule=schedule,
+                                    sequence_parallel=sp, pp_schedule=schedule,
                                     virtual_stages=v, microbatches=m,
                                     activation_checkpointing=ckpt))
     return layouts
@@ -136,16 +141,17 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
                           f"a multiple of the GPU count.")
     results = [estimate(workload, lay, cluster, energy, use_simulator=False) for lay in layouts]
     feasible = sorted((r for r in results if r["fits"]), key=lambda r: -r["tokens_per_s"])
-    # Re-price the front runners with the schedule simulator (closed forms ranked them).
+    # Re-price the front runners with the schedule simulator (closed forms ranked them); one
+    # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
     front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy)
              for r in feasible[:3 * top]]
+    count = len(feasible) - sum(1 for r in front if not r["fits"])
     feasible = sorted((r for r in front if r["fits"]), key=lambda r: -r["tokens_per_s"])
     rows = [candidate_row(r) for r in feasible[:top]]
     message = None
     if not feasible:
         message = (explain_nothing_fits(workload, cluster, results) if explain
                    else f"nothing fits on {cluster.gpus} GPUs")
-    count = sum(1 for r in results if r["fits"])
     return PlanResult(rows, len(results), count, message)
 
 

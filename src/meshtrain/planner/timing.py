@@ -160,7 +160,14 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         # reduces nothing (without sp), with sp it gathers its input forward and backward.
         moe_plain = model.is_moe_layer(layer) and not lay.sequence_parallel
         collectives = (2 if moe_plain else 4) + (2 if mode == "full" else 0)
-        cost.tp_comm = collectives * cluster.collective_time("all_reduce", message, lay.tp, 1)
+        if lay.sequence_parallel:
+            # Each all-reduce becomes an all-gather and a reduce-scatter: the same bus bytes,
+            # twice the collectives' fixed costs (the ring's steps, twice).
+            one = (cluster.collective_time("all_gather", message, lay.tp, 1)
+                   + cluster.collective_time("reduce_scatter", message, lay.tp, 1))
+        else:
+            one = cluster.collective_time("all_reduce", message, lay.tp, 1)
+        cost.tp_comm = collectives * one
     if lay.ep > 1 and model.is_moe_layer(layer):
         # Every tp rank routes the whole micro-batch (the MoE layer is replicated over tp).
         routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
