@@ -61,9 +61,10 @@ class HardwareProfile:
     """Calibrated profiles: ``{head_dim: [efficiency, backward / forward time]}`` of the fused
     causal attention measured at a few head widths (narrow heads run far below the GEMM rate on
     CPUs); the nearest width replaces ``attention_efficiency`` and the FlashAttention-2 ratio."""
-    fp32_rate: float = 0.5
-    """fp32 GEMM throughput as a fraction of ``peak_tflops`` (0.5 on GPUs without TF32; 1 for a
-    calibrated CPU profile, whose ``peak_tflops`` is the measured fp32 rate)."""
+    fp32_rate: float = 0.0625
+    """fp32 GEMM throughput as a fraction of ``peak_tflops``: true fp32 on the CUDA cores, as
+    meshtrain never enables TF32 (A100: 19.5 of 312 TFLOP/s; each profile states its own), 1
+    for a calibrated CPU profile, whose ``peak_tflops`` is the measured fp32 rate."""
     comm_overlaps_compute: bool = True
     """Whether a collective can run beside compute without slowing it (GPUs: NCCL on its own
     SMs and copy engines). False on CPUs where every core computes: gloo's reduction and copies
@@ -128,31 +129,33 @@ class HardwareProfile:
 
 
 # Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
-# below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU).
+# below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU). fp32_rate is the
+# datasheet's FP32 (CUDA-core, no TF32) TFLOP/s over its dense bf16 figure: A100 19.5 / 312,
+# H100 SXM (and H800, H200) 67 / 989, B200 80 / 2250, MI300X 163.4 / 1307.
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in (
         HardwareProfile(
-            "a100-40g", peak_tflops=312.0, memory_gb=40.0, hbm_gbps=1555.0,
+            "a100-40g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=40.0, hbm_gbps=1555.0,
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
-            "a100-80g", peak_tflops=312.0, memory_gb=80.0, hbm_gbps=2039.0,
+            "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=80.0, hbm_gbps=2039.0,
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
-            "h100-80g", peak_tflops=989.0, memory_gb=80.0, hbm_gbps=3350.0,
+            "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
-            "h100-96g", peak_tflops=989.0, memory_gb=96.0, hbm_gbps=4000.0,
+            "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
@@ -160,7 +163,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
         HardwareProfile(
-            "h800", peak_tflops=989.0, memory_gb=80.0, hbm_gbps=3350.0,
+            "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
@@ -169,19 +172,19 @@ PROFILES: dict[str, HardwareProfile] = {
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
         HardwareProfile(
-            "h200", peak_tflops=989.0, memory_gb=141.0, hbm_gbps=4800.0,
+            "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=141.0, hbm_gbps=4800.0,
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
-            "b200", peak_tflops=2250.0, memory_gb=180.0, hbm_gbps=7700.0,
+            "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
             power_w=1790.0, source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
-            "mi300x", peak_tflops=1307.0, memory_gb=192.0, hbm_gbps=5300.0,
+            "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=192.0, hbm_gbps=5300.0,
             matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
