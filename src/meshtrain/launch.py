@@ -13,10 +13,10 @@ When a worker fails, the launcher prints one message for the whole job
 (:func:`meshtrain.diagnostics.explain_failure`): a killed worker's rank and signal, or for a
 collective timeout which rank(s) did not arrive and where every rank waits.
 
-SIGTERM and SIGUSR1 to the launcher are forwarded to its workers, which finish their step, save
-a checkpoint and stop (:mod:`meshtrain.preemption`); the launcher then exits with
-:data:`~meshtrain.preemption.PREEMPTED_EXIT` and says so. A second signal is forwarded too and
-stops everything at once (``128 + signal``).
+SIGTERM and SIGUSR1 to the launcher are passed on to its workers (as SIGUSR1), which finish
+their step, save a checkpoint and stop (:mod:`meshtrain.preemption`); the launcher then exits
+with :data:`~meshtrain.preemption.PREEMPTED_EXIT` and says so. A second signal is passed on too
+and stops everything at once (``128 + signal``).
 
 The resolved config travels to the workers as ``RUN_DIR/config.json``; it was validated before
 any process started. Each worker gets ``threads_per_worker`` intra-op threads (by default the
@@ -216,9 +216,10 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     # torch elastic logs every worker failure at length; the summary below replaces that.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     preemption.clear_marker(config.train.run_dir)
+    signals = preemption.StopSignals(_forward_first, preemption.forward_to_workers,
+                                     exit_on_second=False)
     try:
-        with preemption.StopSignals(_forward_first, preemption.forward_to_workers,
-                                    exit_on_second=False):
+        with signals:
             elastic_launch(launch_config, sys.executable)(
                 "-m", "meshtrain.worker", str(config_path), task)
     except ChildFailedError as error:
@@ -233,6 +234,9 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         os.environ.pop(diagnostics.LAUNCHED_ENV, None)
     info = preemption.read_marker(config.train.run_dir)
     if info is not None:
+        if signals.received:  # the signal this launcher got, not the SIGUSR1 it passed on
+            info["signal"] = preemption.signal_name(signals.received)
+            preemption.write_marker(config.train.run_dir, info)
         print(f"meshtrain {task}: {preemption.summary(info)}", file=sys.stderr, flush=True)
         return preemption.PREEMPTED_EXIT
     return 0
@@ -241,7 +245,7 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
 def _forward_first(signum: int) -> None:
     """The launcher's first SIGTERM/SIGUSR1: pass it to the workers, and say what happens."""
     pids = preemption.forward_to_workers(signum)
-    print(f"meshtrain: {preemption.signal_name(signum)} received; passed to the {len(pids)} "
+    print(f"meshtrain: {preemption.signal_name(signum)} received; passed on to the {len(pids)} "
           f"worker(s): they finish their step, save a checkpoint and stop (a second signal "
           f"stops them at once)", file=sys.stderr, flush=True)
 

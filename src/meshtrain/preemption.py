@@ -15,8 +15,10 @@ SIGUSR1 when asked (``#SBATCH --signal=USR1@120``). meshtrain then:
    ``checkpoint.resume = auto``.
 
 A second signal stops the process at once, with ``128 + signal`` (143 for SIGTERM, 138 for
-SIGUSR1) and nothing more saved. ``meshtrain train --nproc N`` forwards each of these signals to
-its workers (:func:`forward_to_workers`) instead of stopping them.
+SIGUSR1) and nothing more saved. ``meshtrain train --nproc N`` passes each of these signals on
+to its workers as SIGUSR1 (:func:`forward_to_workers`) instead of stopping them: its workers
+leave SIGTERM alone, since torch elastic's agent stops workers with SIGTERM (when another worker
+failed), and that must still stop them.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class StopSignals:
     """
 
     def __init__(self, on_first=None, on_second=None, exit_on_second: bool = True,
-                 quiet: bool = False):
+                 quiet: bool = False, signals: tuple = SIGNALS):
+        self.signals = signals
         self.received = 0
         """The first signal's number, 0 while none came."""
         self.on_first, self.on_second = on_first, on_second
@@ -66,7 +69,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
+            for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -124,12 +127,13 @@ def worker_pids(parent: int | None = None) -> list[int]:
     return found
 
 
-def forward_to_workers(signum: int) -> list[int]:
-    """Send ``signum`` to every worker this launcher started; return their pids."""
+def forward_to_workers(signum: int = signal.SIGUSR1) -> list[int]:
+    """Send SIGUSR1 (what a launched worker stops on) to every worker this launcher started;
+    return their pids. ``signum`` is the signal the launcher received (not forwarded as is)."""
     pids = worker_pids()
     for pid in pids:
         try:
-            os.kill(pid, signum)
+            os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
     return pids

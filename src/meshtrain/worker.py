@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -75,8 +76,13 @@ def run(config: Config, task: str = "train") -> int:
     SIGTERM/SIGUSR1 stop training after the current step with a checkpoint
     (:mod:`meshtrain.preemption`); the status is then :data:`~meshtrain.preemption.PREEMPTED_EXIT`,
     or 0 under meshtrain's own launcher, which reads ``RUN_DIR/preempted.json`` and reports
-    it (so that torch elastic does not count the stop as a failure to restart from)."""
-    with preemption.StopSignals() as signals:
+    it (so that torch elastic does not count the stop as a failure to restart from); a launched
+    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1)."""
+    # meshtrain's launcher passes its signals on as SIGUSR1: SIGTERM from torch elastic's agent
+    # (stopping the workers after another one failed) must stop a launched worker as before.
+    launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))
+    with preemption.StopSignals(signals=(signal.SIGUSR1,) if launched
+                                else preemption.SIGNALS) as signals:
         return _run(config, task, signals)
 
 

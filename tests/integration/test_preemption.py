@@ -21,7 +21,7 @@ from meshtrain import faults, preemption
 from tests.integration.test_reliability import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 20
 
 
 def command(run_dir: Path, *args: str) -> list[str]:
@@ -94,7 +94,7 @@ def test_sigterm_to_launcher_saves_the_step_and_resume_matches(tmp_path):
     proc.send_signal(signal.SIGTERM)
     status, err = finish(proc)
     assert status == preemption.PREEMPTED_EXIT, err
-    assert "SIGTERM received; passed to the 4 worker(s)" in err
+    assert "SIGTERM received; passed on to the 4 worker(s)" in err
     stopped = metrics(tmp_path / "cut")[-1]["step"]
     assert 3 <= stopped < STEPS
     assert f"preempted by SIGTERM after step {stopped}: checkpoint saved to" in err
