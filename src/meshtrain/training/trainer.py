@@ -316,7 +316,7 @@ class Trainer:
         self.step += 1
         # One small all-gather over the world: every rank's compute and wait seconds and the
         # stop signal it received, so that every rank stops after the same step.
-        wait_s = self.mesh.comm_log.wait_s
+        wait_s = min(self.mesh.comm_log.wait_s, elapsed)  # host waits, device step time on CUDA
         received = self.stop_signals.received if self.stop_signals is not None else 0
         table = straggler.exchange(self.mesh, elapsed - wait_s, wait_s, received)
         self.stop_signal = straggler.stop_signal_of(table)
