@@ -81,9 +81,17 @@ def run(config: Config, task: str = "train") -> int:
     # meshtrain's launcher passes its signals on as SIGUSR1: SIGTERM from torch elastic's agent
     # (stopping the workers after another one failed) must stop a launched worker as before.
     launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))
-    with preemption.StopSignals(signals=(signal.SIGUSR1,) if launched
+    with preemption.StopSignals(None if launched else _note_signal,
+                                signals=(signal.SIGUSR1,) if launched
                                 else preemption.SIGNALS) as signals:
         return _run(config, task, signals)
+
+
+def _note_signal(signum: int) -> None:
+    """The first SIGTERM/SIGUSR1 of a worker outside meshtrain's launcher: rank 0 says so."""
+    if faults.current_rank() == 0:
+        print(f"meshtrain: {preemption.signal_name(signum)} received: stopping after this step "
+              f"with a checkpoint (a second signal stops at once)", file=sys.stderr, flush=True)
 
 
 def _run(config: Config, task: str, signals: preemption.StopSignals) -> int:

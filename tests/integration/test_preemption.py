@@ -130,6 +130,20 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_one_step_without_checkpoint_c
     assert (saved / "manifest.json").is_file()
 
 
+def test_sigterm_to_a_one_process_run(tmp_path):
+    """One process, no launcher in between (as each task of an ``srun`` step): the worker itself
+    stops after the step, saves it and exits 75."""
+    proc = start(tmp_path, "--nproc", "1", "--steps", "200")  # its steps are fast: room to stop
+    wait_for_step(proc, tmp_path, 2)
+    proc.send_signal(signal.SIGTERM)
+    status, out = finish(proc)
+    assert status == preemption.PREEMPTED_EXIT, out
+    stopped = metrics(tmp_path)[-1]["step"]
+    assert "SIGTERM received: stopping after this step with a checkpoint" in out
+    assert f"preempted by SIGTERM after step {stopped}: checkpoint saved to" in out
+    assert (tmp_path / "checkpoints" / f"step_{stopped:08d}" / "manifest.json").is_file()
+
+
 def test_second_signal_stops_at_once(tmp_path):
     """Two SIGTERMs: the second stops the job at once with 128 + 15 and saves nothing."""
     slow = "slow:rank=0:factor=40,slow:rank=1:factor=40"  # steps long enough for two signals
