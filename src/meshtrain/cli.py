@@ -1,7 +1,8 @@
 """The ``meshtrain`` command: parse arguments, dispatch, map errors to exit statuses.
 
 Exit statuses: 0 done; 2 a config or usage error (one paragraph on stderr, no traceback);
-1 a failure during the run.
+1 a failure during the run; 75 ``meshtrain train`` stopped by SIGTERM/SIGUSR1 after saving a
+checkpoint (:mod:`meshtrain.preemption`), 128 + signal when a second signal stopped it at once.
 """
 
 from __future__ import annotations
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (LaunchError, RunFailure) as error:
         print(f"meshtrain {args.command}: {error}", file=sys.stderr)
-        return 1
+        return getattr(error, "exit_status", 1)
     except KeyboardInterrupt:
         print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
         return 1

@@ -222,6 +222,11 @@ class TrainConfig:
     max_restarts: int = 0
     """Restart every worker up to this many times after a failure; a restarted run resumes from
     the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""
+    straggler_factor: float = 1.5
+    """Warn (rank 0's log) when a rank's compute per step is above this many times the other
+    ranks' median for straggler_steps steps in a row; 0 = no warning (docs/reliability.md)."""
+    straggler_steps: int = 3
+    """Consecutive steps a rank must be above straggler_factor before the warning."""
     carbon_g_per_kwh: float = 0.0
     price_per_kwh: float = 0.0
     """Grid g CO2 per kWh and price per kWh for the run summary's CO2 and cost; 0 = omitted."""

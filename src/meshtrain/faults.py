@@ -15,11 +15,15 @@ skip_collective   at ``step`` on ``rank``, the first collective (on ``axis``, if
 nan_loss          at ``step`` (on ``rank``, or every rank when omitted) the loss becomes NaN, so
                   its gradients do too (exercises ``train.on_nonfinite``).
 kill              at the start of ``step`` on ``rank`` the worker sends itself SIGKILL.
+slow              from ``step`` on (default 1), ``rank``'s compute takes ``factor`` times as
+                  long: after computing its gradients it sleeps ``factor - 1`` times the time
+                  that took outside collectives (a straggler, for ``train.straggler_factor``).
 ================  ===========================================================================
 
 Every fault fires only in restart ``attempt`` (default 0, the first run; torch elastic counts
 restarts in ``TORCHELASTIC_RESTART_COUNT``), so a restarted job runs clean. Steps are 1-based, as
-in ``metrics.jsonl``. Example: ``MESHTRAIN_FAULT=skip_collective:rank=1:step=2``.
+in ``metrics.jsonl``. Examples: ``MESHTRAIN_FAULT=skip_collective:rank=1:step=2``,
+``MESHTRAIN_FAULT=slow:rank=3:factor=3``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import signal
 import time
 
 ENV_VAR = "MESHTRAIN_FAULT"
-KINDS = ("skip_collective", "nan_loss", "kill")
+KINDS = ("skip_collective", "nan_loss", "kill", "slow")
 _INT_KEYS = ("rank", "step", "attempt")
 
 
@@ -45,6 +49,7 @@ class Fault:
     axis: str | None = None
     then: str = "stall"
     attempt: int = 0
+    factor: float = 1.0
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -57,9 +62,14 @@ def parse(spec: str) -> tuple[Fault, ...]:
         fields: dict[str, object] = {"kind": kind}
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            if not sep or key not in ("rank", "step", "axis", "then", "attempt"):
+            if not sep or key not in ("rank", "step", "axis", "then", "attempt", "factor"):
                 raise ValueError(f"{ENV_VAR}: bad field {pair!r} in {item!r}")
-            fields[key] = int(value) if key in _INT_KEYS else value
+            fields[key] = (int(value) if key in _INT_KEYS
+                           else float(value) if key == "factor" else value)
+        if kind == "slow":
+            fields.setdefault("step", 1)
+            if "rank" not in fields or float(fields.get("factor", 0)) < 1:
+                raise ValueError(f"{ENV_VAR}: {item!r} needs rank=N and factor=X (X >= 1)")
         if "step" not in fields:
             raise ValueError(f"{ENV_VAR}: {item!r} needs step=N")
         if fields.get("then", "stall") not in ("stall", "continue"):
@@ -134,3 +144,21 @@ def maybe_kill(step: int) -> None:
     """SIGKILL this process when a ``kill`` fault is due at the start of ``step``."""
     if take("kill", step) is not None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_factor(step: int) -> float:
+    """How many times slower this rank's compute is at ``step`` (``slow`` faults; 1 = normal)."""
+    rank, attempt = current_rank(), restart_attempt()
+    factor = 1.0
+    for fault in active():
+        if (fault.kind == "slow" and fault.rank == rank and fault.attempt == attempt
+                and step >= fault.step):
+            factor *= fault.factor
+    return factor
+
+
+def slow_down(step: int, compute_s: float) -> None:
+    """Sleep ``(factor - 1) * compute_s`` when a ``slow`` fault holds for this rank at ``step``."""
+    factor = slow_factor(step)
+    if factor > 1:
+        time.sleep((factor - 1) * compute_s)

@@ -13,6 +13,11 @@ When a worker fails, the launcher prints one message for the whole job
 (:func:`meshtrain.diagnostics.explain_failure`): a killed worker's rank and signal, or for a
 collective timeout which rank(s) did not arrive and where every rank waits.
 
+SIGTERM and SIGUSR1 to the launcher are passed on to its workers (as SIGUSR1), which finish
+their step, save a checkpoint and stop (:mod:`meshtrain.preemption`); the launcher then exits
+with :data:`~meshtrain.preemption.PREEMPTED_EXIT` and says so. A second signal is passed on too
+and stops everything at once (``128 + signal``).
+
 The resolved config travels to the workers as ``RUN_DIR/config.json``; it was validated before
 any process started. Each worker gets ``threads_per_worker`` intra-op threads (by default the
 machine's cores divided among the local workers), so N workers on few cores do not thrash.
@@ -28,7 +33,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from meshtrain import diagnostics
+from meshtrain import diagnostics, preemption
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
 from meshtrain.host_allocator import allocator_env
@@ -199,6 +204,9 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
         max_restarts=config.train.max_restarts, monitor_interval=0.1, start_method="spawn",
         local_addr="127.0.0.1",
+        # SIGTERM and SIGUSR1 are meshtrain's (forwarded to the workers, below), not torch
+        # elastic's, which would stop the workers and kill them after a grace period.
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MESHTRAIN_THREADS"] = str(threads)
@@ -207,9 +215,13 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     os.environ.update(allocator_env(device=config.train.device, zero=config.parallel.zero))
     # torch elastic logs every worker failure at length; the summary below replaces that.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    preemption.clear_marker(config.train.run_dir)
+    signals = preemption.StopSignals(_forward_first, preemption.forward_to_workers,
+                                     exit_on_second=False)
     try:
-        elastic_launch(launch_config, sys.executable)(
-            "-m", "meshtrain.worker", str(config_path), task)
+        with signals:
+            elastic_launch(launch_config, sys.executable)(
+                "-m", "meshtrain.worker", str(config_path), task)
     except ChildFailedError as error:
         codes = {rank: f.exitcode for rank, f in error.failures.items()}
         messages = {rank: _failure_text(f.message) for rank, f in error.failures.items()}
@@ -220,7 +232,22 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         raise LaunchError(message) from None
     finally:
         os.environ.pop(diagnostics.LAUNCHED_ENV, None)
+    info = preemption.read_marker(config.train.run_dir)
+    if info is not None:
+        if signals.received:  # the signal this launcher got, not the SIGUSR1 it passed on
+            info["signal"] = preemption.signal_name(signals.received)
+            preemption.write_marker(config.train.run_dir, info)
+        print(f"meshtrain {task}: {preemption.summary(info)}", file=sys.stderr, flush=True)
+        return preemption.PREEMPTED_EXIT
     return 0
+
+
+def _forward_first(signum: int) -> None:
+    """The launcher's first SIGTERM/SIGUSR1: pass it to the workers, and say what happens."""
+    pids = preemption.forward_to_workers(signum)
+    print(f"meshtrain: {preemption.signal_name(signum)} received; passed on to the {len(pids)} "
+          f"worker(s): they finish their step, save a checkpoint and stop (a second signal "
+          f"stops them at once)", file=sys.stderr, flush=True)
 
 
 def _failure_text(message) -> str:

@@ -77,6 +77,12 @@ class ParallelMesh:
         self.comms = {axis: CountedComm(COUNTED_AS.get(axis, axis), self._groups[axis],
                                         len(self._group_ranks[axis]), self.comm_log)
                       for axis in self._groups}
+        # The whole world, on the default group (its timeout is the start-up one, at least 60 s):
+        # the trainer's one small per-step all-gather of rank timings and stop requests.
+        world = dist.group.WORLD if dist.is_initialized() and self.world_size > 1 else None
+        self._groups["world"] = world
+        self._group_ranks["world"] = list(range(self.world_size))
+        self.comms["world"] = CountedComm("world", world, self.world_size, self.comm_log)
 
     # ---------------------------------------------------------------- construction
     @classmethod

@@ -365,6 +365,11 @@ def validate_train(config: Config) -> None:
     _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
     _at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
     _at_least(t.max_restarts, 0, "train.max_restarts")
+    if t.straggler_factor != 0 and not 1 < t.straggler_factor < 1e6:
+        raise ConfigError(f"train.straggler_factor = {t.straggler_factor} must be above 1 (a rank "
+                          f"this many times slower than the others' median is warned about, "
+                          f"e.g. 1.5, the default), or 0 for no warning.")
+    _at_least(t.straggler_steps, 1, "train.straggler_steps")
     _at_least(t.eval_every, 0, "train.eval_every")
     _at_least(t.eval_batches, 1, "train.eval_batches")
     if t.eval_every and not (config.data.valid_source or config.data.valid_fraction):

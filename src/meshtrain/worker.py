@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import torch
 
-from meshtrain import diagnostics, faults
+from meshtrain import diagnostics, faults, preemption
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
 from meshtrain.mesh import ParallelMesh, init_distributed, shutdown_distributed
@@ -56,16 +57,44 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
                                          timeout_s=config.train.collective_timeout_s)
 
 
-def _run_task(config: Config, mesh: ParallelMesh, task: str) -> None:
+def _run_task(config: Config, mesh: ParallelMesh, task: str,
+              signals: preemption.StopSignals) -> dict | None:
+    """Run ``task``; returns where it stopped on a signal (``Trainer.preempted``), else None."""
     if task != "train":
         raise ValueError(f"unknown worker task {task!r}")
     from meshtrain.training.trainer import Trainer
 
-    Trainer(config, mesh).fit()
+    trainer = Trainer(config, mesh)
+    trainer.stop_signals = signals
+    trainer.fit()
+    return trainer.preempted
 
 
 def run(config: Config, task: str = "train") -> int:
-    """Run ``task`` in this process (a worker of the job); returns the exit status."""
+    """Run ``task`` in this process (a worker of the job); returns the exit status.
+
+    SIGTERM/SIGUSR1 stop training after the current step with a checkpoint
+    (:mod:`meshtrain.preemption`); the status is then :data:`~meshtrain.preemption.PREEMPTED_EXIT`,
+    or 0 under meshtrain's own launcher, which reads ``RUN_DIR/preempted.json`` and reports
+    it (so that torch elastic does not count the stop as a failure to restart from); a launched
+    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1)."""
+    # meshtrain's launcher passes its signals on as SIGUSR1: SIGTERM from torch elastic's agent
+    # (stopping the workers after another one failed) must stop a launched worker as before.
+    launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))
+    with preemption.StopSignals(None if launched else _note_signal,
+                                signals=(signal.SIGUSR1,) if launched
+                                else preemption.SIGNALS) as signals:
+        return _run(config, task, signals)
+
+
+def _note_signal(signum: int) -> None:
+    """The first SIGTERM/SIGUSR1 of a worker outside meshtrain's launcher: rank 0 says so."""
+    if faults.current_rank() == 0:
+        print(f"meshtrain: {preemption.signal_name(signum)} received: stopping after this step "
+              f"with a checkpoint (a second signal stops at once)", file=sys.stderr, flush=True)
+
+
+def _run(config: Config, task: str, signals: preemption.StopSignals) -> int:
     _set_threads()
     attempt = faults.restart_attempt()
     if attempt and config.checkpoint.resume == "none":
@@ -81,7 +110,7 @@ def run(config: Config, task: str = "train") -> int:
     if mesh.world_size > 1:
         monitor = diagnostics.RankMonitor(mesh, config.train.run_dir, interval).start()
     try:
-        _run_task(config, mesh, task)
+        preempted = _run_task(config, mesh, task, signals)
     except Exception as error:
         if monitor is None:
             raise
@@ -95,7 +124,14 @@ def run(config: Config, task: str = "train") -> int:
     if monitor is not None:
         monitor.finish()
     shutdown_distributed()
-    return 0
+    if preempted is None:
+        return 0
+    launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))
+    if mesh.is_logging_rank:
+        preemption.write_marker(config.train.run_dir, preempted)
+        if not launched:  # meshtrain's launcher prints it for the whole job
+            print(f"meshtrain: {preemption.summary(preempted)}", file=sys.stderr, flush=True)
+    return 0 if launched else preemption.PREEMPTED_EXIT
 
 
 def record_error_file(error: BaseException) -> None:

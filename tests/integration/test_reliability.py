@@ -287,3 +287,22 @@ def test_killed_worker_restarts_and_resumes(tmp_path, fault, capfd):
     assert [r["step"] for r in restarted] == [1, 2, 3, 4, 5, 6]
     assert [r["restarts"] for r in restarted] == [0, 0, 0, 0, 1, 1]
     assert [r["loss"] for r in restarted] == pytest.approx([r["loss"] for r in clean], abs=1e-5)
+
+
+# ------------------------------------------------------------------------- stragglers
+
+
+def test_slowed_rank_is_named_in_metrics_and_warned(tmp_path, fault, capfd):
+    """dp 2 × tp 2 with rank 3's compute injected 3 × slower: ``metrics.jsonl`` names it as the
+    straggler, with how long the others waited for it, and rank 0 warns within 5 steps."""
+    fault("slow:rank=3:factor=3")
+    status = train(tmp_path, "--nproc", "4", "--steps", "6", "--set", "parallel.tp=2")
+    err = capfd.readouterr().err
+    assert status == 0, err
+    records = metrics(tmp_path)
+    named = [r["step"] for r in records if r["straggler"]["rank"] == 3]
+    assert len([step for step in named if step <= 5]) >= 3, [r["straggler"] for r in records]
+    assert all(r["straggler"]["excess_s"] > 0 for r in records if r["step"] in named)
+    warned = re.findall(r"warning: step (\d+): rank (\d+) is a straggler", err)
+    assert warned and warned[0][1] == "3" and int(warned[0][0]) <= 5, err
+    assert "train.straggler_factor = 1.5" in err

@@ -61,6 +61,8 @@ def test_unknown_keys_and_bad_types_refused(override, fragment):
     (["train.precision=fp16"], "bf16"),
     (["train.min_lr=1", "train.lr=0.1"], "min_lr"),
     (["train.steps=0"], "at least 1"),
+    (["train.straggler_factor=1"], "must be above 1"),
+    (["train.straggler_steps=0"], "train.straggler_steps = 0 is too small"),
     (["data.source=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["data.tokenizer=/nonexistent/tokenizer.json"], "no such file"),
     (["checkpoint.resume=/nonexistent/ckpt"], "no such checkpoint"),

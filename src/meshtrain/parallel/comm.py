@@ -118,6 +118,9 @@ class CommLog:
         """Sends and receives issued per axis since the process started."""
         self.step = 0
         self.debug = False
+        self.wait_s = 0.0
+        """Seconds this rank spent inside blocking collectives and waiting on async ones since
+        the last reset (host clock): its time waiting for the others, plus the transfers."""
 
     def record(self, axis: str, op: str, tensor_shape: Sequence[int], dtype: torch.dtype,
                full_bytes: int, group_size: int, peer: int | None = None) -> CollectiveRecord:
@@ -141,6 +144,7 @@ class CommLog:
         """Start a new counting window (the trainer calls this at the start of each step)."""
         self.bytes.clear()
         self.calls.clear()
+        self.wait_s = 0.0
 
     def snapshot(self) -> dict[str, int]:
         """Bytes per axis since the last reset, as a plain dict (for metrics)."""
@@ -164,6 +168,26 @@ class _Works:
         return True
 
 
+class _TimedWork:
+    """An async work handle whose ``wait()`` adds its time to the log's ``wait_s``."""
+
+    __slots__ = ("work", "log")
+
+    def __init__(self, work, log: CommLog):
+        self.work, self.log = work, log
+
+    def wait(self, *args, **kwargs):
+        """Wait for the work, timed."""
+        start = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            self.log.wait_s += time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
 class CountedComm:
     """Collectives over one axis's process group, counted into a :class:`CommLog`.
 
@@ -175,6 +199,7 @@ class CountedComm:
         self.group = group
         self.size = size
         self.log = log
+        self._started = 0.0
         self.shared_memory = None
         """A :class:`~meshtrain.parallel.shared_memory.SharedMemoryReducer` attached by
         :meth:`~meshtrain.parallel.shared_memory.SharedMemoryReducer.connect`, or None."""
@@ -191,7 +216,9 @@ class CountedComm:
                full_bytes: int, shared: bool = False) -> CollectiveRecord | None:
         """Record a collective about to be issued (after the debug check, if on); None when a
         test-only injected fault says to skip it (:mod:`meshtrain.faults`). Unless it is itself
-        a shared-memory reduction (``shared``), shared-memory reductions in flight finish first."""
+        a shared-memory reduction (``shared``), shared-memory reductions in flight finish first.
+        A blocking call's time from here until :meth:`_issued` counts as waiting (``wait_s``)."""
+        self._started = time.perf_counter()
         if self.shared_memory is not None and (not shared or self.log.debug):
             self.shared_memory.wait_all()
         if faults.active() and faults.skip_collective(self.log.step, self.axis):
@@ -200,10 +227,14 @@ class CountedComm:
             self._check_same_call(op, tuple(shape), str(dtype))
         return self.log.record(self.axis, op, shape, dtype, full_bytes, self.size)
 
-    @staticmethod
-    def _issued(entry: CollectiveRecord, work, async_op: bool):
-        """Mark a blocking call done (async completion is not tracked); pass ``work`` through."""
-        entry.done = None if async_op else True
+    def _issued(self, entry: CollectiveRecord, work, async_op: bool):
+        """Mark a blocking call done and count its time as waiting; an async call's ``work``
+        comes back wrapped so that its ``wait()`` is counted (its completion is not tracked)."""
+        if async_op:
+            entry.done = None
+            return None if work is None else _TimedWork(work, self.log)
+        entry.done = True
+        self.log.wait_s += time.perf_counter() - self._started
         return work
 
     def shares(self, tensor: torch.Tensor) -> bool:
@@ -363,7 +394,7 @@ class CountedComm:
             other = dist.get_global_rank(self.group, peer)
             entry = self.log.record(self.axis, op, tensor.shape, tensor.dtype,
                                     self._nbytes(tensor), 2, peer=other)
-            self._issued(entry, None, True)
+            entry.done = None
             p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
                                   group=self.group, tag=tag))
-        return dist.batch_isend_irecv(p2p) if p2p else []
+        return [_TimedWork(work, self.log) for work in dist.batch_isend_irecv(p2p)] if p2p else []

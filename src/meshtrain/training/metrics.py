@@ -6,6 +6,9 @@ energy_source``: the job's joules (all ranks) of the step, their running total a
 ``estimate`` (:mod:`meshtrain.training.energy`). ``mfu`` is null where the device's peak
 FLOP/s is unknown: it is never guessed. ``mem.peak_bytes`` is ``torch.cuda.max_memory_allocated``
 on CUDA and the process's peak resident set size (the kernel's ``VmHWM``) on CPU.
+``compute_s`` and ``wait_s`` split rank 0's step time into work and time in collectives;
+``straggler`` is ``{rank, excess_s, factor}``, the rank whose compute most exceeded the other
+ranks' median, or null for one process (:mod:`meshtrain.training.straggler`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ gradient of the global mean loss, whatever the layout or micro-batching.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
-from meshtrain.errors import NonFiniteError
+from meshtrain.errors import NonFiniteError, RunFailure
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
 from meshtrain.parallel import (
@@ -33,7 +34,7 @@ from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_sum
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
-from meshtrain.training import timing
+from meshtrain.training import straggler, timing
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
@@ -46,6 +47,7 @@ from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.prefetch import BatchPrefetcher
+from meshtrain.training.straggler import StragglerDetector
 from meshtrain.training.tokenizer import load_tokenizer
 from meshtrain.training.train_data import TrainData
 
@@ -104,6 +106,15 @@ class Trainer:
         self.run_dir = Path(train.run_dir)
         self.energy = EnergyMeter(self.device, torch.get_num_threads())
         self.energy_total_j = 0.0
+        self.stop_signals = None
+        """A :class:`~meshtrain.preemption.StopSignals` whose first signal stops the run after
+        the current step, with a checkpoint (the worker sets it); None = no signal handling."""
+        self.stop_signal = 0
+        """The signal some rank received, as all ranks agreed at the end of the last step."""
+        self.preempted: dict | None = None
+        """Set when :meth:`fit` stopped on a signal: ``{"step", "signal", "checkpoint"}``."""
+        self.stragglers = StragglerDetector(train.straggler_factor, train.straggler_steps,
+                                            verbose=mesh.is_logging_rank)
 
     def _build_pipeline(self) -> PipelineExecutor | None:
         stages = pipeline_stages(self.model)
@@ -258,7 +269,11 @@ class Trainer:
         self.mesh.comm_log.begin_step(self.step + 1)
         start = timing.stamp(self.device)
         batches, local_tokens = self.batches.next_step()
+        began, waited = time.perf_counter(), self.mesh.comm_log.wait_s
         result = self.compute_gradients(batches, local_tokens)
+        if faults.active():  # an injected straggler: its compute, outside collectives, slowed
+            faults.slow_down(self.step + 1, time.perf_counter() - began
+                             - (self.mesh.comm_log.wait_s - waited))
         self.batches.prefetch()  # next step's batch: host work and copies overlap this step
         global_tokens = result["global_tokens"]
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
@@ -299,6 +314,12 @@ class Trainer:
             check_replicas_in_sync(self.engine)
         elapsed = timing.elapsed(start, timing.stamp(self.device))  # waits for the step's work
         self.step += 1
+        # One small all-gather over the world: every rank's compute and wait seconds and the
+        # stop signal it received, so that every rank stops after the same step.
+        wait_s = min(self.mesh.comm_log.wait_s, elapsed)  # host waits, device step time on CUDA
+        received = self.stop_signals.received if self.stop_signals is not None else 0
+        table = straggler.exchange(self.mesh, elapsed - wait_s, wait_s, received)
+        self.stop_signal = straggler.stop_signal_of(table)
         tokens = int(global_tokens)
         record = {
             "step": self.step,
@@ -316,6 +337,9 @@ class Trainer:
             "energy_j": energy_j,
             "energy_total_j": self.energy_total_j,
             "energy_source": self.energy.source,
+            "compute_s": elapsed - wait_s,
+            "wait_s": wait_s,
+            "straggler": self.stragglers.observe(self.step, table[:, 0].tolist()),
         }
         if self.peak_flops:
             record["mfu"] = (tokens * self.flops_per_token / elapsed
@@ -385,11 +409,15 @@ class Trainer:
             while self.step < train.steps:
                 record = self.train_step()
                 history.append(record)
+                stopping = bool(self.stop_signal) and self.step < train.steps
                 if writer is not None and (record["step"] % train.log_every == 0
-                                           or record["step"] == train.steps):
+                                           or record["step"] == train.steps or stopping):
                     writer.log(record)
                 if every and (self.step % every == 0 or self.step == train.steps):
                     self.save_checkpoint()
+                if stopping:
+                    self._save_on_signal()
+                    return history
         finally:
             if writer is not None:
                 writer.close()
@@ -405,6 +433,22 @@ class Trainer:
                           "the default clocks", flush=True)
         self.save_final()
         return history
+
+    def _save_on_signal(self) -> None:
+        """Every rank agreed to stop after this step on a signal: checkpoint it (whatever
+        ``checkpoint.every`` says) and record it in :attr:`preempted`."""
+        from meshtrain.checkpoint.manager import checkpoint_root
+        from meshtrain.preemption import signal_name
+
+        name = signal_name(self.stop_signal)
+        try:
+            path = self.save_checkpoint_path()
+        except OSError as error:
+            raise RunFailure(f"{name} received: stopping after step {self.step}, but its "
+                             f"checkpoint could not be written to "
+                             f"{checkpoint_root(self.config)}: {error}. Nothing was "
+                             f"saved; set checkpoint.dir to a writable directory.") from None
+        self.preempted = {"step": self.step, "signal": name, "checkpoint": str(path)}
 
     def save_final(self) -> Path | None:
         """Write the final weights to ``RUN_DIR/final`` (a collective: every rank takes part):
