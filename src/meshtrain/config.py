@@ -88,7 +88,13 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_shared_experts: int = 0
     moe_capacity_factor: float = 0.0
-    """Tokens an expert accepts, as a multiple of its fair share; 0 = dropless."""
+    """Tokens an expert accepts, as a multiple of its fair share of a routing group; 0 =
+    dropless."""
+    moe_capacity_group: int = 0
+    """Tokens of one routing group, over which capacity is decided: that many consecutive
+    positions of one sequence (0 = the whole sequence, ``train.seq_len``). Must divide
+    ``train.seq_len`` (under context parallelism ``seq_len / (2 cp)``), so every layout sees the
+    same groups and drops the same assignments."""
     moe_balance: str = "aux-loss"
     moe_aux_coef: float = 0.01
     moe_bias_rate: float = 0.001

@@ -131,6 +131,19 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         _at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
         _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
         _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
+        _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
+
+
+def _check_capacity_group(group: int, seq_len: int) -> None:
+    """A routing group is consecutive positions of one sequence: it must divide seq_len."""
+    _at_least(group, 0, "model.moe_capacity_group")
+    if group and seq_len % group:
+        valid = ", ".join(map(str, _divisors(seq_len)))
+        raise ConfigError(
+            f"model.moe_capacity_group = {group} does not divide train.seq_len = {seq_len}: a "
+            f"routing group is that many consecutive positions of one sequence (a group spanning "
+            f"sequences would depend on which sequences share a micro-batch). Valid: 0 (the whole "
+            f"sequence) or a divisor of seq_len: {valid}.")
 
 
 def _rope_number(scaling: dict, name: str, minimum: float, strict: bool) -> None:
@@ -241,12 +254,17 @@ def validate_context_parallel(config: Config) -> None:
         raise ConfigError(
             f"train.seq_len = {seq} is not divisible by {what}: each context-parallel rank holds "
             f"two of the 2 × cp equal chunks of every sequence; {hint}.")
-    if m.moe_experts and m.moe_capacity_factor > 0:
+    chunk = seq // (2 * cp)
+    group = m.moe_capacity_group
+    if m.moe_experts and m.moe_capacity_factor > 0 and (not group or chunk % group):
+        valid = ", ".join(map(str, _divisors(chunk)))
+        now = f"{group}" if group else "0 = the whole sequence"
         raise ConfigError(
-            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} is not "
-            "supported: which tokens an expert drops depends on the whole sequence's order, which "
-            "no context-parallel rank sees. Use model.moe_capacity_factor = 0 (dropless) or "
-            "parallel.cp = 1.")
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} needs "
+            f"routing groups inside one context-parallel chunk of seq_len / (2 × cp) = {chunk} "
+            f"tokens (model.moe_capacity_group = {now}); set model.moe_capacity_group to a "
+            f"divisor of {chunk}: {valid}, or use "
+            f"model.moe_capacity_factor = 0 (dropless) or parallel.cp = 1.")
 
 
 def validate_expert_parallel(config: Config, dp: int) -> None:
