@@ -343,12 +343,9 @@ def validate_pipeline(config: Config) -> None:
     schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
     vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
     stage_layers(m, vocab, schedule.num_stages, par.pp_split)
-    unsupported = [(m.tie_embeddings, "model.tie_embeddings = true"),
-                   (par.zero == 3, "parallel.zero = 3")]
-    for flag, what in unsupported:
-        if flag:
-            raise ConfigError(f"{what} with parallel.pp > 1 is not implemented yet; use pp = 1 "
-                              f"or change {what.split(' ')[0]}.")
+    if par.zero == 3:
+        raise ConfigError("parallel.zero = 3 with parallel.pp > 1 is not implemented yet; use "
+                          "pp = 1 or parallel.zero <= 2.")
 
 
 def validate_train(config: Config) -> None:
