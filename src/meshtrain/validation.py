@@ -132,6 +132,39 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
         _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
         _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
+        _check_moe_layers_and_groups(m)
+
+
+def _check_moe_layers_and_groups(m) -> None:
+    """Dense first blocks leave at least one MoE block; expert groups split the experts evenly
+    and the chosen groups hold at least top_k experts."""
+    _at_least(m.moe_first_dense, 0, "model.moe_first_dense")
+    if m.first_moe_layer < 0:
+        raise ConfigError(
+            f"model.moe_first_dense = {m.moe_first_dense} with model.moe_every = {m.moe_every} "
+            f"leaves no MoE block among the {m.n_layers} layers; use moe_first_dense < "
+            f"{m.n_layers} with a later block a multiple of moe_every, or model.moe_experts = 0 "
+            f"for a dense model.")
+    _at_least(m.moe_groups, 0, "model.moe_groups")
+    _at_least(m.moe_max_groups, 0, "model.moe_max_groups")
+    if m.moe_groups and m.moe_experts % m.moe_groups:
+        valid = ", ".join(map(str, _divisors(m.moe_experts)))
+        raise ConfigError(f"model.moe_groups = {m.moe_groups} does not divide model.moe_experts "
+                          f"= {m.moe_experts}; valid: 0 (no groups) or {valid}.")
+    if m.moe_max_groups and not m.moe_groups:
+        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} needs expert groups: set "
+                          f"model.moe_groups to a divisor of moe_experts = {m.moe_experts} "
+                          f"(e.g. parallel.ep), or moe_max_groups = 0.")
+    if m.moe_max_groups > m.moe_groups:
+        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} is more than "
+                          f"model.moe_groups = {m.moe_groups}; valid: 0 (every group) to "
+                          f"{m.moe_groups}.")
+    if m.moe_max_groups and m.moe_max_groups * (m.moe_experts // m.moe_groups) < m.moe_top_k:
+        least = -(-m.moe_top_k // (m.moe_experts // m.moe_groups))
+        raise ConfigError(
+            f"model.moe_max_groups = {m.moe_max_groups} groups of "
+            f"{m.moe_experts // m.moe_groups} experts hold fewer than model.moe_top_k = "
+            f"{m.moe_top_k} experts; use moe_max_groups >= {least}.")
 
 
 def _check_capacity_group(group: int, seq_len: int) -> None:

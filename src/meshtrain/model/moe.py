@@ -19,6 +19,13 @@ sequence chunks (validation checks that ``G`` divides ``seq_len / (2 cp)``). A f
 sequence is not a multiple of ``G`` long (generation) gives its last group a capacity from its
 own size. ``0`` = dropless.
 
+Node-limited routing (``moe_groups``, ``moe_max_groups``; DeepSeek-V3): the experts, in id
+order, form ``moe_groups`` equal groups; each token first keeps the ``moe_max_groups`` groups whose
+two best selection scores sum highest, then takes its top-k among their experts only. With
+``parallel.ep = moe_groups`` a group is one ep rank's experts, so a token's assignments go to at
+most ``moe_max_groups`` ep ranks. The groups are part of the model, not of the layout: every
+layout routes alike. Dense first blocks (``moe_first_dense``) are plain feed-forward blocks.
+
 Load balancing (``config.moe_balance``):
 
 * ``"aux-loss"``: the Switch-Transformer auxiliary loss ``coef * E * sum_i f_i * P_i`` is stored
@@ -119,6 +126,8 @@ class MoE(nn.Module):
         self.bias_rate = config.moe_bias_rate
         self.capacity_factor = config.moe_capacity_factor
         self.capacity_group = config.moe_capacity_group
+        self.num_groups = config.moe_groups
+        self.max_groups = config.moe_max_groups if config.moe_max_groups < config.moe_groups else 0
         hidden = config.expert_ffn_dim
         self.router = nn.Linear(config.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, config.dim, hidden, config.mlp)
@@ -169,6 +178,9 @@ class MoE(nn.Module):
         ``top_k > 1``; with softmax and ``top_k == 1`` the gate is the raw probability (Switch
         Transformer), which is what gives the router its gradient.
 
+        With node-limited routing (``moe_max_groups``) the selection is restricted to each
+        token's best groups first (:meth:`limit_to_groups`).
+
         Returns ``indices`` [T, k] (long), ``weights`` [T, k] (fp32) and a stats dict with
         ``tokens_per_expert`` [E] and ``aux_loss`` (scalar).
         """
@@ -178,6 +190,8 @@ class MoE(nn.Module):
         else:
             scores = torch.softmax(logits, dim=-1)
         biased = scores.detach() + self.expert_bias.float()
+        if self.max_groups:
+            biased = self.limit_to_groups(biased)
         indices = torch.topk(biased, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
         if self.score_func == "sigmoid" or self.top_k > 1:
@@ -188,6 +202,20 @@ class MoE(nn.Module):
             "aux_loss": self.aux_loss(scores, tokens_per_expert),
         }
         return indices, weights, stats
+
+    def limit_to_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """Node-limited routing (DeepSeek-V3): the ``E`` experts form ``moe_groups`` groups of
+        consecutive ids; each token keeps the ``moe_max_groups`` groups with the largest sum of
+        their two best selection scores ``biased`` [T, E] (one score when a group has one
+        expert), and the experts of the other groups become unselectable (``-inf``)."""
+        tokens = biased.shape[0]
+        per_group = self.num_experts // self.num_groups
+        grouped = biased.view(tokens, self.num_groups, per_group)
+        best = torch.topk(grouped, min(2, per_group), dim=-1).values.sum(dim=-1)
+        chosen = torch.topk(best, self.max_groups, dim=-1).indices
+        keep = torch.zeros(tokens, self.num_groups, dtype=torch.bool, device=biased.device)
+        keep.scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
 
     def aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Switch-Transformer balance loss ``coef * E * sum_i f_i * P_i`` (0 unless aux-loss).
