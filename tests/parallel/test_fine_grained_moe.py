@@ -24,6 +24,10 @@ def test_node_limited_routing_and_dense_first_block_at_dp2_ep2():
                     "model.moe_groups=2", "model.moe_max_groups=1", "model.moe_first_dense=1",
                     "model.n_layers=3", "parallel.ep=2", nproc=2),
         tiny_config(*DEEPSEEK, "parallel.ep=2", "parallel.microbatches=2", nproc=2),
+        # many small experts, top-8 from at most 4 of 8 groups (DeepSeek-V3's ratios)
+        tiny_config(*DEEPSEEK, "model.moe_experts=64", "model.moe_top_k=8",
+                    "model.moe_ffn_dim=4", "model.moe_groups=8", "model.moe_max_groups=4",
+                    "parallel.ep=2", nproc=2),
     ]
     results = assert_layouts_match_one_process(2, cases, STEPS)
     # the first block is dense: only layers 1.. report MoE load

@@ -5,6 +5,8 @@ which counts the matrix once)."""
 
 from __future__ import annotations
 
+import torch
+
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
 STEPS = 3
@@ -64,7 +66,6 @@ def test_tied_checkpoint_and_final_weights_hold_the_matrix_once(tmp_path):
     import shutil
 
     import pytest
-    import torch
 
     from meshtrain.checkpoint import iter_weights, read_checkpoint_tensors
     from meshtrain.verify import LOSS_TOLERANCE_FP32
@@ -123,3 +124,27 @@ def test_tied_groups_join_the_ranks_of_the_first_and_last_stage():
     # rank = (pp_rank * dp + dp_rank) * tp + tp_rank
     assert tied(0) == [0, 12] and tied(13) == [1, 13] and tied(6) == [6]
     assert ParallelMesh(dp=2, pp=2, rank=1).group_ranks("tied") == [1]  # untied: alone
+
+
+def embedding_after(config_dict: dict, steps: int):
+    """This rank's copy of the tied matrix after ``steps`` steps (None where there is none)."""
+    from meshtrain.config import Config
+    from meshtrain.training.trainer import Trainer
+    from meshtrain.worker import build_mesh
+
+    config = Config.from_dict(config_dict)
+    trainer = Trainer(config, build_mesh(config))
+    for _ in range(steps):
+        trainer.train_step()
+    embedding = trainer.model.tok_embeddings
+    return None if embedding is None else embedding.weight.detach().clone()
+
+
+def test_the_two_copies_stay_bitwise_equal():
+    from tests.distributed import run_distributed
+
+    config = tiny_config(*TIED, "parallel.pp=2", "parallel.dp=2", "parallel.zero=1", nproc=4)
+    copies = run_distributed(4, embedding_after, config.to_dict(), STEPS)
+    # rank = pp_rank * dp + dp_rank: ranks 0, 1 hold the first stage, 2, 3 the last
+    assert all(c is not None for c in copies)
+    assert all(torch.equal(copies[0], c) for c in copies[1:])
