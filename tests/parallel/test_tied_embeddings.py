@@ -21,7 +21,7 @@ def test_tied_pp2_every_schedule():
     assert_layouts_match_one_process(2, cases, STEPS)
 
 
-def test_tied_pp2_with_tp2_and_zero_and_pp4():
+def test_tied_pp2_with_tp2_zero_cp_ep_and_pp4():
     cases = [
         tiny_config(*TIED, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                     nproc=4),
@@ -31,6 +31,10 @@ def test_tied_pp2_with_tp2_and_zero_and_pp4():
         tiny_config(*TIED, "parallel.pp=4", nproc=4),
         tiny_config(*TIED, "parallel.pp=4", "parallel.pp_schedule=interleaved-1f1b",
                     "parallel.virtual_stages=2", "model.n_layers=8", nproc=4),
+        tiny_config(*TIED, "parallel.pp=2", "parallel.cp=2", nproc=4),
+        tiny_config(*TIED, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                    "model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=16",
+                    "model.moe_balance=bias", nproc=4),
     ]
     assert_layouts_match_one_process(4, cases, STEPS)
 
