@@ -88,7 +88,13 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_shared_experts: int = 0
     moe_capacity_factor: float = 0.0
-    """Tokens an expert accepts, as a multiple of its fair share; 0 = dropless."""
+    """Tokens an expert accepts, as a multiple of its fair share of a routing group; 0 =
+    dropless."""
+    moe_capacity_group: int = 0
+    """Tokens of one routing group, over which capacity is decided: that many consecutive
+    positions of one sequence (0 = the whole sequence, ``train.seq_len``). Must divide
+    ``train.seq_len`` (under context parallelism ``seq_len / (2 cp)``), so every layout sees the
+    same groups and drops the same assignments."""
     moe_balance: str = "aux-loss"
     moe_aux_coef: float = 0.01
     moe_bias_rate: float = 0.001
@@ -96,6 +102,16 @@ class ModelConfig:
     moe_score: str = "softmax"
     moe_every: int = 1
     """Every k-th block (counting from block k-1) is an MoE block; the rest are dense."""
+    moe_first_dense: int = 0
+    """The first k blocks are dense whatever ``moe_every`` says (DeepSeek-V3's
+    ``first_k_dense_replace``)."""
+    moe_groups: int = 0
+    """Expert groups for node-limited routing: the experts, in id order, form this many equal
+    groups (0 = no groups). With ``parallel.ep`` equal to it, a group is one ep rank's experts."""
+    moe_max_groups: int = 0
+    """Node-limited routing (DeepSeek-V3): each token picks its experts from at most this many
+    of the ``moe_groups`` groups, those with the largest sum of their two best (biased)
+    scores; 0 = every group."""
     moe_ffn_dim: int = 0
     """Hidden size of each expert; 0 = ffn_dim."""
 
@@ -122,7 +138,13 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) holds an MoE feed-forward instead of a dense one."""
-        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+        return (self.moe_experts > 0 and layer >= self.moe_first_dense
+                and (layer + 1) % self.moe_every == 0)
+
+    @property
+    def first_moe_layer(self) -> int:
+        """The first MoE block's index (-1 for a dense model)."""
+        return next((i for i in range(self.n_layers) if self.is_moe_layer(i)), -1)
 
 
 @dataclass

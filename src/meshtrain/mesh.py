@@ -17,6 +17,11 @@ dp ranks form an expert group, and the ``dp / ep`` ranks holding the same expert
 ``edp`` group (expert-data-parallel); expert gradients are reduced over ``edp_cp``
 (``edp`` × ``cp``).
 
+A tied embedding (``model.tie_embeddings``) under pipeline parallelism is held by the pipeline
+ranks of the first and of the last stage (``tied_pp_ranks``, from the schedule): the ``tied``
+group joins them for every (dp, cp, tp) coordinate, and its all-reduce sums the two stages'
+gradients of the shared matrix (counted as ``pp`` traffic). Every other rank is a group of one.
+
 The mesh owns every process group (none are module-level globals), the counted collectives of
 each axis (:mod:`meshtrain.parallel.comm`), and the per-axis random-number streams.
 """
@@ -32,9 +37,10 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 
-COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp"}
+COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp"}
 """Groups whose collectives are counted under another axis's name in ``comm_bytes``: gradient
-reduction over dp × cp is data-parallel traffic (``cp`` counts only the key/value exchange)."""
+reduction over dp × cp is data-parallel traffic (``cp`` counts only the key/value exchange); the
+tied embedding's gradient sum between the first and last stage is pipeline traffic."""
 
 STARTUP_TIMEOUT_S = 60.0
 """Least time to wait for every worker to join, whatever ``train.collective_timeout_s`` is."""
@@ -45,9 +51,11 @@ class ParallelMesh:
 
     def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                  rank: int = 0, device: torch.device | str = "cpu", seed: int = 0,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, tied_pp_ranks: Iterable[int] = ()):
         """``timeout_s`` bounds every collective of the axis groups (``train.collective_timeout_s``;
-        None = torch's default). Sub-groups do not inherit the world group's timeout."""
+        None = torch's default). Sub-groups do not inherit the world group's timeout.
+        ``tied_pp_ranks``: the pipeline ranks holding a tied embedding (those of the first and
+        the last stage; empty = none), which form the ``tied`` groups."""
         if ep < 1 or dp % ep:
             raise ValueError(f"ep = {ep} must divide dp = {dp}")
         if cp < 1:
@@ -57,6 +65,9 @@ class ParallelMesh:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
+        self.tied_pp_ranks = tuple(sorted(set(tied_pp_ranks)))
+        if any(not 0 <= p < pp for p in self.tied_pp_ranks):
+            raise ValueError(f"tied_pp_ranks {self.tied_pp_ranks} outside pp = {pp}")
         self.device = torch.device(device)
         self.seed = seed
         self.timeout_s = timeout_s
@@ -88,16 +99,17 @@ class ParallelMesh:
     @classmethod
     def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                          seed: int = 0, device: torch.device | str = "cpu",
-                         timeout_s: float | None = None) -> ParallelMesh:
+                         timeout_s: float | None = None,
+                         tied_pp_ranks: Iterable[int] = ()) -> ParallelMesh:
         """Build the mesh for this process; the default process group must already exist
-        when the world has more than one rank."""
+        when the world has more than one rank. ``tied_pp_ranks``: see the constructor."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != dp * cp * tp * pp:
             raise ValueError(f"world size {world} != dp × cp × tp × pp = "
                              f"{dp} × {cp} × {tp} × {pp}")
         return cls(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, seed=seed,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, tied_pp_ranks=tied_pp_ranks)
 
     def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """Global rank of the process at the given coordinates."""
@@ -127,6 +139,11 @@ class ParallelMesh:
             "edp_cp": [[r(p, e + k * ep, t, c) for k in range(dp // ep) for c in range(cp)]
                        for p in range(pp) for t in range(tp) for e in range(ep)],
         }
+        tied = self.tied_pp_ranks
+        groups["tied"] = [[r(p, d, t, c) for p in tied]
+                          for d in range(dp) for c in range(cp) for t in range(tp)] if tied else []
+        groups["tied"] += [[r(p, d, t, c)] for p in range(pp) if p not in tied
+                           for d in range(dp) for c in range(cp) for t in range(tp)]
         return groups
 
     def _build_groups(self) -> None:
@@ -141,13 +158,16 @@ class ParallelMesh:
             self._group_ranks[axis] = mine
             self._groups[axis] = None
             key = tuple(map(tuple, member_lists))
-            if not distributed or len(mine) == 1:
+            if not distributed or all(len(m) == 1 for m in member_lists):
                 continue
             if key in built:  # e.g. edp == dp when ep == 1: reuse, don't create twice
                 self._groups[axis] = built[key]
                 continue
-            # new_group is collective over the whole world: every rank creates every group.
+            # new_group is collective over the whole world: every rank creates every group
+            # (groups of one rank, e.g. the middle stages' tied group, are not created).
             for members in member_lists:
+                if len(members) == 1:
+                    continue
                 group = dist.new_group(members, timeout=timeout)
                 if self.rank in members:
                     self._groups[axis] = built[key] = group

@@ -131,6 +131,52 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         _at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
         _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
         _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
+        _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
+        _check_moe_layers_and_groups(m)
+
+
+def _check_moe_layers_and_groups(m) -> None:
+    """Dense first blocks leave at least one MoE block; expert groups split the experts evenly
+    and the chosen groups hold at least top_k experts."""
+    _at_least(m.moe_first_dense, 0, "model.moe_first_dense")
+    if m.first_moe_layer < 0:
+        raise ConfigError(
+            f"model.moe_first_dense = {m.moe_first_dense} with model.moe_every = {m.moe_every} "
+            f"leaves no MoE block among the {m.n_layers} layers; use moe_first_dense < "
+            f"{m.n_layers} with a later block a multiple of moe_every, or model.moe_experts = 0 "
+            f"for a dense model.")
+    _at_least(m.moe_groups, 0, "model.moe_groups")
+    _at_least(m.moe_max_groups, 0, "model.moe_max_groups")
+    if m.moe_groups and m.moe_experts % m.moe_groups:
+        valid = ", ".join(map(str, _divisors(m.moe_experts)))
+        raise ConfigError(f"model.moe_groups = {m.moe_groups} does not divide model.moe_experts "
+                          f"= {m.moe_experts}; valid: 0 (no groups) or {valid}.")
+    if m.moe_max_groups and not m.moe_groups:
+        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} needs expert groups: set "
+                          f"model.moe_groups to a divisor of moe_experts = {m.moe_experts} "
+                          f"(e.g. parallel.ep), or moe_max_groups = 0.")
+    if m.moe_max_groups > m.moe_groups:
+        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} is more than "
+                          f"model.moe_groups = {m.moe_groups}; valid: 0 (every group) to "
+                          f"{m.moe_groups}.")
+    if m.moe_max_groups and m.moe_max_groups * (m.moe_experts // m.moe_groups) < m.moe_top_k:
+        least = -(-m.moe_top_k // (m.moe_experts // m.moe_groups))
+        raise ConfigError(
+            f"model.moe_max_groups = {m.moe_max_groups} groups of "
+            f"{m.moe_experts // m.moe_groups} experts hold fewer than model.moe_top_k = "
+            f"{m.moe_top_k} experts; use moe_max_groups >= {least}.")
+
+
+def _check_capacity_group(group: int, seq_len: int) -> None:
+    """A routing group is consecutive positions of one sequence: it must divide seq_len."""
+    _at_least(group, 0, "model.moe_capacity_group")
+    if group and seq_len % group:
+        valid = ", ".join(map(str, _divisors(seq_len)))
+        raise ConfigError(
+            f"model.moe_capacity_group = {group} does not divide train.seq_len = {seq_len}: a "
+            f"routing group is that many consecutive positions of one sequence (a group spanning "
+            f"sequences would depend on which sequences share a micro-batch). Valid: 0 (the whole "
+            f"sequence) or a divisor of seq_len: {valid}.")
 
 
 def _rope_number(scaling: dict, name: str, minimum: float, strict: bool) -> None:
@@ -241,12 +287,17 @@ def validate_context_parallel(config: Config) -> None:
         raise ConfigError(
             f"train.seq_len = {seq} is not divisible by {what}: each context-parallel rank holds "
             f"two of the 2 × cp equal chunks of every sequence; {hint}.")
-    if m.moe_experts and m.moe_capacity_factor > 0:
+    chunk = seq // (2 * cp)
+    group = m.moe_capacity_group
+    if m.moe_experts and m.moe_capacity_factor > 0 and (not group or chunk % group):
+        valid = ", ".join(map(str, _divisors(chunk)))
+        now = f"{group}" if group else "0 = the whole sequence"
         raise ConfigError(
-            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} is not "
-            "supported: which tokens an expert drops depends on the whole sequence's order, which "
-            "no context-parallel rank sees. Use model.moe_capacity_factor = 0 (dropless) or "
-            "parallel.cp = 1.")
+            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} needs "
+            f"routing groups inside one context-parallel chunk of seq_len / (2 × cp) = {chunk} "
+            f"tokens (model.moe_capacity_group = {now}); set model.moe_capacity_group to a "
+            f"divisor of {chunk}: {valid}, or use "
+            f"model.moe_capacity_factor = 0 (dropless) or parallel.cp = 1.")
 
 
 def validate_expert_parallel(config: Config, dp: int) -> None:
@@ -325,12 +376,9 @@ def validate_pipeline(config: Config) -> None:
     schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
     vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
     stage_layers(m, vocab, schedule.num_stages, par.pp_split)
-    unsupported = [(m.tie_embeddings, "model.tie_embeddings = true"),
-                   (par.zero == 3, "parallel.zero = 3")]
-    for flag, what in unsupported:
-        if flag:
-            raise ConfigError(f"{what} with parallel.pp > 1 is not implemented yet; use pp = 1 "
-                              f"or change {what.split(' ')[0]}.")
+    if par.zero == 3:
+        raise ConfigError("parallel.zero = 3 with parallel.pp > 1 is not implemented yet; use "
+                          "pp = 1 or parallel.zero <= 2.")
 
 
 def validate_train(config: Config) -> None:

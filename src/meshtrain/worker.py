@@ -51,10 +51,17 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
                 f"another MASTER_PORT.") from None
         raise
     par = config.parallel
+    tied: tuple[int, ...] = ()
+    if config.model.tie_embeddings and par.pp > 1:  # the first and last stage share the matrix
+        from meshtrain.parallel.pipeline import build_schedule
+
+        tied = build_schedule(par.pp_schedule, par.pp, par.microbatches,
+                              par.virtual_stages).embedding_ranks
     return ParallelMesh.from_environment(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep,
                                          cp=par.cp,
                                          seed=config.train.seed, device=device,
-                                         timeout_s=config.train.collective_timeout_s)
+                                         timeout_s=config.train.collective_timeout_s,
+                                         tied_pp_ranks=tied)
 
 
 def _run_task(config: Config, mesh: ParallelMesh, task: str,

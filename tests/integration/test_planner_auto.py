@@ -43,15 +43,15 @@ def test_train_auto_runs_the_chosen_layout(tmp_path):
 
 
 def test_auto_uses_the_given_profile_and_only_valid_layouts(tmp_path, capsys):
-    """``parallel.auto_profile`` is used; layouts the runtime refuses (pp with tied embeddings)
-    are never chosen, and the choice passes the full validation."""
+    """``parallel.auto_profile`` is used; layouts the runtime refuses (tp not dividing the
+    vocabulary of 265 rows) are never chosen, and the choice passes the full validation."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(BUILTIN_CPU.to_dict()))
-    config = load_config(None, TINY + ["parallel.auto=true", "model.tie_embeddings=true",
+    config = load_config(None, TINY + ["parallel.auto=true", "model.vocab_size=265",
                                        f"parallel.auto_profile={profile}"])
     assert choose_layout(config, 4) == 4
     par = config.parallel
-    assert par.pp == 1 and par.dp * par.tp == 4
+    assert par.tp == 1 and par.dp * par.pp == 4
     assert validate_config(config, 4) == 4
     err = capsys.readouterr().err
     assert f"from parallel.auto_profile {profile}" in err and f"dp={par.dp} tp={par.tp}" in err

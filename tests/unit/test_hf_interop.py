@@ -233,7 +233,8 @@ def test_mixtral_config_mapping_round_trips():
 
 @pytest.mark.parametrize("change", [dict(mlp="gelu"), dict(moe_shared_experts=1),
                                     dict(moe_score="sigmoid"), dict(moe_every=2),
-                                    dict(moe_top_k=1)])
+                                    dict(moe_top_k=1), dict(moe_first_dense=1),
+                                    dict(moe_groups=2, moe_max_groups=1)])
 def test_unexportable_models_are_refused(change):
     base = dict(vocab_size=64, dim=32, n_heads=4, moe_experts=4, moe_top_k=2)
     with pytest.raises(ConfigError, match="cannot export"):

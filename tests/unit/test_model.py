@@ -202,9 +202,11 @@ def test_moe_stats_capacity_and_aux_loss() -> None:
     assert x.grad is not None and moe.router.weight.grad is not None
 
     tight = build_model(dataclasses.replace(MOE, moe_capacity_factor=0.25)).layers["0"].moe
-    out = tight(moe_input())
-    assert tight.capacity(24) == 3
-    kept = tight.last_stats["tokens_per_expert"].clamp(max=3).sum()
+    x = moe_input()
+    out = tight(x)
+    assert tight.capacity(12) == 2  # per sequence of 12 tokens: ceil(0.25 * 12 * 2 / 4)
+    kept = sum(torch.bincount(tight.route(seq)[0].flatten(), minlength=4).clamp(max=2).sum()
+               for seq in x)
     assert tight.last_stats["dropped"].item() == 24 * 2 - kept.item() > 0
     assert torch.isfinite(out).all()
 
@@ -218,10 +220,44 @@ def test_capacity_drops_later_tokens() -> None:
     moe = build_model(config).layers["0"].moe
     with torch.no_grad():
         moe.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))  # everything goes to expert 0
-        x = moe_input(8)
-        out = moe(x).reshape(8, -1)
-    assert moe.capacity(8) == 1 and moe.last_stats["dropped"].item() == 7
-    assert out[0].abs().sum() > 0 and out[1:].abs().sum() == 0
+        x = moe_input(8)  # two sequences of 4 tokens: each a routing group of capacity 1
+        out = moe(x)
+    assert moe.capacity(4) == 1 and moe.last_stats["dropped"].item() == 6
+    assert (out[:, 0].abs().sum(-1) > 0).all() and out[:, 1:].abs().sum() == 0
+
+
+def test_capacity_is_decided_per_sequence_whatever_the_batching() -> None:
+    """Drops depend only on each sequence (or group of consecutive positions): a batch gives the
+    same outputs as its sequences one at a time, in any order."""
+    for group in (0, 3):
+        config = dataclasses.replace(MOE, moe_capacity_factor=1.0, moe_capacity_group=group)
+        moe = build_model(config).layers["0"].moe
+        x = torch.randn(4, 6, MOE.dim, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            whole = moe(x)
+            dropped = moe.last_stats["dropped"].item()
+            alone, alone_dropped = [], 0
+            for seq in x:
+                alone.append(moe(seq[None]))
+                alone_dropped += moe.last_stats["dropped"].item()
+            reversed_ = moe(x.flip(0)).flip(0)
+        assert dropped > 0 and dropped == alone_dropped
+        torch.testing.assert_close(whole, torch.cat(alone), rtol=0, atol=1e-6)
+        torch.testing.assert_close(whole, reversed_, rtol=0, atol=1e-6)
+
+
+def test_capacity_groups_keep_the_first_positions() -> None:
+    """Groups of 2 positions, one expert for all (top-1), capacity 1: the first position of every
+    group is kept, the second dropped; a shorter forward's last group has its own capacity."""
+    config = dataclasses.replace(MOE, moe_top_k=1, moe_capacity_factor=2.0, moe_capacity_group=2)
+    moe = build_model(config).layers["0"].moe
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([10.0, 0.0, 0.0, 0.0]))
+        assert moe.capacity(2) == 1
+        out = moe(torch.randn(2, 5, MOE.dim))  # groups {0,1} {2,3} {4}
+    assert moe.last_stats["dropped"].item() == 4
+    kept = out.abs().sum(-1) > 0
+    assert kept.tolist() == [[True, False, True, False, True]] * 2
 
 
 def test_update_bias_favours_underloaded_experts() -> None:

@@ -149,3 +149,43 @@ def test_example_configs_are_valid(path):
     from meshtrain.config import load_config
 
     assert validate_config(load_config(path)) >= 1
+
+
+def test_node_limited_routing_keeps_the_best_groups():
+    """8 experts in 4 groups of 2, at most 2 groups per token: the groups with the largest sum
+    of their two scores are kept, and the top-k comes from them only."""
+    moe = _moe(moe_experts=8, moe_top_k=3, moe_groups=4, moe_max_groups=2)
+    biased = torch.tensor([[0.30, 0.01, 0.20, 0.19, 0.02, 0.03, 0.25, 0.00]])
+    # group sums: 0.31, 0.39, 0.05, 0.25 -> groups 1 and 0; the plain top-3 would take 6 (0.25)
+    limited = moe.limit_to_groups(biased)
+    assert torch.isinf(limited[0, 4:]).all() and torch.equal(limited[0, :4], biased[0, :4])
+    assert torch.topk(limited, 3).indices.tolist() == [[0, 2, 3]]
+    indices, weights, _ = moe.route(_tokens(64))
+    groups = indices // 2
+    assert all(len(set(row)) <= 2 for row in groups.tolist())
+    torch.testing.assert_close(weights.sum(-1), torch.ones(64))
+    unlimited = _moe(moe_experts=8, moe_top_k=3)
+    with torch.no_grad():
+        unlimited.router.weight.copy_(moe.router.weight)
+    free = unlimited.route(_tokens(64))[0] // 2
+    assert any(len(set(row)) > 2 for row in free.tolist())  # the limit does change routing
+
+
+def test_first_dense_blocks():
+    model = build_model(dataclasses.replace(CONFIG, n_layers=3, moe_first_dense=1))
+    assert not model.layers["0"].is_moe and model.layers["1"].is_moe and model.layers["2"].is_moe
+    assert hasattr(model.layers["0"], "feed_forward")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.moe_first_dense=2"], r"moe_first_dense = 2 with model.moe_every = 1 leaves no MoE "
+                                  r"block among the 2 layers"),
+    (["model.moe_groups=3"], r"moe_groups = 3 does not divide model.moe_experts = 4; valid: 0 "
+                             r"\(no groups\) or 1, 2, 4"),
+    (["model.moe_max_groups=1"], "moe_max_groups = 1 needs expert groups"),
+    (["model.moe_groups=2", "model.moe_max_groups=3"], "valid: 0 \\(every group\\) to 2"),
+    (["model.moe_groups=4", "model.moe_max_groups=1"], "use moe_max_groups >= 2"),
+])
+def test_bad_fine_grained_moe_configs(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        tiny_config("model.moe_experts=4", *overrides)

@@ -215,6 +215,11 @@ def check_exportable(config: ModelConfig, origin: str = "model") -> str:
     if config.moe_every != 1:
         problems.append(f"moe_every = {config.moe_every} (Mixtral has an MoE block in every "
                         "layer)")
+    if config.moe_first_dense:
+        problems.append(f"moe_first_dense = {config.moe_first_dense} (Mixtral has no dense "
+                        "blocks)")
+    if config.moe_max_groups:
+        problems.append("moe_max_groups > 0 (Mixtral routes over every expert)")
     if config.moe_shared_experts:
         problems.append("moe_shared_experts > 0 (Mixtral has no shared experts)")
     if config.moe_score != "softmax":

@@ -7,9 +7,24 @@ optional always-on shared expert. Routing (:meth:`MoE.route`) and expert compute
 by expert and capped at capacity, dispatches them with an all-to-all, runs the local experts and
 combines them back, so routing, capacity and gating are the same code under every layout.
 
-Capacity (``moe_capacity_factor``): with a factor ``c > 0`` an expert accepts at most
-``ceil(c * T * k / E)`` assignments of the ``T`` tokens of one forward (one micro-batch of one
-data-parallel rank); later assignments (in token order) are dropped and counted. ``0`` = dropless.
+Capacity (``moe_capacity_factor``): with a factor ``c > 0`` capacity is decided per **routing
+group**: ``G`` consecutive positions of one sequence (``moe_capacity_group``; 0 = the whole
+sequence). An expert accepts at most ``ceil(c * G * k / E)`` assignments of one group's ``G``
+tokens; the assignments after those, in the order of their tokens' positions in the sequence (and
+of ``k`` within a token), are dropped and counted. A group never spans two sequences, so which
+assignments are dropped is the same however the sequences are split over data-parallel ranks,
+micro-batches, pipeline stages and expert-parallel ranks; tensor parallelism routes whole
+(gathered) sequences, and under context parallelism a group must lie inside one of a rank's
+sequence chunks (validation checks that ``G`` divides ``seq_len / (2 cp)``). A forward whose
+sequence is not a multiple of ``G`` long (generation) gives its last group a capacity from its
+own size. ``0`` = dropless.
+
+Node-limited routing (``moe_groups``, ``moe_max_groups``; DeepSeek-V3): the experts, in id
+order, form ``moe_groups`` equal groups; each token first keeps the ``moe_max_groups`` groups whose
+two best selection scores sum highest, then takes its top-k among their experts only. With
+``parallel.ep = moe_groups`` a group is one ep rank's experts, so a token's assignments go to at
+most ``moe_max_groups`` ep ranks. The groups are part of the model, not of the layout: every
+layout routes alike. Dense first blocks (``moe_first_dense``) are plain feed-forward blocks.
 
 Load balancing (``config.moe_balance``):
 
@@ -110,6 +125,9 @@ class MoE(nn.Module):
         self.aux_coef = config.moe_aux_coef
         self.bias_rate = config.moe_bias_rate
         self.capacity_factor = config.moe_capacity_factor
+        self.capacity_group = config.moe_capacity_group
+        self.num_groups = config.moe_groups
+        self.max_groups = config.moe_max_groups if config.moe_max_groups < config.moe_groups else 0
         hidden = config.expert_ffn_dim
         self.router = nn.Linear(config.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, config.dim, hidden, config.mlp)
@@ -128,6 +146,18 @@ class MoE(nn.Module):
         """The ranks that each hold part of every sequence of this micro-batch (context
         parallelism; a :class:`~meshtrain.parallel.comm.CountedComm`), over which the aux loss's
         statistics are summed so it is the whole micro-batch's; None = this rank has it all."""
+
+    def _check_sequence_split(self, seq_len: int | None) -> None:
+        """Under context parallelism a rank holds two chunks of each sequence: capacity groups
+        must lie inside one chunk (validation refuses other configs before a run starts)."""
+        split = self.sequence_comm is not None and self.sequence_comm.active
+        if not split or self.capacity_factor <= 0 or seq_len is None:
+            return
+        chunk = seq_len // 2
+        if not self.capacity_group or chunk % self.capacity_group:
+            raise ValueError(
+                f"moe_capacity_group = {self.capacity_group} does not divide this rank's sequence "
+                f"chunk of {chunk} tokens (context parallelism)")
 
     def reset_buffers(self) -> None:
         """Zero the selection bias (fp32) and forget the last statistics."""
@@ -148,6 +178,9 @@ class MoE(nn.Module):
         ``top_k > 1``; with softmax and ``top_k == 1`` the gate is the raw probability (Switch
         Transformer), which is what gives the router its gradient.
 
+        With node-limited routing (``moe_max_groups``) the selection is restricted to each
+        token's best groups first (:meth:`limit_to_groups`).
+
         Returns ``indices`` [T, k] (long), ``weights`` [T, k] (fp32) and a stats dict with
         ``tokens_per_expert`` [E] and ``aux_loss`` (scalar).
         """
@@ -157,6 +190,8 @@ class MoE(nn.Module):
         else:
             scores = torch.softmax(logits, dim=-1)
         biased = scores.detach() + self.expert_bias.float()
+        if self.max_groups:
+            biased = self.limit_to_groups(biased)
         indices = torch.topk(biased, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
         if self.score_func == "sigmoid" or self.top_k > 1:
@@ -167,6 +202,20 @@ class MoE(nn.Module):
             "aux_loss": self.aux_loss(scores, tokens_per_expert),
         }
         return indices, weights, stats
+
+    def limit_to_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """Node-limited routing (DeepSeek-V3): the ``E`` experts form ``moe_groups`` groups of
+        consecutive ids; each token keeps the ``moe_max_groups`` groups with the largest sum of
+        their two best selection scores ``biased`` [T, E] (one score when a group has one
+        expert), and the experts of the other groups become unselectable (``-inf``)."""
+        tokens = biased.shape[0]
+        per_group = self.num_experts // self.num_groups
+        grouped = biased.view(tokens, self.num_groups, per_group)
+        best = torch.topk(grouped, min(2, per_group), dim=-1).values.sum(dim=-1)
+        chosen = torch.topk(best, self.max_groups, dim=-1).indices
+        keep = torch.zeros(tokens, self.num_groups, dtype=torch.bool, device=biased.device)
+        keep.scatter_(1, chosen, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
 
     def aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Switch-Transformer balance loss ``coef * E * sum_i f_i * P_i`` (0 unless aux-loss).
@@ -193,39 +242,65 @@ class MoE(nn.Module):
         return self.aux_coef * self.num_experts * (fraction * probs.sum(dim=0) / tokens).sum()
 
     def capacity(self, num_tokens: int) -> int:
-        """Assignments one expert accepts: ``ceil(factor * T * k / E)``; 0 means unlimited."""
+        """Assignments one expert accepts from a routing group of ``num_tokens`` tokens:
+        ``ceil(factor * T * k / E)``; 0 means unlimited."""
         if self.capacity_factor <= 0:
             return 0
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
+    def capacity_keep(self, indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Which of the ``T * k`` flattened assignments ``indices`` [T, k] survive capacity.
+
+        The ``T`` tokens are whole sequences of ``seq_len`` positions each, in position order.
+        Each sequence is cut into routing groups of ``G`` consecutive positions
+        (``moe_capacity_group``, 0 = ``seq_len``; a last, shorter group when ``G`` does not
+        divide ``seq_len``); within a group, an expert keeps its first :meth:`capacity` ``(group
+        size)`` assignments by position (then by ``k``). Returns a bool mask [T * k].
+        """
+        num_tokens, k = indices.shape
+        device = indices.device
+        group = min(self.capacity_group or seq_len, seq_len)
+        per_sequence = -(-seq_len // group)
+        token = torch.arange(num_tokens, device=device)
+        position = token % seq_len
+        group_id = (token // seq_len) * per_sequence + position // group
+        group_len = torch.clamp(seq_len - (position // group) * group, max=group)
+        cap = torch.ceil(self.capacity_factor * group_len.double() * k / self.num_experts)
+        key = (group_id.repeat_interleave(k) * self.num_experts + indices.reshape(-1))
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key)
+        start = torch.cumsum(counts, 0) - counts
+        sorted_key = key[order]
+        rank = torch.arange(order.numel(), device=device) - start[sorted_key]
+        keep = torch.empty(order.numel(), dtype=torch.bool, device=device)
+        keep[order] = rank < cap.repeat_interleave(k)[order]
+        return keep
+
     def compute_experts(
-        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+        seq_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every token of ``x`` [T, dim] through its chosen experts and combine them.
 
-        Assignments are sorted by expert (stably, so within an expert they keep the flattened
-        token order), capped at :meth:`capacity` per expert (later assignments are dropped and
-        contribute nothing), pushed through :class:`GroupedExperts` one matmul per expert, scaled
-        by their gate weights and summed back per token with ``index_add``.
+        ``x`` holds whole sequences of ``seq_len`` tokens (None: one sequence of ``T``), which
+        capacity groups follow (:meth:`capacity_keep`). Assignments over capacity are dropped
+        and contribute nothing; the rest are sorted by expert (stably, so within an expert they
+        keep the flattened token order), pushed through :class:`GroupedExperts` one matmul per
+        expert, scaled by their gate weights and summed back per token with ``index_add``.
 
         Returns ``(output [T, dim] in x's dtype, dropped)`` with ``dropped`` a LongTensor scalar.
         """
         num_tokens, k = indices.shape
         flat_expert = indices.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts)
         dropped = torch.zeros((), dtype=torch.long, device=x.device)
-        capacity = self.capacity(num_tokens)
-        if capacity > 0:
-            sorted_expert = flat_expert[order]
-            group_start = torch.cumsum(counts, dim=0) - counts
-            rank_in_expert = (
-                torch.arange(order.numel(), device=x.device) - group_start[sorted_expert]
-            )
-            keep = rank_in_expert < capacity
+        if self.capacity_factor > 0 and num_tokens:
+            keep = self.capacity_keep(indices, seq_len or num_tokens)
             dropped = (~keep).sum()
-            order = order[keep]
-            counts = counts.clamp(max=capacity)
+            order = order[keep[order]]
+            counts = torch.bincount(flat_expert[keep], minlength=self.num_experts)
+        else:
+            counts = torch.bincount(flat_expert, minlength=self.num_experts)
         token_index = order // k
         expert_out = self.experts(x[token_index], counts.tolist())
         gate = weights.reshape(-1)[order].unsqueeze(-1)
@@ -237,7 +312,9 @@ class MoE(nn.Module):
         """Apply the MoE feed-forward to ``x`` [..., dim] and record ``last_stats``."""
         flat = x.reshape(-1, x.shape[-1])
         indices, weights, stats = self.route(flat)
-        out, dropped = self.compute_experts(flat, indices, weights)
+        seq_len = x.shape[-2] if x.dim() >= 3 else None
+        self._check_sequence_split(seq_len)
+        out, dropped = self.compute_experts(flat, indices, weights, seq_len)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         self.last_stats = {

@@ -60,6 +60,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
                               plan.pp_split)
         chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
         state.pipeline = (schedule, chunks)
+        if model.config.tie_embeddings:
+            _mark_tied_embedding(model, mesh, schedule, state.shardings)
     if plan.cp > 1:
         from meshtrain.parallel.context import apply_context_parallel
 
@@ -79,6 +81,21 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     state.dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
                                           plan.dp_shared_memory, grad_dtype, init_values)
     return model
+
+
+def _mark_tied_embedding(model: torch.nn.Module, mesh: ParallelMesh, schedule,
+                         shardings: ShardingTable) -> None:
+    """Record the tied embedding of a split model: held by the first and the last stage, its
+    gradient summed over the mesh's ``tied`` group (which must join exactly those ranks)."""
+    ends = schedule.embedding_ranks
+    if len(ends) > 1 and mesh.tied_pp_ranks != ends:
+        raise ValueError(f"the mesh's tied_pp_ranks {mesh.tied_pp_ranks} are not the pipeline "
+                         f"ranks of the first and last stage {ends} (build "
+                         f"the mesh with them: meshtrain.worker.build_mesh does)")
+    if model.tok_embeddings is None or not mesh.comm("tied").active:
+        return  # a middle stage, or one rank holds both ends
+    first = mesh.pp_rank == schedule.rank_of(schedule.first_stage)
+    shardings.update("tok_embeddings.weight", tied=True, tied_copy=not first)
 
 
 def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPlan,

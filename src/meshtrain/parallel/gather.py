@@ -83,13 +83,15 @@ class StageTensors:
     every rank of the stage together: each step is a collective).
 
     The tensors are the parameters of the data-parallel engine's buckets and the model's
-    persistent buffers (MoE expert biases), in sorted name order.
+    persistent buffers (MoE expert biases), in sorted name order; a tied embedding's copy on
+    the last stage is left out (the first stage writes it: it is saved once).
     """
 
     def __init__(self, model: nn.Module, engine, mesh):
         self.mesh, self.engine = mesh, engine
         self.shardings = engine.shardings
-        self._slots = {s.name: (b, s) for b in engine.buckets for s in b.slots}
+        self._slots = {s.name: (b, s) for b in engine.buckets for s in b.slots
+                       if not self.shardings[s.name].tied_copy}
         persistent = model.state_dict(keep_vars=True)
         self._buffers = {name: buffer for name, buffer in model.named_buffers()
                          if name in persistent and name not in self._slots}

@@ -37,7 +37,11 @@ class ParamSharding:
     experts module, so re-placing experts updates every record of the layer). ``tp_replicated``:
     the parameter is the same on every tp rank; ``tp_partial_grad``: each tp rank's gradient is
     only its share and is summed over tp. ``dp_axis``: the group its gradient is reduced (and,
-    under ZeRO, sharded) over, ``"dp"`` or ``"edp"``.
+    under ZeRO, sharded) over, ``"dp"`` or ``"edp"``. ``tied``: the parameter is also held by
+    another pipeline rank (a tied embedding, on the first and the last stage): its gradient is
+    summed over the mesh's ``tied`` group, and it gets a data-parallel bucket of its own so both
+    holders lay it out (and ZeRO-shard it) alike. ``tied_copy``: this rank's is the last stage's
+    copy; the gradient norm and the final weights count the first stage's only.
     """
 
     full_shape: tuple[int, ...] | None = None
@@ -49,6 +53,8 @@ class ParamSharding:
     ep_dim: int | None = None
     dp_axis: str = "dp"
     expert_placement: LayerPlacement | None = None
+    tied: bool = False
+    tied_copy: bool = False
 
     @classmethod
     def piece(cls, full_shape, shape, offset, **facts) -> ParamSharding:

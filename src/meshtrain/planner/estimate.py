@@ -130,6 +130,17 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
     return total, exposed
 
 
+def _tied_embedding_time(workload: Workload, layout: Layout, cluster: Cluster,
+                         zero_share: int) -> float:
+    """Seconds per step of a tied embedding's gradient all-reduce between the first and the
+    last pipeline rank (its tp piece, its ZeRO shard at stages 1-2), after backward."""
+    model, lay = workload.model, layout
+    if not model.tie_embeddings or lay.pp <= 1:
+        return 0.0
+    grads = model.vocab_size * model.dim / lay.tp / zero_share * workload.traits.grad_reduce_bytes
+    return cluster.collective_time("all_reduce", grads, 2, (lay.pp - 1) * lay.tp * lay.cp * lay.dp)
+
+
 def estimate(workload: Workload, layout: Layout, cluster: Cluster,
              energy: dict | None = None, use_simulator: bool = True) -> dict:
     """Price ``layout`` for ``workload`` on ``cluster``; a JSON-ready dict (see docs/planner.md).
@@ -187,7 +198,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     syncs = sum(STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size, stride)
                 for size, stride in (reduction_group(lay), (lay.tp, 1),
                                      (lay.pp, lay.tp * lay.cp * lay.dp)))
-    step = pipelined + dp_exposed + optimizer + syncs
+    tied = _tied_embedding_time(workload, lay, cluster, zero_share)
+    step = pipelined + dp_exposed + optimizer + syncs + tied
 
     memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
               for r, layers in enumerate(placement)]
@@ -205,7 +217,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "tp_comm_s": m * c.tp_comm,
         "ep_comm_s": m * c.ep_comm,
         "cp_comm_s": m * c.cp_comm,
-        "pp_comm_s": m * pp_comm,
+        "pp_comm_s": m * pp_comm + tied,
         "bubble_s": bubble,
         "dp_comm_exposed_s": dp_exposed,
         "dp_comm_total_s": dp_total,

@@ -87,7 +87,7 @@ def stage_params(model: ModelConfig, layers: list[int], layout: Layout, first: b
     """Parameters on one rank of the stage holding ``layers``."""
     dense = expert = largest = 0.0
     moe = sum(1 for layer in layers if model.is_moe_layer(layer))
-    for count, layer in ((len(layers) - moe, 0), (moe, model.moe_every - 1)):
+    for count, layer in ((len(layers) - moe, 0), (moe, model.first_moe_layer)):
         if count:
             d, e = _layer_params(model, layer, layout.tp, layout.ep)
             dense, expert, largest = dense + count * d, expert + count * e, max(largest, d + e)
@@ -182,7 +182,7 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
     moe = sum(1 for layer in layers if model.is_moe_layer(layer))
-    kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.moe_every - 1))
+    kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.first_moe_layer))
              if n]
     per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
     activations = per_mb * inflight + saved_kv_bytes(workload, lay, len(layers), inflight)

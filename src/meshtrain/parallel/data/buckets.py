@@ -117,16 +117,21 @@ class FlatBucket:
 
 def bucket_by_size_and_axis(named_params: list[tuple[str, torch.nn.Parameter]],
                             bucket_bytes: int, axis_of: Callable[[str], str],
+                            alone: Callable[[str], bool] = lambda name: False,
                             ) -> list[tuple[str, list]]:
     """Group parameters (given in expected gradient-ready order) into buckets of about
     ``bucket_bytes`` each (a parameter larger than that gets a bucket of its own), with one open
     bucket per reduction axis (``axis_of(name)``: ``"dp"`` or ``"edp"``): parameters of
     different axes never share a bucket, and buckets are emitted in the order they fill up (so
-    each axis's buckets keep the gradient-ready order). Returns ``(axis, params)`` pairs."""
+    each axis's buckets keep the gradient-ready order). A parameter ``alone`` accepts (a tied
+    embedding) gets a bucket of its own whatever its size. Returns ``(axis, params)`` pairs."""
     out: list[tuple[str, list]] = []
     open_buckets: dict[str, tuple[list, int]] = {}
     for name, param in named_params:
         axis = axis_of(name)
+        if alone(name):
+            out.append((axis, [(name, param)]))
+            continue
         current, size = open_buckets.get(axis, ([], 0))
         nbytes = param.numel() * param.element_size()
         if current and size + nbytes > bucket_bytes:

@@ -99,6 +99,7 @@ class DataParallelEngine:
                       "edp": (max(self.comms["edp"].size, 1), mesh.edp_cp_rank)}
         self.tp_comm = mesh.comm("tp")
         self.pp_comm = mesh.comm("pp")
+        self.tied_comm = mesh.comm("tied")
         self.tp_rank = mesh.tp_rank
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
@@ -110,7 +111,8 @@ class DataParallelEngine:
         else:
             # Gradients become ready roughly in reverse registration order.
             groups = bucket_by_size_and_axis(list(reversed(named)), bucket_bytes,
-                                             lambda name: self.shardings[name].dp_axis)
+                                             lambda name: self.shardings[name].dp_axis,
+                                             lambda name: self.shardings[name].tied)
         self.buckets = [FlatBucket(i, g, *axis_ranks[axis], axis=axis)
                         for i, (axis, g) in enumerate(groups)]
         self.has_expert_buckets = any(b.axis == "edp" for b in self.buckets)
@@ -144,12 +146,16 @@ class DataParallelEngine:
                 slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._norm_runs = [self._runs(b, self._counts_in_norm) for b in self.buckets]
         self._partial_runs = [self._runs(b, self._has_partial_grad) for b in self.buckets]
+        self._tied_buckets = [b.index for b in self.buckets
+                              if any(self.shardings[s.name].tied for s in b.slots)]
 
     # ------------------------------------------------------------------ other axes
     def _counts_in_norm(self, slot: ParamSlot) -> bool:
         """Each parameter counts once in the gradient norm: a copy replicated over tp counts on
-        tp rank 0 only (a tp-split parameter counts on every rank: each holds another piece)."""
-        return self.tp_rank == 0 or not self.shardings[slot.name].tp_replicated
+        tp rank 0 only (a tp-split parameter counts on every rank: each holds another piece), a
+        tied embedding on the first stage only."""
+        record = self.shardings[slot.name]
+        return (self.tp_rank == 0 or not record.tp_replicated) and not record.tied_copy
 
     def _has_partial_grad(self, slot: ParamSlot) -> bool:
         return self.shardings[slot.name].tp_partial_grad
@@ -418,8 +424,14 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ optimizer glue
     @torch.no_grad()
     def reduce_partial_grads(self, shards: list[OptimizerShard]) -> None:
-        """Sum over tp the gradients that each tp rank holds only a share of (sequence-parallel
-        norms, replicated kv heads); one all-reduce for all of them."""
+        """Sum the gradients that this rank holds only a share of, once the step's gradients are
+        reduced over dp: a tied embedding's over the first and last pipeline stage (the optimizer
+        gradient of its own bucket, laid out and ZeRO-sharded alike on both, so the two copies
+        take the same step), and over tp those of sequence-parallel norms and replicated kv
+        heads (one all-reduce for all of them)."""
+        if self.tied_comm.active:
+            for index in self._tied_buckets:
+                self.tied_comm.all_reduce(shards[index].grad())
         if not self.tp_comm.active:
             return
         views = [shard.grad()[start:start + length]

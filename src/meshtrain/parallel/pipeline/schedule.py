@@ -111,6 +111,12 @@ class Schedule:
         """The stage that computes the loss."""
         return self.num_stages - 1
 
+    @property
+    def embedding_ranks(self) -> tuple[int, ...]:
+        """The pipeline ranks holding the first and the last stage (one rank when a schedule
+        places both on it): where a tied embedding lives."""
+        return tuple(sorted({self.rank_of(self.first_stage), self.rank_of(self.last_stage)}))
+
     def stages_of(self, rank: int) -> list[int]:
         """The global stages (chunks) held by ``rank``, in model order."""
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]

@@ -9,6 +9,13 @@ by a cost estimate: each block costs its matmul FLOPs, the last stage also pays 
 A rank keeps only the modules of its own stages: the others are deleted from the model (or set to
 ``None``), so parameter names stay those of the unsplit model and everything downstream (the
 name-seeded init, data parallelism, checkpoints) works unchanged.
+
+Tied embeddings (``model.tie_embeddings``): the head of the last stage is the embedding matrix,
+so the last stage keeps ``tok_embeddings`` too (for its weight only; it reads hidden states). The
+first and the last stage then each hold the matrix under its one name, get the same name-seeded
+initial value, and sum their gradients over the mesh's ``tied`` group
+(:meth:`~meshtrain.parallel.data.engine.DataParallelEngine.reduce_partial_grads`), so the copies
+stay equal after every step.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class StageChunk:
             modules.append(model.tok_embeddings)
         if self.is_last:
             modules += [model.norm] + ([model.output] if model.output is not None else [])
+            if model.tie_embeddings and not self.is_first:
+                modules.append(model.tok_embeddings)  # the tied head's weight
         return [p for m in modules for p in m.parameters()]
 
 
@@ -130,7 +139,7 @@ def split_model(model: nn.Module, stages_here: list[int], layers_per_stage: list
     for key in list(model.layers.keys()):
         if int(key) not in owned:
             del model.layers[key]
-    if 0 not in stages_here:
+    if 0 not in stages_here and not (model.tie_embeddings and last in stages_here):
         model.tok_embeddings = None
     if last not in stages_here:
         model.norm = None
