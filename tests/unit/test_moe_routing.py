@@ -97,7 +97,7 @@ def test_expert_parallel_experts_on_one_rank_equal_grouped_experts():
     torch.testing.assert_close(local.w1, moe.experts.w1)
     record = local.param_shardings["w1"]
     assert record.dp_axis == "edp" and record.full_shape == (4, 32, 16) and record.ep_dim == 0
-    x, counts = _tokens(10), [3, 0, 5, 2]
+    x, counts = _tokens(10), torch.tensor([3, 0, 5, 2])
     torch.testing.assert_close(local(x, counts), moe.experts(x, counts))
 
 

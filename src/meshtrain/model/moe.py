@@ -58,7 +58,8 @@ from torch import nn
 
 from meshtrain.config import ModelConfig
 from meshtrain.model.feed_forward import FeedForward, MLPActivation
-from meshtrain.model.weight_grad import expert_matmul
+from meshtrain.model.grouped_gemm import ExpertGroups
+from meshtrain.model.weight_grad import grouped_expert_matmul
 
 
 class GroupedExperts(nn.Module):
@@ -82,22 +83,21 @@ class GroupedExperts(nn.Module):
         """Experts held by this module."""
         return self.w1.shape[0]
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run tokens ``x`` [N, dim], grouped by expert, through their experts.
 
-        ``counts[e]`` is the number of consecutive rows of ``x`` that belong to expert ``e``
-        (``sum(counts) == N``). One matmul per expert; empty experts still run a zero-row matmul
-        so every parameter always receives a (zero) gradient.
+        ``counts[e]`` (a LongTensor [E] on ``x``'s device) is the number of consecutive rows of
+        ``x`` that belong to expert ``e`` (``sum(counts) == N``). Each of the three products is
+        one grouped GEMM over all experts (:mod:`meshtrain.model.grouped_gemm`); an expert
+        without rows still gets a (zero) gradient.
         """
-        outputs = []
-        for expert, chunk in enumerate(torch.split(x, counts, dim=0)):
-            h = expert_matmul(chunk, self.w1, expert)
-            if self.act.mlp == "swiglu":
-                h = self.act(h, expert_matmul(chunk, self.w3, expert))
-            else:
-                h = self.act(h)
-            outputs.append(expert_matmul(h, self.w2, expert))
-        return torch.cat(outputs, dim=0)
+        groups = ExpertGroups(counts)
+        h = grouped_expert_matmul(x, self.w1, groups)
+        if self.act.mlp == "swiglu":
+            h = self.act(h, grouped_expert_matmul(x, self.w3, groups))
+        else:
+            h = self.act(h)
+        return grouped_expert_matmul(h, self.w2, groups)
 
 
 class MoE(nn.Module):
@@ -196,7 +196,7 @@ class MoE(nn.Module):
         weights = scores.gather(-1, indices)
         if self.score_func == "sigmoid" or self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        tokens_per_expert = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        tokens_per_expert = count_values(indices.flatten(), self.num_experts)
         stats = {
             "tokens_per_expert": tokens_per_expert,
             "aux_loss": self.aux_loss(scores, tokens_per_expert),
@@ -268,7 +268,8 @@ class MoE(nn.Module):
         cap = torch.ceil(self.capacity_factor * group_len.double() * k / self.num_experts)
         key = (group_id.repeat_interleave(k) * self.num_experts + indices.reshape(-1))
         order = torch.argsort(key, stable=True)
-        counts = torch.bincount(key)
+        groups = -(-num_tokens // seq_len) * per_sequence
+        counts = count_values(key, groups * self.num_experts)
         start = torch.cumsum(counts, 0) - counts
         sorted_key = key[order]
         rank = torch.arange(order.numel(), device=device) - start[sorted_key]
@@ -285,8 +286,9 @@ class MoE(nn.Module):
         ``x`` holds whole sequences of ``seq_len`` tokens (None: one sequence of ``T``), which
         capacity groups follow (:meth:`capacity_keep`). Assignments over capacity are dropped
         and contribute nothing; the rest are sorted by expert (stably, so within an expert they
-        keep the flattened token order), pushed through :class:`GroupedExperts` one matmul per
-        expert, scaled by their gate weights and summed back per token with ``index_add``.
+        keep the flattened token order), pushed through :class:`GroupedExperts` (one grouped
+        GEMM per product), scaled by their gate weights and summed back per token with
+        ``index_add``.
 
         Returns ``(output [T, dim] in x's dtype, dropped)`` with ``dropped`` a LongTensor scalar.
         """
@@ -297,12 +299,13 @@ class MoE(nn.Module):
         if self.capacity_factor > 0 and num_tokens:
             keep = self.capacity_keep(indices, seq_len or num_tokens)
             dropped = (~keep).sum()
+            # The one read to the host of this path: how many assignments survive.
             order = order[keep[order]]
-            counts = torch.bincount(flat_expert[keep], minlength=self.num_experts)
+            counts = count_values(flat_expert, self.num_experts, keep.long())
         else:
-            counts = torch.bincount(flat_expert, minlength=self.num_experts)
+            counts = count_values(flat_expert, self.num_experts)
         token_index = order // k
-        expert_out = self.experts(x[token_index], counts.tolist())
+        expert_out = self.experts(x[token_index], counts)
         gate = weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros(num_tokens, x.shape[-1], device=x.device, dtype=torch.float32)
         combined.index_add_(0, token_index, expert_out.float() * gate)
@@ -360,6 +363,15 @@ class MoE(nn.Module):
         """
         load = load.to(device=self.expert_bias.device, dtype=torch.float32)
         self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+
+
+def count_values(values: torch.Tensor, size: int,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
+    """How often each of ``0 .. size-1`` occurs in ``values`` (LongTensor [size]; each
+    occurrence counted ``weights`` times when given). ``torch.bincount`` would read the
+    largest value to the host to size its result; the size is known here, so this does not."""
+    ones = torch.ones_like(values) if weights is None else weights
+    return torch.zeros(size, dtype=torch.long, device=values.device).scatter_add_(0, values, ones)
 
 
 def recomputing_in_backward() -> bool:

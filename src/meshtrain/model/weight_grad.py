@@ -1,7 +1,8 @@
 """Deferred weight gradients: the zero-bubble pipeline's real ``I``/``W`` split.
 
 Linear layers (``nn.Linear`` through :func:`linear`, the tensor-parallel column/row/head-select
-layers, the MoE expert matmuls through :func:`expert_matmul`) use a custom autograd Function.
+layers, the MoE expert matmuls through :func:`grouped_expert_matmul`) use a custom autograd
+Function.
 Outside a :func:`deferring` block its backward is an ordinary matmul backward. Inside one, it
 computes only the input gradient and pushes onto the active :class:`WeightGradQueue` a closure that
 holds ``(input, grad_output)``; the pipeline's ``W`` pass later runs these closures:
@@ -22,6 +23,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+
+from meshtrain.model.grouped_gemm import grouped_input_grad, grouped_matmul, grouped_weight_grad
 
 _ACTIVE: list[WeightGradQueue] = []
 
@@ -61,7 +64,8 @@ class WeightGradQueue:
 
 @contextlib.contextmanager
 def deferring(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
-    """Inside this block, backward passes of :func:`linear`/:func:`expert_matmul` defer their
+    """Inside this block, backward passes of :func:`linear`/:func:`grouped_expert_matmul` defer
+    their
     weight gradients to ``queue``."""
     _ACTIVE.append(queue)
     try:
@@ -134,39 +138,41 @@ class _LinearWithBias(_Linear):
         return _Linear.forward(ctx, x, weight, bias)
 
 
-class _ExpertMatmul(torch.autograd.Function):
-    """``x @ w[e]`` for a stacked expert weight ``w`` [E, in, out]."""
+class _GroupedExpertMatmul(torch.autograd.Function):
+    """Rows of ``x`` grouped by expert times their expert's slice of ``w`` [E, in, out]
+    (:mod:`meshtrain.model.grouped_gemm`)."""
 
     @staticmethod
-    def forward(ctx, x, w, e):
+    def forward(ctx, x, w, groups):
         ctx.save_for_backward(x)
-        ctx.w, ctx.e = w, e  # the parameter itself (see _Linear.forward)
-        return x @ w[e]
+        ctx.w, ctx.groups = w, groups  # the parameter itself (see _Linear.forward)
+        return grouped_matmul(x, w, groups)
 
     @staticmethod
     def backward(ctx, go):
-        (x,), w = ctx.saved_tensors, ctx.w
-        e = ctx.e
-        gx = go @ w[e].t() if ctx.needs_input_grad[0] else None
+        (x,), w, groups = ctx.saved_tensors, ctx.w, ctx.groups
+        go = go.contiguous()  # the grouped kernels take no broadcast (stride 0) gradient
+        gx = grouped_input_grad(go, w, groups) if ctx.needs_input_grad[0] else None
         gw = None
         queue = _deferral(w)
         if queue is not None:
-            queue.push(w, e, lambda: x.t() @ go)
+            queue.push(w, None, lambda: grouped_weight_grad(x, go, groups))
         elif ctx.needs_input_grad[1]:
-            gw = torch.zeros_like(w)
-            gw[e] = x.t() @ go
+            gw = grouped_weight_grad(x, go, groups)
         return gx, gw, None
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
-    """``x @ w[e]`` whose gradient w.r.t. ``w`` can be deferred (see module docstring)."""
+def grouped_expert_matmul(x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+    """Every expert's rows of ``x`` times its ``w[e]`` in one grouped GEMM
+    (:class:`~meshtrain.model.grouped_gemm.ExpertGroups` ``groups``), with the weight gradient
+    deferrable like :func:`linear`'s."""
     if not torch.is_grad_enabled() or not w.requires_grad or not w.is_leaf:
-        return x @ w[e]
-    return _deferrable_expert_matmul(x, w, e)
+        return grouped_matmul(x, w, groups)
+    return _deferrable_expert_matmul(x, w, groups)
 
 
-def _deferrable_expert_matmul(x: torch.Tensor, w: torch.Tensor, e: int) -> torch.Tensor:
-    return _ExpertMatmul.apply(x, w, e)  # not traced: see _deferrable_linear
+def _deferrable_expert_matmul(x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+    return _GroupedExpertMatmul.apply(x, w, groups)  # not traced: see _deferrable_linear
 
 
 class DeferrableLinear(torch.nn.Linear):

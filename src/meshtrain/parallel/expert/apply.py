@@ -72,30 +72,30 @@ class ExpertParallelExperts(GroupedExperts):
                 with torch.no_grad():
                     param.copy_(full[lo:lo + local])
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` [N, dim]: this rank's assignments sorted by global expert (``counts[e]`` rows
-        for expert ``e``, all ``E`` of them). Returns their expert outputs in the same order."""
+        for expert ``e``, all ``E`` of them, a LongTensor on ``x``'s device). Returns their
+        expert outputs in the same order."""
         if self.placement.identity:
             return self._dispatch_and_run(x, counts)
         # Slot order: slot s takes expert slots[s]'s rows (same rows, same order within it).
         slots = torch.tensor(self.placement.slots, device=x.device)
-        per_expert = torch.tensor(counts, dtype=torch.long, device=x.device)
-        per_slot = per_expert[slots]
-        expert_start = torch.cumsum(per_expert, 0) - per_expert
+        per_slot = counts[slots]
+        expert_start = torch.cumsum(counts, 0) - counts
         slot_start = torch.cumsum(per_slot, 0) - per_slot
         rows = torch.arange(x.shape[0], device=x.device)
-        index = rows + (expert_start[slots] - slot_start).repeat_interleave(per_slot)
-        out = self._dispatch_and_run(x[index], per_slot.tolist())
+        index = rows + (expert_start[slots] - slot_start).repeat_interleave(
+            per_slot, output_size=x.shape[0])
+        out = self._dispatch_and_run(x[index], per_slot)
         inverse = torch.empty_like(index)
         inverse[index] = rows
         return out[inverse]
 
-    def _dispatch_and_run(self, x: torch.Tensor, slot_counts: list[int]) -> torch.Tensor:
+    def _dispatch_and_run(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         """Dispatch rows grouped by slot (``slot_counts``), run the local experts, combine."""
-        plan = plan_dispatch(torch.tensor(slot_counts, dtype=torch.long, device=x.device),
-                             self.comm)
+        plan = plan_dispatch(slot_counts, self.comm)
         if not recomputing_in_backward():
-            self.rows_received += sum(plan.local_counts)
+            self.rows_received += sum(plan.recv_splits)
         grouped = dispatch(x, plan, self.comm)
         return combine(super().forward(grouped, plan.local_counts), plan, self.comm)
 

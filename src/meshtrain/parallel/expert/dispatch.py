@@ -71,8 +71,8 @@ class DispatchPlan:
     """Rows this rank sends to each ep rank (= receives back in combine)."""
     recv_splits: list[int]
     """Rows this rank receives from each ep rank."""
-    local_counts: list[int]
-    """Rows per local expert after regrouping."""
+    local_counts: torch.Tensor
+    """Rows per local expert after regrouping (LongTensor, on the device)."""
     order: torch.Tensor
     """Received row indices, grouped by local expert (stable: source rank order within one)."""
     restore: torch.Tensor
@@ -80,17 +80,24 @@ class DispatchPlan:
 
 
 def plan_dispatch(counts: torch.Tensor, comm: CountedComm) -> DispatchPlan:
-    """Exchange the per-expert ``counts`` [E] of this rank's sorted rows and plan the moves."""
+    """Exchange the per-expert ``counts`` [E] of this rank's sorted rows and plan the moves.
+
+    The one read to the host of a MoE layer's dispatch is here: the all-to-alls of the rows
+    take their split sizes as Python ints (NCCL and gloo size their messages on the host), so
+    after the counts' own all-to-all, the rows this rank sends to and receives from each ep
+    rank are read once, together. The per-expert counts stay on the device (the grouped GEMM's
+    offsets)."""
     ep = max(comm.size, 1)
     num_local = counts.numel() // ep
     received = torch.empty_like(counts)
     comm.all_to_all_single(received, counts.contiguous())  # equal splits of E/ep
     received = received.view(ep, num_local)  # [source rank, local expert]
-    send_splits = counts.view(ep, num_local).sum(dim=1).tolist()
-    recv_splits = received.sum(dim=1).tolist()
-    local_counts = received.sum(dim=0).tolist()
+    splits = torch.cat([counts.view(ep, num_local).sum(dim=1), received.sum(dim=1)]).tolist()
+    send_splits, recv_splits = splits[:ep], splits[ep:]
+    local_counts = received.sum(dim=0)
     expert_of_row = torch.arange(num_local, device=counts.device).repeat(ep)
-    expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1))
+    expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1),
+                                                    output_size=sum(recv_splits))
     order = torch.argsort(expert_of_row, stable=True)
     restore = torch.argsort(order)
     return DispatchPlan(send_splits, recv_splits, local_counts, order, restore)
