@@ -51,7 +51,7 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
         raise
     par = config.parallel
     return ParallelMesh.from_environment(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep,
-                                         cp=par.cp,
+                                         cp=par.cp, replicas=par.replicas,
                                          seed=config.train.seed, device=device,
                                          timeout_s=config.train.collective_timeout_s)
 

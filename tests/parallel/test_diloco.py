@@ -1,0 +1,97 @@
+"""DiLoCo replica groups (``parallel.replicas``) on CPU processes.
+
+The identity: with H = 1, outer lr 1 and no outer momentum, averaging the groups' pseudo-
+gradients averages their weights after every step. That equals synchronous data parallelism over
+replicas × dp ranks only when the inner step is *linear* in the gradient: averaging AdamW
+updates of different gradients is not the AdamW update of their mean (each group divides by its
+own second moment). So the identity test makes AdamW linear: ``adam_eps = 1e8`` dwarfs
+``sqrt(v)`` (gradients are ~1e-2, below the fp32 spacing of 1e8), leaving
+``θ ← θ(1 − lr·wd) − lr/eps · m̂``, SGD with momentum and decoupled decay, whose momentum is
+linear in the gradients too (every group keeps its own, and their mean is the synchronous
+one). Clipping is per group, also not linear, so it is off. The tolerance, 2e-5 absolute on the
+loss, is fp32 rounding (the two runs sum the same terms in another order and the outer step
+computes start − (start − mean)); measured differences are ~1e-7.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.helpers import tiny_config, train_many
+
+IDENTITY_TOLERANCE = 2e-5
+LINEAR_ADAM = ("train.adam_eps=1e8", "train.lr=1e6", "train.min_lr=1e5",
+               "train.weight_decay=1e-8", "train.grad_clip=0")
+DILOCO_H1 = ("parallel.sync_every=1", "train.outer_lr=1", "train.outer_momentum=0")
+STEPS = 5
+
+
+def _losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def test_h1_outer_sgd_equals_synchronous_dp():
+    """replicas 2 × dp 1 vs dp 2, and replicas 2 × tp 2 vs dp 2 × tp 2 (ZeRO-1 inside)."""
+    two = [tiny_config(*LINEAR_ADAM, "parallel.dp=2", nproc=2),
+           tiny_config(*LINEAR_ADAM, *DILOCO_H1, "parallel.replicas=2", nproc=2)]
+    four = [tiny_config(*LINEAR_ADAM, "parallel.dp=2", "parallel.tp=2", nproc=4),
+            tiny_config(*LINEAR_ADAM, *DILOCO_H1, "parallel.replicas=2", "parallel.tp=2",
+                        "parallel.zero=1", nproc=4)]
+    sync2, diloco2 = run_distributed(2, train_many, [c.to_dict() for c in two], STEPS)[0]
+    sync4, diloco4 = run_distributed(4, train_many, [c.to_dict() for c in four], STEPS)[0]
+    for sync, diloco in ((sync2, diloco2), (sync4, diloco4)):
+        assert _losses(diloco) == pytest.approx(_losses(sync), abs=IDENTITY_TOLERANCE)
+        assert _losses(diloco)[-1] < _losses(diloco)[0] - 0.05  # it trains
+        assert [r["tokens"] for r in diloco] == [r["tokens"] for r in sync]
+        assert "replica" in diloco[0]["comm_bytes"] and "replica" not in sync[0]["comm_bytes"]
+
+
+def _train_and_fingerprint(config_dict: dict, steps: int) -> tuple[list[dict], list[float]]:
+    """Train ``steps`` steps; return rank 0's records and every rank's master checksums."""
+    from meshtrain.config import Config
+    from meshtrain.training.trainer import Trainer
+    from meshtrain.worker import build_mesh
+
+    config = Config.from_dict(config_dict)
+    mesh = build_mesh(config)
+    trainer = Trainer(config, mesh)
+    records = [trainer.train_step() for _ in range(steps)]
+    sums = [float(s.master.double().sum()) for s in trainer.optimizer.shards]
+    return (records if mesh.is_logging_rank else []), sums
+
+
+def test_rounds_traffic_and_groups_end_in_sync():
+    """H = 3 over 7 steps (rounds end at 3, 6 and the last step), default outer optimizer:
+    pseudo-gradient traffic only at a round's end, bf16 halves it, every group ends equal."""
+    steps = 7
+    fp32 = tiny_config("parallel.replicas=2", "parallel.sync_every=3", f"train.steps={steps}",
+                       nproc=2)
+    bf16 = tiny_config("parallel.replicas=2", "parallel.sync_every=3", f"train.steps={steps}",
+                       "parallel.outer_grad_dtype=bf16", nproc=2)
+    results = run_distributed(2, _train_and_fingerprint, fp32.to_dict(), steps)
+    records = results[0][0]
+    assert results[0][1] == results[1][1]  # both groups hold the same weights at the end
+    metrics_only = 2 * (2 - 1) // 2 * 5 * 4  # the per-step reduction of 5 fp32 numbers
+    traffic = [r["comm_bytes"]["replica"] for r in records]
+    sync_steps = [3, 6, 7]
+    for step, moved in enumerate(traffic, 1):
+        if step in sync_steps:
+            assert moved > 100 * metrics_only
+        else:
+            assert moved == metrics_only
+    import dataclasses
+
+    from meshtrain.model import count_parameters
+    from meshtrain.training.tokenizer import ByteTokenizer
+
+    model = dataclasses.replace(fp32.model, vocab_size=ByteTokenizer().vocab_size)
+    params = count_parameters(model)["total"]
+    assert traffic[2] - metrics_only == pytest.approx(4 * params, rel=0.01)  # 2(n-1)/n · 4P
+    half = run_distributed(2, _train_and_fingerprint, bf16.to_dict(), steps)[0][0]
+    assert half[2]["comm_bytes"]["replica"] - metrics_only == pytest.approx(2 * params, rel=0.01)
+    losses = torch.tensor(_losses(records))
+    assert torch.isfinite(losses).all() and losses[-2:].mean() < losses[:2].mean()
+    # Start weights + momentum: as many bytes as Adam's two moments.
+    assert records[0]["mem"]["outer_bytes"] == records[0]["mem"]["optim_bytes"]
