@@ -12,12 +12,12 @@ from pathlib import Path
 from meshtrain.config import (
     DEVICES,
     GRAD_REDUCE_DTYPES,
-    OUTER_GRAD_DTYPES,
     LR_SCHEDULES,
     MLP_KINDS,
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
+    OUTER_GRAD_DTYPES,
     PRECISIONS,
     ROPE_SCALING_KEYS,
     ROPE_TYPES,
@@ -98,16 +98,17 @@ def validate_replicas(config: Config) -> None:
         return
     if par.auto:
         raise ConfigError("parallel.auto does not plan replica groups yet; with "
-                          f"parallel.replicas = {par.replicas} set the inner layout (dp, tp, pp, "
-                          "...) yourself, or use parallel.replicas = 1.")
+                          f"parallel.replicas = {par.replicas} the valid setting is "
+                          "parallel.auto = false and an inner layout (dp, tp, pp, ...) of your "
+                          "own, or use parallel.replicas = 1.")
     if par.ep_rebalance_every:
         raise ConfigError("parallel.ep_rebalance_every re-places experts per group, so the "
                           "groups' expert layouts would differ and their pseudo-gradients no "
-                          "longer line up; with parallel.replicas > 1 set it to 0.")
+                          "longer line up; with parallel.replicas > 1 the valid value is 0.")
     if par.check_replicas_every:
         raise ConfigError("parallel.check_replicas_every checks dp replicas within a group; "
-                          "with parallel.replicas > 1 the groups differ between syncs by design: "
-                          "set it to 0.")
+                          "with parallel.replicas > 1 the groups differ between syncs by design, "
+                          "so the valid value is 0.")
 
 
 def validate_model(config: Config, tokenizer_vocab: int | None) -> None:

@@ -95,3 +95,36 @@ def test_rounds_traffic_and_groups_end_in_sync():
     assert torch.isfinite(losses).all() and losses[-2:].mean() < losses[:2].mean()
     # Start weights + momentum: as many bytes as Adam's two moments.
     assert records[0]["mem"]["outer_bytes"] == records[0]["mem"]["optim_bytes"]
+
+
+def test_mesh_puts_replica_groups_outermost():
+    from meshtrain.mesh import ParallelMesh
+
+    mesh = ParallelMesh(replicas=2, dp=2, tp=2, rank=5)  # replica 1, dp 0, tp 1
+    assert (mesh.replica_rank, mesh.dp_rank, mesh.tp_rank, mesh.world_size) == (1, 0, 1, 8)
+    members = mesh._axis_members()
+    assert members["replica"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert members["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert members["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("replica") == [1, 5] and mesh.group_ranks("dp") == [5, 7]
+    assert ParallelMesh(dp=2).group_ranks("replica") == [0]
+
+
+@pytest.mark.parametrize("overrides, nproc, words", [
+    (("parallel.replicas=3",), 4, "multiples of 3"),
+    (("parallel.replicas=0",), 4, "parallel.replicas"),
+    (("parallel.replicas=2", "parallel.sync_every=0"), 2, "parallel.sync_every"),
+    (("parallel.replicas=2", "train.outer_lr=0"), 2, "train.outer_lr"),
+    (("parallel.replicas=2", "train.outer_momentum=1"), 2, "train.outer_momentum"),
+    (("parallel.replicas=2", "parallel.outer_grad_dtype=fp8"), 2, "fp32, bf16"),
+    (("parallel.replicas=2", "parallel.auto=true"), 2, "parallel.auto"),
+    (("parallel.replicas=2", "parallel.check_replicas_every=1"), 2, "check_replicas_every"),
+    (("parallel.replicas=2", "train.global_batch=6", "parallel.microbatches=2"), 4,
+     "replicas × dp"),
+])
+def test_bad_replica_settings_are_refused(overrides, nproc, words):
+    from meshtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=words.replace("×", ".")) as error:
+        tiny_config(*overrides, nproc=nproc)
+    assert any(word in str(error.value) for word in ("valid", "must", "choose"))
