@@ -128,3 +128,27 @@ def test_bad_replica_settings_are_refused(overrides, nproc, words):
     with pytest.raises(ConfigError, match=words.replace("×", ".")) as error:
         tiny_config(*overrides, nproc=nproc)
     assert any(word in str(error.value) for word in ("valid", "must", "choose"))
+
+
+def test_checkpoint_mid_round_resumes_bitwise(tmp_path):
+    """replicas 2 × (dp 2, ZeRO-1) stopped after step 4 of 7, mid-round (H = 3, rounds end at 3
+    and 6): the resumed run's losses equal the uninterrupted run's bitwise; a checkpoint with
+    replica groups refuses another replica count."""
+    from meshtrain.checkpoint.manager import check_compatible, list_checkpoints
+    from meshtrain.config import ConfigError
+    from tests.parallel.test_checkpoint import resume_and_finish, train_then_stop, uninterrupted
+
+    common = ("parallel.replicas=2", "parallel.sync_every=3", "train.steps=7")
+    saved = tiny_config(*common, "parallel.zero=1", run_dir=str(tmp_path / "run"), nproc=4)
+    first = run_distributed(4, train_then_stop, saved.to_dict(), 4)[0]
+    resumed = tiny_config(*common, "parallel.zero=1", "checkpoint.resume=auto",
+                          run_dir=str(tmp_path / "run"), nproc=4)
+    rest = run_distributed(4, resume_and_finish, resumed.to_dict())[0]
+    straight = tiny_config(*common, "parallel.zero=1", run_dir=str(tmp_path / "straight"),
+                           nproc=4)
+    assert first + rest == run_distributed(4, uninterrupted, straight.to_dict())[0]
+    other = tiny_config("parallel.replicas=1", "checkpoint.resume=auto", nproc=4,
+                        run_dir=str(tmp_path / "run"))
+    newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    with pytest.raises(ConfigError, match="parallel.replicas = 2"):
+        check_compatible(other, newest, 264)

@@ -79,6 +79,12 @@ class OuterOptimizer:
         self.engine.after_step(self.shards)
         self.rounds += 1
 
+    @torch.no_grad()
+    def restart_round(self) -> None:
+        """Start a round from the current masters (after loading weights into them)."""
+        for start, shard in zip(self.start, self.shards, strict=True):
+            start.copy_(shard.master)
+
     def state_bytes(self) -> int:
         """Bytes of outer state this rank holds (start weights and momentum)."""
         return sum(t.numel() * t.element_size() for t in self.start + self.momentum_buf)
