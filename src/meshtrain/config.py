@@ -156,6 +156,10 @@ class ParallelConfig(Layout):
     sync_every: int = 1
     """Inner steps per DiLoCo round (H): each group trains this many AdamW steps alone, then the
     groups average their pseudo-gradients and take one outer Nesterov step."""
+    sync_fragments: int = 1
+    """Streaming DiLoCo: split the blocks into this many fragments that end their rounds at
+    staggered inner steps (each still every ``sync_every``), spreading the traffic; 1 = all at
+    once."""
     outer_grad_dtype: str = "fp32"
     """dtype of the pseudo-gradient all-reduce between replica groups: ``fp32`` or ``bf16``
     (half the bytes; the sum is taken in bf16, the outer step in fp32)."""

@@ -88,6 +88,16 @@ def validate_replicas(config: Config) -> None:
     _at_least(par.replicas, 1, "parallel.replicas")
     _at_least(par.sync_every, 1, "parallel.sync_every")
     _choice(par.outer_grad_dtype, OUTER_GRAD_DTYPES, "parallel.outer_grad_dtype")
+    _at_least(par.sync_fragments, 1, "parallel.sync_fragments")
+    most = min(par.sync_every, config.model.n_layers)
+    if par.sync_fragments > most:
+        raise ConfigError(
+            f"parallel.sync_fragments = {par.sync_fragments} is more than parallel.sync_every = "
+            f"{par.sync_every} or model.n_layers = {config.model.n_layers} allow: each fragment "
+            f"is whole blocks and ends its rounds at its own inner step; valid: 1 to {most}.")
+    if par.sync_fragments > 1 and par.replicas == 1:
+        raise ConfigError("parallel.sync_fragments > 1 needs parallel.replicas > 1 (fragments "
+                          "are synchronised between replica groups); valid here: 1.")
     if train.outer_lr <= 0:
         raise ConfigError(f"train.outer_lr = {train.outer_lr} must be positive (DiLoCo's "
                           "default 0.7; 1.0 with outer_momentum = 0 averages the groups).")

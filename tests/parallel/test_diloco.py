@@ -119,6 +119,9 @@ def test_mesh_puts_replica_groups_outermost():
     (("parallel.replicas=2", "parallel.outer_grad_dtype=fp8"), 2, "fp32, bf16"),
     (("parallel.replicas=2", "parallel.auto=true"), 2, "parallel.auto"),
     (("parallel.replicas=2", "parallel.check_replicas_every=1"), 2, "check_replicas_every"),
+    (("parallel.replicas=2", "parallel.sync_every=2", "parallel.sync_fragments=3"), 2,
+     "valid: 1 to 2"),
+    (("parallel.sync_fragments=2", "parallel.sync_every=2"), 2, "needs parallel.replicas"),
     (("parallel.replicas=2", "train.global_batch=6", "parallel.microbatches=2"), 4,
      "replicas × dp"),
 ])
@@ -152,3 +155,37 @@ def test_checkpoint_mid_round_resumes_bitwise(tmp_path):
     newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
     with pytest.raises(ConfigError, match="parallel.replicas = 2"):
         check_compatible(other, newest, 264)
+
+
+def test_streaming_fragments_spread_the_traffic():
+    """sync_fragments = F: each step moves at most about 1/F of a full sync's pseudo-gradient
+    bytes (the tiny model's embedding and head are each as large as a block, so with 4 blocks
+    and F = 4 the largest fragment holds a block and the head: ~3 ×), the total per H steps is
+    unchanged, and the groups still end equal."""
+    def peaks(fragments: int, layers: int) -> tuple[int, int]:
+        config = tiny_config("parallel.replicas=2", "parallel.sync_every=4", "train.steps=8",
+                             f"parallel.sync_fragments={fragments}", f"model.n_layers={layers}",
+                             nproc=2)
+        results = run_distributed(2, _train_and_fingerprint, config.to_dict(), 8)
+        assert results[0][1] == results[1][1]  # every fragment syncs at the last step
+        traffic = [r["comm_bytes"]["replica"] for r in results[0][0]]
+        return max(traffic[:7]), sum(traffic[:4])  # before the last step's sync of them all
+
+    for fragments, layers, least in ((2, 2, 1.8), (4, 4, 2.8)):
+        whole, whole_total = peaks(1, layers)
+        streamed, streamed_total = peaks(fragments, layers)
+        assert whole / streamed >= least, (fragments, whole, streamed)
+        print(f"F={fragments}: largest per-step replica bytes {whole} -> {streamed} "
+              f"({whole / streamed:.2f}x)")
+        assert streamed_total == pytest.approx(whole_total, rel=0.01)
+
+
+def test_fragments_split_blocks_in_order():
+    from meshtrain.training.diloco import fragment_of_parameters
+
+    sizes = [("tok_embeddings.weight", 10)] + [(f"layers.{i}.w", 10) for i in range(6)] + [
+        ("norm.weight", 1), ("output.weight", 9)]
+    where = fragment_of_parameters(sizes, 4)
+    order = [where[name] for name, _ in sizes]
+    assert order == sorted(order) and set(order) == {0, 1, 2, 3}
+    assert where["norm.weight"] == where["output.weight"] == 3

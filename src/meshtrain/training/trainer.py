@@ -95,7 +95,8 @@ class Trainer:
             from meshtrain.training.diloco import OuterOptimizer
 
             self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
-                                        train.outer_momentum, par.outer_grad_dtype)
+                                        train.outer_momentum, par.outer_grad_dtype,
+                                        par.sync_fragments)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
         self.expert_placer = self.evaluator = None
         self.ignore_index = IGNORE_INDEX
@@ -308,8 +309,9 @@ class Trainer:
             self.optimizer.step(lr)
         moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
-        if self.outer is not None and self.outer.due(self.step + 1, self.config.train.steps):
-            self.outer.sync()  # a DiLoCo round ends: every group continues from the same weights
+        due = self.outer.due(self.step + 1, self.config.train.steps) if self.outer else []
+        if due:  # a DiLoCo round ends: every group continues from the same weights
+            self.outer.sync(due)
         if moe_summary is not None and self.expert_placer is not None:
             # ep-rank loads; every ep_rebalance_every steps re-place experts (gradients are zero)
             self.expert_placer.end_step(moe_summary, self.moe_stats.last_loads, self.step + 1)
