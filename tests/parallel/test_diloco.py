@@ -196,3 +196,13 @@ def test_fragments_split_blocks_in_order():
     order = [where[name] for name, _ in sizes]
     assert order == sorted(order) and set(order) == {0, 1, 2, 3}
     assert where["norm.weight"] == where["output.weight"] == 3
+
+
+@pytest.mark.parametrize("command", [
+    ("estimate", "--hardware", "cpu", "--nproc", "4"),
+    ("verify", "--nproc", "4"),
+])
+def test_planner_and_verify_refuse_replica_groups(meshtrain, command):
+    result = meshtrain(*command, "--set", "parallel.replicas=2")
+    assert result.returncode == 2
+    assert "parallel.replicas = 2" in result.stderr and "valid value" in result.stderr
