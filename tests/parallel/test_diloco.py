@@ -33,8 +33,9 @@ def _losses(records: list[dict]) -> list[float]:
 
 
 def test_h1_outer_sgd_equals_synchronous_dp():
-    """replicas 2 × dp 1 vs dp 2, replicas 2 × tp 2 vs dp 2 × tp 2, and replicas 2 × dp 2
-    (ZeRO-1: the outer state sharded like the masters) vs dp 4."""
+    """replicas 2 × dp 1 vs dp 2, replicas 2 × tp 2 vs dp 2 × tp 2, replicas 2 × dp 2 (ZeRO-1:
+    the outer state sharded like the masters) vs dp 4, replicas 2 × pp 2 vs dp 2 × pp 2, and an
+    MoE model at replicas 2 × (dp 2, ep 2) vs dp 4 × ep 2."""
     two = [tiny_config(*LINEAR_ADAM, "parallel.dp=2", nproc=2),
            tiny_config(*LINEAR_ADAM, *DILOCO_H1, "parallel.replicas=2", nproc=2)]
     four = [tiny_config(*LINEAR_ADAM, "parallel.dp=2", "parallel.tp=2", nproc=4),
@@ -43,10 +44,16 @@ def test_h1_outer_sgd_equals_synchronous_dp():
             tiny_config(*LINEAR_ADAM, "parallel.dp=4", nproc=4),
             tiny_config(*LINEAR_ADAM, *DILOCO_H1, "parallel.replicas=2", "parallel.zero=1",
                         nproc=4)]
+    pipe = ("parallel.pp=2", "parallel.microbatches=2")
+    moe = ("model.moe_experts=4", "parallel.ep=2")
+    four += [tiny_config(*LINEAR_ADAM, *pipe, "parallel.dp=2", nproc=4),
+             tiny_config(*LINEAR_ADAM, *DILOCO_H1, *pipe, "parallel.replicas=2", nproc=4),
+             tiny_config(*LINEAR_ADAM, *moe, "parallel.dp=4", nproc=4),
+             tiny_config(*LINEAR_ADAM, *DILOCO_H1, *moe, "parallel.replicas=2", nproc=4)]
     sync2, diloco2 = run_distributed(2, train_many, [c.to_dict() for c in two], STEPS)[0]
-    sync_tp, diloco_tp, sync4, diloco_zero = run_distributed(
-        4, train_many, [c.to_dict() for c in four], STEPS)[0]
-    for sync, diloco in ((sync2, diloco2), (sync_tp, diloco_tp), (sync4, diloco_zero)):
+    results = run_distributed(4, train_many, [c.to_dict() for c in four], STEPS)[0]
+    pairs = [(sync2, diloco2)] + list(zip(results[::2], results[1::2], strict=True))
+    for sync, diloco in pairs:
         assert _losses(diloco) == pytest.approx(_losses(sync), abs=IDENTITY_TOLERANCE)
         print("H=1 identity, largest loss difference:",
               max(abs(a - b) for a, b in zip(_losses(diloco), _losses(sync), strict=True)))
