@@ -213,3 +213,28 @@ def test_planner_and_verify_refuse_replica_groups(meshtrain, command):
     result = meshtrain(*command, "--set", "parallel.replicas=2")
     assert result.returncode == 2
     assert "parallel.replicas = 2" in result.stderr and "valid value" in result.stderr
+
+
+def test_outer_step_is_torch_nesterov_sgd():
+    """The outer step on one process (one group: the average is the group's own pseudo-
+    gradient) against ``torch.optim.SGD(nesterov=True)`` over three rounds."""
+    from meshtrain.mesh import ParallelMesh
+    from meshtrain.training.diloco import OuterOptimizer
+    from meshtrain.training.trainer import Trainer
+
+    trainer = Trainer(tiny_config(), ParallelMesh())
+    outer = OuterOptimizer(trainer.optimizer, trainer.mesh, 1, lr=0.7, momentum=0.9)
+    master = trainer.optimizer.shards[0].master
+    reference = torch.nn.Parameter(master.detach().clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        drift = torch.randn(master.shape, generator=generator) * 1e-2
+        with torch.no_grad():
+            master.sub_(drift)  # what the round's inner steps did
+        outer.sync()
+        reference.grad = drift.clone()  # the pseudo-gradient: start - now
+        sgd.step()
+        torch.testing.assert_close(master, reference.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(outer.start[0], master, rtol=0, atol=0)
+    assert outer.rounds == 3
