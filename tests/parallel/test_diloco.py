@@ -238,3 +238,30 @@ def test_outer_step_is_torch_nesterov_sgd():
         torch.testing.assert_close(master, reference.detach(), rtol=0, atol=1e-6)
         torch.testing.assert_close(outer.start[0], master, rtol=0, atol=0)
     assert outer.rounds == 3
+
+
+def _train_with_fault(config_dict: dict, steps: int, spec: str):
+    """:func:`_train_and_fingerprint` with a test-only fault (:mod:`meshtrain.faults`)."""
+    import os
+
+    from meshtrain import faults
+
+    os.environ[faults.ENV_VAR] = spec
+    faults.reset()
+    try:
+        return _train_and_fingerprint(config_dict, steps)
+    finally:
+        del os.environ[faults.ENV_VAR]
+        faults.reset()
+
+
+def test_a_nonfinite_step_in_one_group_is_skipped_by_all():
+    """A NaN loss in group 1 only (rank 1) at step 2: the groups share loss and norm, so both
+    skip that step alike, and they still end the run in sync."""
+    config = tiny_config("parallel.replicas=2", "parallel.sync_every=2", nproc=2)
+    results = run_distributed(2, _train_with_fault, config.to_dict(), 4,
+                              "nan_loss:rank=1:step=2")
+    records = results[0][0]
+    assert results[0][1] == results[1][1]
+    assert [r["nonfinite_skips"] for r in records] == [0, 1, 1, 1]
+    assert not torch.isfinite(torch.tensor(records[1]["loss"]))
