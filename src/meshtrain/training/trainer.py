@@ -7,7 +7,9 @@ counted collectives.
 Loss normalisation: each micro-batch's summed token cross-entropy is divided by the number of
 target tokens in the **global** batch (all data-parallel ranks, all micro-batches), counted before
 any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
-gradient of the global mean loss, whatever the layout or micro-batching.
+gradient of the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
+groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco`) each group is such a job on
+its own part of every global batch, and its outer step averages the groups every round.
 """
 
 from __future__ import annotations
