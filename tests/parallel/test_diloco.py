@@ -15,9 +15,12 @@ computes start − (start − mean)); measured differences are ~1e-7.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from meshtrain.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
@@ -147,10 +150,18 @@ def test_bad_replica_settings_are_refused(overrides, nproc, words):
     assert any(word in str(error.value) for word in ("valid", "must", "choose"))
 
 
+def _fit_many(config_dicts: list[dict]) -> list[list[float]]:
+    """``Trainer.fit`` (restoring first) of each config in turn; every one's losses."""
+    from tests.parallel.test_checkpoint import uninterrupted
+
+    return [uninterrupted(c) for c in config_dicts]
+
+
 def test_checkpoint_mid_round_resumes_bitwise(tmp_path):
     """replicas 2 × (dp 2, ZeRO-1) stopped after step 4 of 7, mid-round (H = 3, rounds end at 3
-    and 6): the resumed run's losses equal the uninterrupted run's bitwise; a checkpoint with
-    replica groups refuses another replica count."""
+    and 6): the resumed run's losses equal the uninterrupted run's bitwise, and within fp32
+    tolerance when resumed at another inner layout; a checkpoint with replica groups refuses
+    another replica count; a run from weights (``init_from``) starts its first round there."""
     from meshtrain.checkpoint.manager import check_compatible, list_checkpoints
     from meshtrain.config import ConfigError
     from tests.parallel.test_checkpoint import resume_and_finish, train_then_stop, uninterrupted
@@ -163,7 +174,21 @@ def test_checkpoint_mid_round_resumes_bitwise(tmp_path):
     rest = run_distributed(4, resume_and_finish, resumed.to_dict())[0]
     straight = tiny_config(*common, "parallel.zero=1", run_dir=str(tmp_path / "straight"),
                            nproc=4)
-    assert first + rest == run_distributed(4, uninterrupted, straight.to_dict())[0]
+    reference = run_distributed(4, uninterrupted, straight.to_dict())[0]
+    assert first + rest == reference
+    # The inner layout may change on resume (layout-free within each group): tp 2 instead.
+    shutil.copytree(tmp_path / "run", tmp_path / "retp", ignore=shutil.ignore_patterns("final"))
+    as_tp = tiny_config(*common, "parallel.tp=2", "checkpoint.resume=auto",
+                        run_dir=str(tmp_path / "retp"), nproc=4)
+    rest_tp = run_distributed(4, resume_and_finish, as_tp.to_dict())[0]
+    assert rest_tp == pytest.approx(reference[4:], abs=LOSS_TOLERANCE_FP32)
+    # Starting from weights, the first round starts from them (H = 1, linear AdamW: dp 4).
+    weights = f"checkpoint.init_from={tmp_path / 'straight' / 'final'}"
+    from_weights = [tiny_config(*LINEAR_ADAM, weights, "parallel.dp=4", nproc=4),
+                    tiny_config(*LINEAR_ADAM, *DILOCO_H1, weights, "parallel.replicas=2",
+                                nproc=4)]
+    sync, diloco = run_distributed(4, _fit_many, [c.to_dict() for c in from_weights])[0]
+    assert diloco == pytest.approx(sync, abs=IDENTITY_TOLERANCE)
     other = tiny_config("parallel.replicas=1", "checkpoint.resume=auto", nproc=4,
                         run_dir=str(tmp_path / "run"))
     newest = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
