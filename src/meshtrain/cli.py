@@ -16,10 +16,19 @@ from meshtrain.config import Config, ConfigError, default_config_path, load_conf
 from meshtrain.validation import validate_config
 
 
+def _replicas_note(par) -> str:
+    """``; R replica groups synced every H steps`` for DiLoCo runs, else empty."""
+    if par.replicas == 1:
+        return ""
+    fragments = f" in {par.sync_fragments} fragments" if par.sync_fragments > 1 else ""
+    return (f" in each of {par.replicas} replica groups, synced every {par.sync_every} "
+            f"steps{fragments}")
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML run config, or a run's config.json "
                         "(default: the built-in demo)")
-    parser.add_argument("--nproc", type=int, help="processes to launch (default: dp × tp × pp)")
+    parser.add_argument("--nproc", type=int,
+                        help="processes to launch (default: replicas × dp × tp × pp)")
     parser.add_argument("--steps", type=int, help="total optimizer steps (train.steps)")
     parser.add_argument("--run-dir", help="where metrics.jsonl and final weights go")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -215,7 +224,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model "
               f"for {config.train.steps} steps on {world} process(es) "
               f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}"
-              f"{f' cp={config.parallel.cp}' if config.parallel.cp > 1 else ''}); "
+              f"{f' cp={config.parallel.cp}' if config.parallel.cp > 1 else ''}"
+              f"{_replicas_note(config.parallel)}); "
               f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
     from meshtrain.checkpoint.manager import preflight
 

@@ -46,6 +46,7 @@ MOE_SCORE_KINDS = ("softmax", "sigmoid")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+OUTER_GRAD_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -170,6 +171,20 @@ class ParallelConfig(Layout):
     """Every K steps, re-place hot experts across the ep ranks from the load measured since the
     last time (moving their parameters and optimizer state) so the busiest rank's token count
     falls; 0 = off. Needs ``ep > 1``. See :mod:`meshtrain.parallel.expert.placement`."""
+    replicas: int = 1
+    """Replica groups (DiLoCo, docs/diloco.md): the outermost mesh dimension; each group runs
+    the inner layout above (dp, tp, pp, ep, cp, zero) on its own part of every global batch and
+    the groups meet every ``sync_every`` steps. World = replicas × dp × cp × tp × pp."""
+    sync_every: int = 1
+    """Inner steps per DiLoCo round (H): each group trains this many AdamW steps alone, then the
+    groups average their pseudo-gradients and take one outer Nesterov step."""
+    sync_fragments: int = 1
+    """Streaming DiLoCo: split the blocks into this many fragments that end their rounds at
+    staggered inner steps (each still every ``sync_every``), spreading the traffic; 1 = all at
+    once."""
+    outer_grad_dtype: str = "fp32"
+    """dtype of the pseudo-gradient all-reduce between replica groups: ``fp32`` or ``bf16``
+    (half the bytes; the sum is taken in bf16, the outer step in fp32)."""
     auto: bool = False
     """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
     and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;
@@ -249,6 +264,10 @@ class TrainConfig:
     ranks' median for straggler_steps steps in a row; 0 = no warning (docs/reliability.md)."""
     straggler_steps: int = 3
     """Consecutive steps a rank must be above straggler_factor before the warning."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov SGD (``parallel.replicas > 1``): learning rate and momentum on
+    the averaged pseudo-gradient (Douillard et al. 2023: 0.7 and 0.9)."""
     carbon_g_per_kwh: float = 0.0
     price_per_kwh: float = 0.0
     """Grid g CO2 per kWh and price per kWh for the run summary's CO2 and cost; 0 = omitted."""

@@ -305,7 +305,7 @@ def report(config: Config, world: int, rank: int) -> dict:
     coords = {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp": mesh.tp_rank, "ep": mesh.ep_rank,
               "edp": mesh.edp_rank, "cp": mesh.cp_rank}
     layout = {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "ep": mesh.ep, "cp": mesh.cp,
-              "zero": par.zero,
+              "replicas": mesh.replicas, "replica": mesh.replica_rank, "zero": par.zero,
               "microbatches": par.microbatches, "schedule": par.pp_schedule,
               "virtual_stages": par.virtual_stages, "sequence_parallel": par.sequence_parallel,
               "precision": config.train.precision, "grad_reduce_dtype": par.grad_reduce_dtype,
@@ -330,7 +330,10 @@ def format_report(rep: dict) -> str:
     c = lay["coords"]
     layers = lay["layers"]
     span = f"{layers[0]}-{layers[-1]}" if layers else "none"
-    lines = [f"meshtrain dry run: rank {rep['rank']} of {rep['world']} (pp {c['pp']}/{lay['pp']} "
+    group = (f"replica {lay['replica']}/{lay['replicas']} " if lay.get("replicas", 1) > 1
+             else "")
+    lines = [f"meshtrain dry run: rank {rep['rank']} of {rep['world']} ({group}"
+             f"pp {c['pp']}/{lay['pp']} "
              f"dp {c['dp']}/{lay['dp']} cp {c['cp']}/{lay['cp']} tp {c['tp']}/{lay['tp']} "
              f"ep {c['ep']}/{lay['ep']}), "
              f"ZeRO-{lay['zero']}, {lay['microbatches']} micro-batch(es), {lay['precision']}; "

@@ -1,8 +1,11 @@
 """``ParallelMesh``: the one topology object, passed explicitly to everything that communicates.
 
-Ranks are laid out with **pp outermost and tp innermost**::
+Ranks are laid out with **replica groups outermost, then pp, and tp innermost**::
 
-    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+    rank = replica_rank * inner + ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+(``inner = dp × cp × tp × pp``, the ranks of one replica group) so that each DiLoCo replica group
+(``replicas``, docs/diloco.md) is a block of consecutive ranks running the whole inner layout, and
 
 so tensor-parallel peers are neighbours (on one node, on the fastest links), context-parallel
 peers (who exchange keys and values in every attention layer) come next, and pipeline stages are
@@ -21,6 +24,10 @@ A tied embedding (``model.tie_embeddings``) under pipeline parallelism is held b
 ranks of the first and of the last stage (``tied_pp_ranks``, from the schedule): the ``tied``
 group joins them for every (dp, cp, tp) coordinate, and its all-reduce sums the two stages'
 gradients of the shared matrix (counted as ``pp`` traffic). Every other rank is a group of one.
+
+The ``replica`` group joins the ranks with the same inner coordinates in every replica group
+(each holds the same shard of the model), over which DiLoCo averages pseudo-gradients; every other
+axis's groups stay inside one replica group. With ``replicas = 1`` it has one rank.
 
 The mesh owns every process group (none are module-level globals), the counted collectives of
 each axis (:mod:`meshtrain.parallel.comm`), and the per-axis random-number streams.
@@ -51,7 +58,8 @@ class ParallelMesh:
 
     def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                  rank: int = 0, device: torch.device | str = "cpu", seed: int = 0,
-                 timeout_s: float | None = None, tied_pp_ranks: Iterable[int] = ()):
+                 timeout_s: float | None = None, tied_pp_ranks: Iterable[int] = (),
+                 replicas: int = 1):
         """``timeout_s`` bounds every collective of the axis groups (``train.collective_timeout_s``;
         None = torch's default). Sub-groups do not inherit the world group's timeout.
         ``tied_pp_ranks``: the pipeline ranks holding a tied embedding (those of the first and
@@ -60,8 +68,13 @@ class ParallelMesh:
             raise ValueError(f"ep = {ep} must divide dp = {dp}")
         if cp < 1:
             raise ValueError(f"cp = {cp} must be at least 1")
+        if replicas < 1:
+            raise ValueError(f"replicas = {replicas} must be at least 1")
         self.dp, self.tp, self.pp, self.ep, self.cp = dp, tp, pp, ep, cp
-        self.world_size = dp * cp * tp * pp
+        self.replicas = replicas
+        self.inner_size = dp * cp * tp * pp
+        """Ranks of one replica group (its inner layout's world)."""
+        self.world_size = replicas * self.inner_size
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -71,10 +84,12 @@ class ParallelMesh:
         self.device = torch.device(device)
         self.seed = seed
         self.timeout_s = timeout_s
-        self.tp_rank = rank % tp
-        self.cp_rank = (rank // tp) % cp
-        self.dp_rank = (rank // (tp * cp)) % dp
-        self.pp_rank = rank // (tp * cp * dp)
+        self.replica_rank = rank // self.inner_size
+        inner = rank % self.inner_size
+        self.tp_rank = inner % tp
+        self.cp_rank = (inner // tp) % cp
+        self.dp_rank = (inner // (tp * cp)) % dp
+        self.pp_rank = inner // (tp * cp * dp)
         self.ep_rank = self.dp_rank % ep
         self.edp_rank = self.dp_rank // ep
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
@@ -100,25 +115,40 @@ class ParallelMesh:
     def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                          seed: int = 0, device: torch.device | str = "cpu",
                          timeout_s: float | None = None,
-                         tied_pp_ranks: Iterable[int] = ()) -> ParallelMesh:
+                         tied_pp_ranks: Iterable[int] = (), replicas: int = 1) -> ParallelMesh:
         """Build the mesh for this process; the default process group must already exist
         when the world has more than one rank. ``tied_pp_ranks``: see the constructor."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != dp * cp * tp * pp:
-            raise ValueError(f"world size {world} != dp × cp × tp × pp = "
-                             f"{dp} × {cp} × {tp} × {pp}")
+        if world != replicas * dp * cp * tp * pp:
+            raise ValueError(f"world size {world} != replicas × dp × cp × tp × pp = "
+                             f"{replicas} × {dp} × {cp} × {tp} × {pp}")
         return cls(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, seed=seed,
-                   timeout_s=timeout_s, tied_pp_ranks=tied_pp_ranks)
+                   timeout_s=timeout_s, tied_pp_ranks=tied_pp_ranks, replicas=replicas)
 
-    def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
-        """Global rank of the process at the given coordinates."""
-        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
+    def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0,
+                       replica_rank: int | None = None) -> int:
+        """Global rank of the process at the given coordinates (in this rank's replica group
+        unless ``replica_rank`` is given)."""
+        replica = self.replica_rank if replica_rank is None else replica_rank
+        return (replica * self.inner_size
+                + ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank)
 
     def _axis_members(self) -> dict[str, list[list[int]]]:
-        """Every group of every axis, as lists of global ranks."""
+        """Every group of every axis, as lists of global ranks: each inner axis's groups of
+        every replica group, then the ``replica`` groups."""
+        groups: dict[str, list[list[int]]] = {}
+        for replica in range(self.replicas):
+            for axis, members in self._inner_members(replica).items():
+                groups.setdefault(axis, []).extend(members)
+        groups["replica"] = [[g * self.inner_size + i for g in range(self.replicas)]
+                             for i in range(self.inner_size)]
+        return groups
+
+    def _inner_members(self, replica: int) -> dict[str, list[list[int]]]:
+        """The inner axes' groups of replica group ``replica``, as lists of global ranks."""
         def r(p, d, t, c):
-            return self.coords_to_rank(p, d, t, c)
+            return self.coords_to_rank(p, d, t, c, replica)
 
         pp, dp, tp, ep, cp = self.pp, self.dp, self.tp, self.ep, self.cp
         outer = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
@@ -203,7 +233,8 @@ class ParallelMesh:
         across tp ranks (they hold pieces of the same activations), different across replicas.
         """
         coords = {"pp": self.pp_rank, "dp": self.dp_rank, "tp": self.tp_rank,
-                  "ep": self.ep_rank, "edp": self.edp_rank, "cp": self.cp_rank}
+                  "ep": self.ep_rank, "edp": self.edp_rank, "cp": self.cp_rank,
+                  "replica": self.replica_rank}
         parts = [f"{self.seed}", stream] + [f"{a}={coords[a]}" for a in sorted(vary_along)]
         digest = hashlib.sha256("/".join(parts).encode()).digest()
         return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -17,6 +17,7 @@ from meshtrain.config import (
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
+    OUTER_GRAD_DTYPES,
     PRECISIONS,
     ROPE_SCALING_KEYS,
     ROPE_TYPES,
@@ -48,16 +49,19 @@ def _at_least(value: float, minimum: float, key: str) -> None:
 def resolve_world(config: Config, nproc: int | None) -> int:
     """Fill in ``parallel.dp`` when it is 0 (auto) and return the world size.
 
-    With ``nproc`` given, dp = nproc / (cp × tp × pp); without it, the world is
-    dp × cp × tp × pp.
+    With ``nproc`` given, dp = nproc / (replicas × cp × tp × pp); without it, the world is
+    replicas × dp × cp × tp × pp.
     """
     par = config.parallel
     for key in ("tp", "pp", "ep", "cp"):
         _at_least(getattr(par, key), 1, f"parallel.{key}")
     _at_least(par.dp, 0, "parallel.dp")
-    model_parallel = par.cp * par.tp * par.pp
-    names = "cp × tp × pp" if par.cp > 1 else "tp × pp"
-    values = " × ".join(map(str, ([par.cp] if par.cp > 1 else []) + [par.tp, par.pp]))
+    _at_least(par.replicas, 1, "parallel.replicas")
+    model_parallel = par.replicas * par.cp * par.tp * par.pp
+    shown = [("replicas", par.replicas), ("cp", par.cp)]
+    shown = [(k, v) for k, v in shown if v > 1] + [("tp", par.tp), ("pp", par.pp)]
+    names = " × ".join(k for k, _ in shown)
+    values = " × ".join(str(v) for _, v in shown)
     if nproc is None:
         par.dp = par.dp or 1
         return par.dp * model_parallel
@@ -76,6 +80,45 @@ def resolve_world(config: Config, nproc: int | None) -> int:
             f"at 0 to fill the remaining processes with data parallelism."
         )
     return nproc
+
+
+def validate_replicas(config: Config) -> None:
+    """DiLoCo replica groups (``parallel.replicas``) and their outer optimizer."""
+    par, train = config.parallel, config.train
+    _at_least(par.replicas, 1, "parallel.replicas")
+    _at_least(par.sync_every, 1, "parallel.sync_every")
+    _choice(par.outer_grad_dtype, OUTER_GRAD_DTYPES, "parallel.outer_grad_dtype")
+    _at_least(par.sync_fragments, 1, "parallel.sync_fragments")
+    most = min(par.sync_every, config.model.n_layers)
+    if par.sync_fragments > most:
+        raise ConfigError(
+            f"parallel.sync_fragments = {par.sync_fragments} is more than parallel.sync_every = "
+            f"{par.sync_every} or model.n_layers = {config.model.n_layers} allow: each fragment "
+            f"is whole blocks and ends its rounds at its own inner step; valid: 1 to {most}.")
+    if par.sync_fragments > 1 and par.replicas == 1:
+        raise ConfigError("parallel.sync_fragments > 1 needs parallel.replicas > 1 (fragments "
+                          "are synchronised between replica groups); valid here: 1.")
+    if train.outer_lr <= 0:
+        raise ConfigError(f"train.outer_lr = {train.outer_lr} must be positive (DiLoCo's "
+                          "default 0.7; 1.0 with outer_momentum = 0 averages the groups).")
+    if not 0 <= train.outer_momentum < 1:
+        raise ConfigError(f"train.outer_momentum = {train.outer_momentum} must be in [0, 1) "
+                          "(DiLoCo's default 0.9; 0 = plain outer SGD).")
+    if par.replicas == 1:
+        return
+    if par.auto:
+        raise ConfigError("parallel.auto does not plan replica groups yet; with "
+                          f"parallel.replicas = {par.replicas} the valid setting is "
+                          "parallel.auto = false and an inner layout (dp, tp, pp, ...) of your "
+                          "own, or use parallel.replicas = 1.")
+    if par.ep_rebalance_every:
+        raise ConfigError("parallel.ep_rebalance_every re-places experts per group, so the "
+                          "groups' expert layouts would differ and their pseudo-gradients no "
+                          "longer line up; with parallel.replicas > 1 the valid value is 0.")
+    if par.check_replicas_every:
+        raise ConfigError("parallel.check_replicas_every checks dp replicas within a group; "
+                          "with parallel.replicas > 1 the groups differ between syncs by design, "
+                          "so the valid value is 0.")
 
 
 def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
@@ -251,14 +294,18 @@ def validate_parallel(config: Config) -> None:
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
     dp = max(par.dp, 1)
-    per_step = dp * par.microbatches
+    # Replica groups read disjoint parts of each global batch, like extra dp ranks.
+    readers = dp * max(par.replicas, 1)
+    per_step = readers * par.microbatches
     if train.global_batch % per_step:  # first: it bounds microbatches for the schedule below
-        valid = [m for m in _divisors(train.global_batch // dp) if train.global_batch % dp == 0]
-        hint = (f"valid parallel.microbatches for dp={dp}: {', '.join(map(str, valid))}"
+        valid = [m for m in _divisors(train.global_batch // readers)
+                 if train.global_batch % readers == 0]
+        what = "replicas × dp" if par.replicas > 1 else "dp"
+        hint = (f"valid parallel.microbatches for {what}={readers}: {', '.join(map(str, valid))}"
                 if valid else f"choose a global_batch that is a multiple of {per_step}")
         raise ConfigError(
-            f"train.global_batch = {train.global_batch} is not divisible by dp × microbatches = "
-            f"{dp} × {par.microbatches} = {per_step}; {hint}."
+            f"train.global_batch = {train.global_batch} is not divisible by {what} × "
+            f"microbatches = {readers} × {par.microbatches} = {per_step}; {hint}."
         )
     if par.tp > 1:
         validate_tensor_parallel(config)
@@ -509,4 +556,5 @@ def validate_config(config: Config, world_size: int | None = None) -> int:
 
     validate_model(config, tokenizer_vocab_size(config.data.tokenizer))
     validate_parallel(config)
+    validate_replicas(config)
     return world

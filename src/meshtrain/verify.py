@@ -29,7 +29,7 @@ import copy
 import json
 import os
 
-from meshtrain.config import Config
+from meshtrain.config import Config, ConfigError
 
 LOSS_TOLERANCE_FP32 = 2e-4
 GRAD_NORM_RTOL_FP32 = 1e-3
@@ -112,6 +112,11 @@ def compare(layout: list[dict], reference: list[dict], loss_tol: float,
 def verify(config: Config, world_size: int, steps: int, loss_tol: float | None = None,
            grad_norm_rtol: float | None = None) -> dict:
     """Run the layout and its reference and compare them."""
+    if config.parallel.replicas != 1:
+        raise ConfigError(f"parallel.replicas = {config.parallel.replicas}: DiLoCo replica groups "
+                          "do not reproduce one process (AdamW steps are averaged, not their "
+                          "gradients; docs/diloco.md); verify one group's layout with "
+                          "parallel.replicas = 1, the valid value here.")
     bf16 = config.train.precision == "bf16"
     loss_tol = loss_tol if loss_tol is not None else (
         LOSS_TOLERANCE_BF16 if bf16 else LOSS_TOLERANCE_FP32)

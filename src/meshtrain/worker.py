@@ -58,7 +58,7 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
         tied = build_schedule(par.pp_schedule, par.pp, par.microbatches,
                               par.virtual_stages).embedding_ranks
     return ParallelMesh.from_environment(dp=max(par.dp, 1), tp=par.tp, pp=par.pp, ep=par.ep,
-                                         cp=par.cp,
+                                         cp=par.cp, replicas=par.replicas,
                                          seed=config.train.seed, device=device,
                                          timeout_s=config.train.collective_timeout_s,
                                          tied_pp_ranks=tied)

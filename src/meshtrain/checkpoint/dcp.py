@@ -101,13 +101,22 @@ def _flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:
     return index
 
 
-def optimizer_chunks(optimizer) -> list[Chunk]:
-    """Chunks of every parameter's fp32 master value and Adam moments held by this rank."""
+def optimizer_chunks(optimizer, prefix: str = "") -> list[Chunk]:
+    """Chunks of every parameter's fp32 master value and Adam moments held by this rank
+    (names prefixed by ``prefix``: a DiLoCo replica group's own inner state)."""
+    return shard_chunks(optimizer.engine, optimizer.shards,
+                        {f"{prefix}model": [s.master for s in optimizer.shards],
+                         f"{prefix}optim.exp_avg": optimizer.exp_avg,
+                         f"{prefix}optim.exp_avg_sq": optimizer.exp_avg_sq})
+
+
+def shard_chunks(engine, shards, sources: dict[str, list[torch.Tensor]]) -> list[Chunk]:
+    """Chunks of per-parameter state laid out like the optimizer shards: ``sources`` maps a
+    name prefix to one flat tensor per shard (the masters, a moment, DiLoCo's outer state)."""
     chunks: list[Chunk] = []
-    sharded = optimizer.engine.stage >= 1
-    shardings = optimizer.engine.shardings
-    for shard, exp_avg, exp_avg_sq in zip(optimizer.shards, optimizer.exp_avg,
-                                          optimizer.exp_avg_sq, strict=True):
+    sharded = engine.stage >= 1
+    shardings = engine.shardings
+    for index, shard in enumerate(shards):
         bucket = shard.bucket
         base = bucket.shard_start if sharded else 0
         for slot, start, length in bucket.segments(sharded):
@@ -120,10 +129,9 @@ def optimizer_chunks(optimizer) -> list[Chunk]:
                 for offsets, sizes, where in _global_boxes(*box, shift, rows):
                     at = start + _flat_index(offsets, slot.shape) - first
                     n = math.prod(sizes)
-                    for prefix, source in (("model", shard.master), ("optim.exp_avg", exp_avg),
-                                           ("optim.exp_avg_sq", exp_avg_sq)):
+                    for prefix, tensors in sources.items():
                         chunks.append(Chunk(f"{prefix}.{slot.name}", full, where,
-                                            source[at:at + n].view(sizes)))
+                                            tensors[index][at:at + n].view(sizes)))
     return chunks
 
 

@@ -139,8 +139,17 @@ def _shape_signature(model: ModelConfig) -> dict:
 
 
 def check_compatible(config: Config, directory: Path, vocab_size: int) -> None:
-    """Refuse (ConfigError, exit 2) a checkpoint whose model shape differs from ``config``'s."""
-    saved = ModelConfig(**read_manifest(directory)["model"])
+    """Refuse (ConfigError, exit 2) a checkpoint whose model shape or number of replica groups
+    differs from ``config``'s."""
+    manifest = read_manifest(directory)
+    saved_replicas = manifest.get("layout", {}).get("replicas", 1)
+    if saved_replicas != config.parallel.replicas:
+        raise ConfigError(
+            f"checkpoint {directory} was saved with parallel.replicas = {saved_replicas}; it "
+            f"resumes only at parallel.replicas = {saved_replicas} (each replica group's inner "
+            f"state is its own), not {config.parallel.replicas}. Set it back, or start from its "
+            "final weights with checkpoint.init_from.")
+    saved = ModelConfig(**manifest["model"])
     current = dataclasses.replace(config.model, vocab_size=config.model.vocab_size or vocab_size)
     want, have = _shape_signature(current), _shape_signature(saved)
     diffs = [f"{k}: checkpoint {have[k]} vs config {want[k]}" for k in SHAPE_KEYS

@@ -6,6 +6,12 @@ the data sampler position, the torch RNG state, the step, and under expert paral
 expert placement (:meth:`~meshtrain.parallel.expert.placement.ExpertPlacer.state_dict`). The
 learning-rate schedule is a function of the step, and the mesh's random streams are functions of
 (seed, stream, coordinates), so neither needs state of its own.
+
+With DiLoCo replica groups (``parallel.replicas > 1``) the groups' inner states differ between
+rounds, so each group's masters, moments and buffers are saved under its own prefix
+(``replica<r>.model.<param>``, ...), and the outer state, the same in every group, once
+(``outer.start.<param>``, ``outer.momentum.<param>``, still ZeRO- and tp-sharded like the
+masters). Such a checkpoint resumes at the same number of replica groups (any inner layout).
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import torch.distributed.checkpoint as dcp
 
 from meshtrain.checkpoint import manager
 from meshtrain.checkpoint.dcp import (
+    Chunk,
     ChunkLoadPlanner,
     ChunkSavePlanner,
     buffer_chunks,
     optimizer_chunks,
+    shard_chunks,
 )
 
 META = "meta"
@@ -34,7 +42,20 @@ def _layout(trainer) -> dict:
     par = trainer.config.parallel
     return {"world_size": trainer.mesh.world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
             "ep": par.ep, "cp": par.cp, "zero": par.zero, "virtual_stages": par.virtual_stages,
-            "precision": trainer.config.train.precision}
+            "precision": trainer.config.train.precision, "replicas": par.replicas}
+
+
+def _chunks(trainer) -> list[Chunk]:
+    """Every tensor chunk this rank saves and loads (see the module docstring)."""
+    outer = getattr(trainer, "outer", None)
+    if outer is None:
+        return optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
+    prefix = f"replica{trainer.mesh.replica_rank}."
+    buffers = [Chunk(prefix + c.fqn, c.global_size, c.offsets, c.tensor)
+               for c in buffer_chunks(trainer.model)]
+    outer_state = shard_chunks(trainer.engine, trainer.optimizer.shards,
+                               {"outer.start": outer.start, "outer.momentum": outer.momentum_buf})
+    return optimizer_chunks(trainer.optimizer, prefix) + buffers + outer_state
 
 
 def _group():
@@ -54,13 +75,15 @@ def save(trainer) -> Path:
     mesh.barrier()
     if exists:  # never overwrite a finished checkpoint
         return final
+    outer = getattr(trainer, "outer", None)
     meta = {"step": trainer.step, "optimizer_step": trainer.optimizer.step_count,
+            "replicas": trainer.mesh.replicas, "outer_rounds": outer.rounds if outer else 0,
             "data": trainer.data.state_dict(), "rng": manager.encode_rng(),
             "config": trainer.config.to_dict()}
     placer = getattr(trainer, "expert_placer", None)
     if placer is not None:  # which expert sits where; the tensors are in canonical order
         meta["expert_placement"] = placer.state_dict()
-    chunks = optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
+    chunks = _chunks(trainer)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(temp)),
              planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()}),
              process_group=_group())
@@ -77,14 +100,17 @@ def save(trainer) -> Path:
 
 
 def load(trainer, directory: Path) -> dict:
-    """Restore ``trainer`` from ``directory`` (saved at any layout); returns the metadata."""
-    chunks = optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
+    """Restore ``trainer`` from ``directory`` (saved at any layout with as many replica groups);
+    returns the metadata."""
+    chunks = _chunks(trainer)
     planner = ChunkLoadPlanner(chunks, [META])
     dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
              process_group=_group())
     meta = json.loads(planner.blobs[META])
     trainer.step = meta["step"]
     trainer.optimizer.step_count = meta["optimizer_step"]
+    if getattr(trainer, "outer", None) is not None:
+        trainer.outer.rounds = meta.get("outer_rounds", 0)
     trainer.data.load_state_dict(meta["data"])
     manager.decode_rng(meta["rng"])
     trainer.engine.after_step(trainer.optimizer.shards)  # parameters from the loaded masters
@@ -121,3 +147,5 @@ def init_from_weights(trainer, path: str) -> None:
         raise ConfigError(f"checkpoint.init_from = {path} lacks {len(missing)} tensor(s) of "
                           f"this model, e.g. {', '.join(missing[:3])}.")
     trainer.engine.after_step(trainer.optimizer.shards)
+    if getattr(trainer, "outer", None) is not None:
+        trainer.outer.restart_round()  # the first round starts from these weights

@@ -62,6 +62,10 @@ def _check_shapes(config: Config) -> None:
             raise ConfigError(f"train.{key} must be at least 1.")
     if config.train.precision not in ("bf16", "fp32"):
         raise ConfigError(f'train.precision = "{config.train.precision}"; use bf16 or fp32.')
+    if config.parallel.replicas != 1:
+        raise ConfigError(f"parallel.replicas = {config.parallel.replicas}: the planner does not "
+                          "price DiLoCo replica groups yet (docs/diloco.md); the valid value "
+                          "here is 1: estimate one group's layout on its own processes.")
 
 
 #: What ``estimate`` needs from ``--set`` alone (no ``--config``, no ``--model``): the model's

@@ -7,7 +7,9 @@ counted collectives.
 Loss normalisation: each micro-batch's summed token cross-entropy is divided by the number of
 target tokens in the **global** batch (all data-parallel ranks, all micro-batches), counted before
 any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
-gradient of the global mean loss, whatever the layout or micro-batching.
+gradient of the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
+groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco`) each group is such a job on
+its own part of every global batch, and its outer step averages the groups every round.
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ class Trainer:
         self.document_layout_fn = self._layout_fn(config)
         self.data = self.batches = None
         if with_data:
-            self.data = TrainData(config.data, train, self.tokenizer, dp_rank=mesh.dp_rank,
-                                  dp_size=mesh.dp, microbatches=par.microbatches)
+            # Replica groups read disjoint parts of each global batch, like more dp ranks.
+            self.data = TrainData(config.data, train, self.tokenizer,
+                                  dp_rank=mesh.replica_rank * mesh.dp + mesh.dp_rank,
+                                  dp_size=mesh.replicas * mesh.dp, microbatches=par.microbatches)
             self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         model = meta_model(config.model)  # no rank materialises more than its own piece
@@ -90,6 +94,13 @@ class Trainer:
         self.pipeline = self._build_pipeline()
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
+        self.outer = None  # DiLoCo's outer step between replica groups (replicas > 1)
+        if mesh.replicas > 1:
+            from meshtrain.training.diloco import OuterOptimizer
+
+            self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
+                                        train.outer_momentum, par.outer_grad_dtype,
+                                        par.sync_fragments)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
         self.expert_placer = self.evaluator = None
         self.ignore_index = IGNORE_INDEX
@@ -122,7 +133,7 @@ class Trainer:
             return None
         schedule, chunks = stages
         train, par = self.config.train, self.config.parallel
-        micro = train.global_batch // (self.mesh.dp * par.microbatches)
+        micro = train.global_batch // (self.mesh.replicas * self.mesh.dp * par.microbatches)
         seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
         executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)
@@ -285,6 +296,15 @@ class Trainer:
                               result["lm"].new_tensor(self.energy.read())])
         self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
         self.mesh.comm("dp_cp").all_reduce(losses)  # cp ranks hold parts of every sequence
+        if self.outer is not None:
+            # Replica groups: loss, aux and norm are the mean over the groups (each group's its
+            # own batch's), energy and tokens the sum, so every group decides alike below.
+            losses = torch.cat([losses, torch.stack([grad_norm.float().reshape(()),
+                                                     losses.new_tensor(global_tokens)])])
+            self.mesh.comm("replica").all_reduce(losses)
+            replicas = self.mesh.replicas
+            losses[:2] /= replicas
+            grad_norm, global_tokens = losses[3] / replicas, float(losses[4])
         energy_j = float(losses[2]) * self.mesh.tp
         self.energy_total_j += energy_j
         # Loss and norm are global (equal on every rank), so every rank decides alike.
@@ -306,6 +326,9 @@ class Trainer:
             self.optimizer.step(lr)
         moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
+        due = self.outer.due(self.step + 1, self.config.train.steps) if self.outer else []
+        if due:  # a DiLoCo round ends: every group continues from the same weights
+            self.outer.sync(due)
         if moe_summary is not None and self.expert_placer is not None:
             # ep-rank loads; every ep_rebalance_every steps re-place experts (gradients are zero)
             self.expert_placer.end_step(moe_summary, self.moe_stats.last_loads, self.step + 1)
@@ -355,8 +378,11 @@ class Trainer:
 
     def _memory(self) -> dict:
         """Model states this rank holds (parameters, gradients, optimizer) and its peak."""
-        return {**self.engine.memory(), "optim_bytes": self.optimizer.state_bytes(),
-                "peak_bytes": peak_memory_bytes(self.device)}
+        memory = {**self.engine.memory(), "optim_bytes": self.optimizer.state_bytes(),
+                  "peak_bytes": peak_memory_bytes(self.device)}
+        if self.outer is not None:
+            memory["outer_bytes"] = self.outer.state_bytes()
+        return memory
 
     # ------------------------------------------------------------------ the run
     def restore(self) -> None:

@@ -1,0 +1,149 @@
+"""DiLoCo's outer step between replica groups (``parallel.replicas > 1``; docs/diloco.md).
+
+Each replica group trains ``parallel.sync_every = H`` inner AdamW steps on its own part of every
+global batch; then, on every rank, the round's **pseudo-gradient** of this rank's fp32 master
+shard,
+
+    Δ = θ_start − θ_now,
+
+is averaged over the ``replica`` group (the ranks with the same inner coordinates in every
+group, which hold the same shard), and one outer Nesterov SGD step (PyTorch's ``SGD(nesterov=
+True)`` with dampening 0, Douillard et al. 2023) moves the round's start weights:
+
+    b ← μ b + Δ̄;   θ_start ← θ_start − η (Δ̄ + μ b)
+
+(η = ``train.outer_lr``, μ = ``train.outer_momentum``). The result becomes the fp32 masters (and
+so the parameters) of every group and the next round's start. The inner AdamW moments are kept
+across rounds, as DiLoCo does.
+
+The outer state (start weights and momentum buffer) is kept per optimizer shard, so it is
+ZeRO-sharded exactly where the inner layout shards the masters: 8 bytes per parameter this rank
+owns. The pseudo-gradient is all-reduced in ``parallel.outer_grad_dtype`` (fp32 or bf16; the
+outer step itself is fp32), through the mesh's counted ``replica`` comm, so its traffic is
+``comm_bytes.replica``.
+
+Streaming (``parallel.sync_fragments = F``, Streaming DiLoCo, Douillard et al. 2025): the model's
+parameters are split into F fragments of consecutive blocks (the embedding with the first, the
+final norm and head with the last; each unit goes to the fragment its midpoint falls in, by
+element count, so fragments are about equally large), and fragment ``f`` ends its rounds at the
+inner steps ``s`` with ``s mod H = (f + 1)·H/F mod H``: every fragment still syncs once per H
+steps, but at a different step, so the largest per-step traffic falls about F ×. All fragments
+sync at the run's last step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from meshtrain.training.optimizer import FlatAdamW
+
+
+def fragment_of_parameters(sizes: list[tuple[str, int]], fragments: int) -> dict[str, int]:
+    """Each parameter's fragment (0 .. ``fragments`` - 1) from ``(name, elements)`` pairs:
+    units (the embedding, each block, the rest) in model order, each in the fragment its
+    midpoint by element count falls in."""
+    def unit(name: str) -> int:
+        match = re.match(r"layers\.(\d+)\.", name)
+        if match:
+            return int(match.group(1)) + 1
+        return 0 if "embed" in name else 1 << 30
+
+    totals: dict[int, int] = {}
+    for name, numel in sizes:
+        totals[unit(name)] = totals.get(unit(name), 0) + numel
+    everything, before, where = max(sum(totals.values()), 1), 0, {}
+    for key in sorted(totals):
+        where[key] = min(fragments - 1, int(fragments * (before + totals[key] / 2) / everything))
+        before += totals[key]
+    return {name: where[unit(name)] for name, _ in sizes}
+
+
+class OuterOptimizer:
+    """Round bookkeeping, the pseudo-gradient all-reduce and the outer Nesterov step of one rank."""
+
+    def __init__(self, optimizer: FlatAdamW, mesh, sync_every: int, lr: float, momentum: float,
+                 grad_dtype: str = "fp32", fragments: int = 1):
+        """``optimizer``: the inner AdamW, whose fp32 master shards the outer step updates;
+        ``mesh``: gives the ``replica`` comm; the rest as the config keys of the same names."""
+        self.optimizer = optimizer
+        self.engine = optimizer.engine
+        self.shards = optimizer.shards
+        self.comm = mesh.comm("replica")
+        self.replicas = mesh.replicas
+        self.sync_every = sync_every
+        self.lr, self.momentum = lr, momentum
+        self.grad_dtype = torch.bfloat16 if grad_dtype == "bf16" else torch.float32
+        self.start = [shard.master.detach().clone() for shard in self.shards]
+        """Start-of-round fp32 weights of each shard (the outer parameters)."""
+        self.momentum_buf = [torch.zeros_like(shard.master) for shard in self.shards]
+        self.rounds = 0
+        """Outer steps taken (one per fragment synced)."""
+        self.fragments = fragments
+        self._runs = self._fragment_runs(fragments)
+
+    def _fragment_runs(self, fragments: int) -> list[list[tuple[int, int, int]]]:
+        """``(shard index, start, length)`` runs of each fragment's elements in the shards."""
+        if fragments == 1:
+            return [[(i, 0, s.master.numel()) for i, s in enumerate(self.shards)]]
+        slots = [slot for shard in self.shards for slot in shard.bucket.slots]
+        fragment = fragment_of_parameters([(s.name, s.numel) for s in slots], fragments)
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(fragments)]
+        for index, shard in enumerate(self.shards):
+            for slot, start, length in shard.bucket.segments(sharded=self.engine.stage >= 1):
+                mine = runs[fragment[slot.name]]
+                if mine and mine[-1][0] == index and sum(mine[-1][1:]) == start:
+                    mine[-1] = (index, mine[-1][1], mine[-1][2] + length)
+                else:
+                    mine.append((index, start, length))
+        return runs
+
+    def due(self, step: int, last_step: int) -> list[int]:
+        """The fragments whose round ends after inner step ``step`` (1-based): fragment ``f`` at
+        ``step mod H = (f + 1)·H/F mod H`` (all of them every H steps when F = 1), and every
+        fragment at the run's last step, so that all groups end with the same weights."""
+        if step == last_step:
+            return list(range(self.fragments))
+        every = self.sync_every
+        return [f for f in range(self.fragments)
+                if step % every == (f + 1) * every // self.fragments % every]
+
+    @torch.no_grad()
+    def sync(self, fragments: list[int] | None = None) -> None:
+        """Average the pseudo-gradients of ``fragments`` (default: all) over the replica groups
+        in one all-reduce each, take the outer step, and write the new weights into the masters,
+        the parameters and those fragments' next round's start."""
+        for fragment in range(self.fragments) if fragments is None else fragments:
+            self._sync_runs(self._runs[fragment])
+            self.rounds += 1
+        self.engine.after_step(self.shards)
+
+    def _sync_runs(self, runs: list[tuple[int, int, int]]) -> None:
+        if not runs:
+            return
+        views = [(self.start[i][a:a + n], self.shards[i].master[a:a + n],
+                  self.momentum_buf[i][a:a + n]) for i, a, n in runs]
+        flat = torch.cat([start - master for start, master, _ in views])
+        flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
+        self.comm.all_reduce(flat)
+        flat = flat.float().div_(self.replicas)
+        offset = 0
+        for start, master, buf in views:
+            grad = flat[offset:offset + start.numel()]
+            offset += start.numel()
+            if self.momentum:
+                buf.mul_(self.momentum).add_(grad)
+                grad.add_(buf, alpha=self.momentum)  # Nesterov: Δ̄ + μ b
+            start.add_(grad, alpha=-self.lr)
+            master.copy_(start)
+
+    @torch.no_grad()
+    def restart_round(self) -> None:
+        """Start a round from the current masters (after loading weights into them)."""
+        for start, shard in zip(self.start, self.shards, strict=True):
+            start.copy_(shard.master)
+
+    def state_bytes(self) -> int:
+        """Bytes of outer state this rank holds (start weights and momentum)."""
+        return sum(t.numel() * t.element_size() for t in self.start + self.momentum_buf)
