@@ -146,7 +146,7 @@ def test_sigterm_to_a_one_process_run(tmp_path):
 
 def test_second_signal_stops_at_once(tmp_path):
     """Two SIGTERMs: the second stops the job at once with 128 + 15 and saves nothing."""
-    slow = "slow:rank=0:factor=40,slow:rank=1:factor=40"  # steps long enough for two signals
+    slow = "slow:rank=0:factor=1000,slow:rank=1:factor=1000"  # both signals land in one step
     proc = start(tmp_path, "--nproc", "2", fault=slow)
     wait_for_step(proc, tmp_path, 2)
     proc.send_signal(signal.SIGTERM)

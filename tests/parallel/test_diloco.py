@@ -231,7 +231,7 @@ def test_fragments_split_blocks_in_order():
 
 
 @pytest.mark.parametrize("command", [
-    ("estimate", "--hardware", "cpu", "--nproc", "4"),
+    ("estimate", "--model", "llama3.2-1b", "--hardware", "h100-80g", "--gpus", "4"),
     ("verify", "--nproc", "4"),
 ])
 def test_planner_and_verify_refuse_replica_groups(meshtrain, command):
