@@ -6,44 +6,27 @@ value given and what would be valid, so the CLI can print it and exit with statu
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from meshtrain.config import (
     DEVICES,
     GRAD_REDUCE_DTYPES,
     LR_SCHEDULES,
-    MLP_KINDS,
-    MOE_BALANCE_KINDS,
-    MOE_SCORE_KINDS,
     NONFINITE_POLICIES,
     OUTER_GRAD_DTYPES,
     PRECISIONS,
-    ROPE_SCALING_KEYS,
-    ROPE_TYPES,
     Config,
     ConfigError,
 )
 from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
+from meshtrain.validation_model import (
+    at_least,
+    choice,
+    divisors,
+    validate_model,
+)
 
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
-MAX_LAYERS = 100_000  # sanity bound: a larger value is a typo, and splitting it would take minutes
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (O(sqrt n): configs may hold huge values)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-def _choice(value: str, options: tuple[str, ...], key: str) -> None:
-    if value not in options:
-        raise ConfigError(f'{key} = "{value}" is not valid; choose one of: {", ".join(options)}.')
-
-
-def _at_least(value: float, minimum: float, key: str) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key} = {value} is too small; it must be at least {minimum}.")
 
 
 def resolve_world(config: Config, nproc: int | None) -> int:
@@ -54,9 +37,9 @@ def resolve_world(config: Config, nproc: int | None) -> int:
     """
     par = config.parallel
     for key in ("tp", "pp", "ep", "cp"):
-        _at_least(getattr(par, key), 1, f"parallel.{key}")
-    _at_least(par.dp, 0, "parallel.dp")
-    _at_least(par.replicas, 1, "parallel.replicas")
+        at_least(getattr(par, key), 1, f"parallel.{key}")
+    at_least(par.dp, 0, "parallel.dp")
+    at_least(par.replicas, 1, "parallel.replicas")
     model_parallel = par.replicas * par.cp * par.tp * par.pp
     shown = [("replicas", par.replicas), ("cp", par.cp)]
     shown = [(k, v) for k, v in shown if v > 1] + [("tp", par.tp), ("pp", par.pp)]
@@ -65,7 +48,7 @@ def resolve_world(config: Config, nproc: int | None) -> int:
     if nproc is None:
         par.dp = par.dp or 1
         return par.dp * model_parallel
-    _at_least(nproc, 1, "--nproc")
+    at_least(nproc, 1, "--nproc")
     if par.dp == 0:
         if nproc % model_parallel:
             raise ConfigError(
@@ -85,10 +68,10 @@ def resolve_world(config: Config, nproc: int | None) -> int:
 def validate_replicas(config: Config) -> None:
     """DiLoCo replica groups (``parallel.replicas``) and their outer optimizer."""
     par, train = config.parallel, config.train
-    _at_least(par.replicas, 1, "parallel.replicas")
-    _at_least(par.sync_every, 1, "parallel.sync_every")
-    _choice(par.outer_grad_dtype, OUTER_GRAD_DTYPES, "parallel.outer_grad_dtype")
-    _at_least(par.sync_fragments, 1, "parallel.sync_fragments")
+    at_least(par.replicas, 1, "parallel.replicas")
+    at_least(par.sync_every, 1, "parallel.sync_every")
+    choice(par.outer_grad_dtype, OUTER_GRAD_DTYPES, "parallel.outer_grad_dtype")
+    at_least(par.sync_fragments, 1, "parallel.sync_fragments")
     most = min(par.sync_every, config.model.n_layers)
     if par.sync_fragments > most:
         raise ConfigError(
@@ -121,170 +104,23 @@ def validate_replicas(config: Config) -> None:
                           "so the valid value is 0.")
 
 
-def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
-    """Shapes that the model can be built with."""
-    m = config.model
-    for key in ("dim", "n_layers", "n_heads", "ffn_dim"):
-        _at_least(getattr(m, key), 1, f"model.{key}")
-    if m.n_layers > MAX_LAYERS:
-        raise ConfigError(f"model.n_layers = {m.n_layers} is beyond any model meshtrain can "
-                          f"build (at most {MAX_LAYERS}).")
-    _at_least(m.head_width, 0, "model.head_width")
-    if m.dim % m.n_heads and not m.head_width:
-        valid = [d for d in _divisors(m.dim) if (m.dim // d) % 2 == 0]
-        hint = (f"valid n_heads for dim {m.dim}: {', '.join(map(str, valid))}" if valid
-                else "choose an even dim, a multiple of n_heads")
-        raise ConfigError(
-            f"model.n_heads = {m.n_heads} does not divide model.dim = {m.dim}; {hint}."
-        )
-    if m.head_dim % 2:
-        what = "model.head_width" if m.head_width else "model.dim / model.n_heads"
-        raise ConfigError(
-            f"{what} = {m.head_dim} is odd; rotary embeddings need an even "
-            f"head width. Choose n_heads so that dim / n_heads is even (or an even head_width)."
-        )
-    _at_least(m.n_kv_heads, 0, "model.n_kv_heads")
-    if m.n_heads % m.kv_heads:
-        raise ConfigError(
-            f"model.n_kv_heads = {m.n_kv_heads} does not divide model.n_heads = {m.n_heads}; "
-            f"valid values: {', '.join(map(str, _divisors(m.n_heads)))} (or 0 = n_heads)."
-        )
-    _choice(m.mlp, MLP_KINDS, "model.mlp")
-    validate_rope_scaling(m.rope_scaling)
-    if m.rope_theta <= 0 or m.norm_eps <= 0:
-        raise ConfigError("model.rope_theta and model.norm_eps must be positive.")
-    _at_least(m.vocab_size, 0, "model.vocab_size")
-    if tokenizer_vocab is not None and 0 < m.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer_vocab}); use 0 (= {tokenizer_vocab}) or any larger value (padding)."
-        )
-    _at_least(m.moe_experts, 0, "model.moe_experts")
-    if m.moe_experts:
-        if not 1 <= m.moe_top_k <= m.moe_experts:
-            raise ConfigError(
-                f"model.moe_top_k = {m.moe_top_k} must be between 1 and model.moe_experts = "
-                f"{m.moe_experts}."
-            )
-        _at_least(m.moe_shared_experts, 0, "model.moe_shared_experts")
-        _at_least(m.moe_capacity_factor, 0.0, "model.moe_capacity_factor")
-        _at_least(m.moe_aux_coef, 0.0, "model.moe_aux_coef")
-        _at_least(m.moe_bias_rate, 0.0, "model.moe_bias_rate")
-        _at_least(m.moe_every, 1, "model.moe_every")
-        _at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
-        _choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
-        _choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
-        _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
-        _check_moe_layers_and_groups(m)
-
-
-def _check_moe_layers_and_groups(m) -> None:
-    """Dense first blocks leave at least one MoE block; expert groups split the experts evenly
-    and the chosen groups hold at least top_k experts."""
-    _at_least(m.moe_first_dense, 0, "model.moe_first_dense")
-    if m.first_moe_layer < 0:
-        raise ConfigError(
-            f"model.moe_first_dense = {m.moe_first_dense} with model.moe_every = {m.moe_every} "
-            f"leaves no MoE block among the {m.n_layers} layers; use moe_first_dense < "
-            f"{m.n_layers} with a later block a multiple of moe_every, or model.moe_experts = 0 "
-            f"for a dense model.")
-    _at_least(m.moe_groups, 0, "model.moe_groups")
-    _at_least(m.moe_max_groups, 0, "model.moe_max_groups")
-    if m.moe_groups and m.moe_experts % m.moe_groups:
-        valid = ", ".join(map(str, _divisors(m.moe_experts)))
-        raise ConfigError(f"model.moe_groups = {m.moe_groups} does not divide model.moe_experts "
-                          f"= {m.moe_experts}; valid: 0 (no groups) or {valid}.")
-    if m.moe_max_groups and not m.moe_groups:
-        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} needs expert groups: set "
-                          f"model.moe_groups to a divisor of moe_experts = {m.moe_experts} "
-                          f"(e.g. parallel.ep), or moe_max_groups = 0.")
-    if m.moe_max_groups > m.moe_groups:
-        raise ConfigError(f"model.moe_max_groups = {m.moe_max_groups} is more than "
-                          f"model.moe_groups = {m.moe_groups}; valid: 0 (every group) to "
-                          f"{m.moe_groups}.")
-    if m.moe_max_groups and m.moe_max_groups * (m.moe_experts // m.moe_groups) < m.moe_top_k:
-        least = -(-m.moe_top_k // (m.moe_experts // m.moe_groups))
-        raise ConfigError(
-            f"model.moe_max_groups = {m.moe_max_groups} groups of "
-            f"{m.moe_experts // m.moe_groups} experts hold fewer than model.moe_top_k = "
-            f"{m.moe_top_k} experts; use moe_max_groups >= {least}.")
-
-
-def _check_capacity_group(group: int, seq_len: int) -> None:
-    """A routing group is consecutive positions of one sequence: it must divide seq_len."""
-    _at_least(group, 0, "model.moe_capacity_group")
-    if group and seq_len % group:
-        valid = ", ".join(map(str, _divisors(seq_len)))
-        raise ConfigError(
-            f"model.moe_capacity_group = {group} does not divide train.seq_len = {seq_len}: a "
-            f"routing group is that many consecutive positions of one sequence (a group spanning "
-            f"sequences would depend on which sequences share a micro-batch). Valid: 0 (the whole "
-            f"sequence) or a divisor of seq_len: {valid}.")
-
-
-def _rope_number(scaling: dict, name: str, minimum: float, strict: bool) -> None:
-    key = f"model.rope_scaling.{name}"
-    value = scaling[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{key} = {value!r} is not a finite number.")
-    if value < minimum or (strict and value == minimum):
-        raise ConfigError(f"{key} = {value} must be {'>' if strict else '>='} {minimum:g}.")
-
-
-def validate_rope_scaling(scaling: dict) -> None:
-    """``model.rope_scaling``: a known ``rope_type`` with exactly its parameters, in range."""
-    scaling = dict(scaling or {})
-    if "type" in scaling and "rope_type" in scaling and scaling["type"] != scaling["rope_type"]:
-        raise ConfigError(f"model.rope_scaling has both rope_type = {scaling['rope_type']!r} and "
-                          f"type = {scaling['type']!r}; keep one (type is an alias).")
-    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
-    scaling.pop("type", None)
-    if kind not in ROPE_TYPES:
-        raise ConfigError(f"model.rope_scaling.rope_type = {kind!r} is not supported; choose one "
-                          f"of: {', '.join(ROPE_TYPES)}.")
-    keys = ROPE_SCALING_KEYS[kind]
-    unknown = sorted(set(scaling) - set(keys))
-    if unknown:
-        raise ConfigError(f"model.rope_scaling.{unknown[0]} is not a parameter of rope_type "
-                          f"{kind!r}; its parameters: {', '.join(keys) or 'none'}.")
-    missing = [name for name, required in keys.items() if required and name not in scaling]
-    if missing:
-        raise ConfigError(f"model.rope_scaling (rope_type {kind!r}) lacks "
-                          f"{', '.join(missing)}; needed: "
-                          f"{', '.join(k for k, r in keys.items() if r)}.")
-    if "factor" in scaling:
-        _rope_number(scaling, "factor", 1.0 if kind == "llama3" else 0.0, kind != "llama3")
-    for name, strict in (("low_freq_factor", True), ("high_freq_factor", True),
-                         ("original_max_position_embeddings", True), ("attention_factor", True),
-                         ("beta_fast", False), ("beta_slow", False), ("mscale", False),
-                         ("mscale_all_dim", False)):  # 0 there means the default, as in HF
-        if scaling.get(name) is not None:
-            _rope_number(scaling, name, 0.0, strict)
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ConfigError("model.rope_scaling.high_freq_factor must be greater than "
-                          "low_freq_factor (Llama 3.1 uses 4 and 1).")
-    if "truncate" in scaling and not isinstance(scaling["truncate"], bool):
-        raise ConfigError(f"model.rope_scaling.truncate = {scaling['truncate']!r} is not a "
-                          "boolean; use true or false.")
-
-
 def validate_parallel(config: Config) -> None:
     """Degrees that this version can run and that divide the batch."""
     par, train = config.parallel, config.train
-    _choice(par.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
-    _choice(par.activation_checkpointing, ACTIVATION_CHECKPOINTING_KINDS,
+    choice(par.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
+    choice(par.activation_checkpointing, ACTIVATION_CHECKPOINTING_KINDS,
             "parallel.activation_checkpointing")
     if not 0 <= par.zero <= 3:
         raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; valid: 0, 1, 2, 3.")
-    _at_least(par.virtual_stages, 1, "parallel.virtual_stages")
-    _at_least(par.microbatches, 1, "parallel.microbatches")
+    at_least(par.virtual_stages, 1, "parallel.virtual_stages")
+    at_least(par.microbatches, 1, "parallel.microbatches")
     if par.dp_bucket_mb <= 0:
         raise ConfigError(f"parallel.dp_bucket_mb = {par.dp_bucket_mb} must be positive.")
-    _choice(par.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "parallel.grad_reduce_dtype")
+    choice(par.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "parallel.grad_reduce_dtype")
     if par.grad_reduce_dtype == "bf16" and train.precision != "bf16":
         raise ConfigError("parallel.grad_reduce_dtype = bf16 needs train.precision = bf16 (fp32 "
                           "parameters keep fp32 gradients); valid here: fp32.")
-    _at_least(par.ep_rebalance_every, 0, "parallel.ep_rebalance_every")
+    at_least(par.ep_rebalance_every, 0, "parallel.ep_rebalance_every")
     if par.ep_rebalance_every > 0 and par.ep <= 1:
         raise ConfigError(
             f"parallel.ep_rebalance_every = {par.ep_rebalance_every} needs parallel.ep > 1: it "
@@ -298,7 +134,7 @@ def validate_parallel(config: Config) -> None:
     readers = dp * max(par.replicas, 1)
     per_step = readers * par.microbatches
     if train.global_batch % per_step:  # first: it bounds microbatches for the schedule below
-        valid = [m for m in _divisors(train.global_batch // readers)
+        valid = [m for m in divisors(train.global_batch // readers)
                  if train.global_batch % readers == 0]
         what = "replicas × dp" if par.replicas > 1 else "dp"
         hint = (f"valid parallel.microbatches for {what}={readers}: {', '.join(map(str, valid))}"
@@ -337,7 +173,7 @@ def validate_context_parallel(config: Config) -> None:
     chunk = seq // (2 * cp)
     group = m.moe_capacity_group
     if m.moe_experts and m.moe_capacity_factor > 0 and (not group or chunk % group):
-        valid = ", ".join(map(str, _divisors(chunk)))
+        valid = ", ".join(map(str, divisors(chunk)))
         now = f"{group}" if group else "0 = the whole sequence"
         raise ConfigError(
             f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} needs "
@@ -354,12 +190,12 @@ def validate_expert_parallel(config: Config, dp: int) -> None:
         raise ConfigError(f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
                           f"(model.moe_experts > 0); use parallel.ep = 1 for a dense model.")
     if dp % par.ep:
-        valid = [e for e in _divisors(dp) if m.moe_experts % e == 0]
+        valid = [e for e in divisors(dp) if m.moe_experts % e == 0]
         raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp = {dp} (expert "
                           f"parallelism splits the data-parallel ranks); valid ep: "
                           f"{', '.join(map(str, valid))}.")
     if m.moe_experts % par.ep:
-        valid = [e for e in _divisors(dp) if m.moe_experts % e == 0]
+        valid = [e for e in divisors(dp) if m.moe_experts % e == 0]
         raise ConfigError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = "
                           f"{par.ep}; every expert-parallel rank must hold the same number of "
                           f"experts. Valid ep: {', '.join(map(str, valid))}.")
@@ -395,7 +231,7 @@ def validate_tensor_parallel(config: Config) -> None:
     tp = config.parallel.tp
     problems = tp_problems(config, tp)
     if problems:
-        valid = [t for t in _divisors(config.model.n_heads) if not tp_problems(config, t)]
+        valid = [t for t in divisors(config.model.n_heads) if not tp_problems(config, t)]
         raise ConfigError(f"parallel.tp = {tp} does not evenly split {'; '.join(problems)}. "
                           f"Valid tp for this model: {', '.join(map(str, valid))}.")
 
@@ -431,42 +267,42 @@ def validate_pipeline(config: Config) -> None:
 def validate_train(config: Config) -> None:
     """Optimiser, schedule, precision and device settings."""
     t = config.train
-    _at_least(t.steps, 1, "train.steps")
-    _at_least(t.global_batch, 1, "train.global_batch")
-    _at_least(t.seq_len, 1, "train.seq_len")
+    at_least(t.steps, 1, "train.steps")
+    at_least(t.global_batch, 1, "train.global_batch")
+    at_least(t.seq_len, 1, "train.seq_len")
     if t.lr <= 0:
         raise ConfigError(f"train.lr = {t.lr} must be positive.")
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} must lie between 0 and train.lr = {t.lr}.")
-    _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
-    _at_least(t.warmup_steps, 0, "train.warmup_steps")
+    choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+    at_least(t.warmup_steps, 0, "train.warmup_steps")
     if not 0 < t.decay_fraction <= 1:
         raise ConfigError(f"train.decay_fraction = {t.decay_fraction} must be in (0, 1].")
-    _at_least(t.weight_decay, 0.0, "train.weight_decay")
-    _at_least(t.grad_clip, 0.0, "train.grad_clip")
+    at_least(t.weight_decay, 0.0, "train.weight_decay")
+    at_least(t.grad_clip, 0.0, "train.grad_clip")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key} = {getattr(t, key)} must be in [0, 1).")
     if t.adam_eps <= 0:
         raise ConfigError(f"train.adam_eps = {t.adam_eps} must be positive.")
-    _choice(t.precision, PRECISIONS, "train.precision")
-    _choice(t.device, DEVICES, "train.device")
-    _at_least(t.log_every, 1, "train.log_every")
-    _at_least(t.peak_tflops, 0.0, "train.peak_tflops")
-    _at_least(t.threads_per_worker, 0, "train.threads_per_worker")
+    choice(t.precision, PRECISIONS, "train.precision")
+    choice(t.device, DEVICES, "train.device")
+    at_least(t.log_every, 1, "train.log_every")
+    at_least(t.peak_tflops, 0.0, "train.peak_tflops")
+    at_least(t.threads_per_worker, 0, "train.threads_per_worker")
     if not 0 < t.collective_timeout_s < 1e7:
         raise ConfigError(f"train.collective_timeout_s = {t.collective_timeout_s} must be a "
                           f"positive number of seconds (default 300).")
-    _choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
-    _at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
-    _at_least(t.max_restarts, 0, "train.max_restarts")
+    choice(t.on_nonfinite, NONFINITE_POLICIES, "train.on_nonfinite")
+    at_least(t.max_nonfinite_skips, 1, "train.max_nonfinite_skips")
+    at_least(t.max_restarts, 0, "train.max_restarts")
     if t.straggler_factor != 0 and not 1 < t.straggler_factor < 1e6:
         raise ConfigError(f"train.straggler_factor = {t.straggler_factor} must be above 1 (a rank "
                           f"this many times slower than the others' median is warned about, "
                           f"e.g. 1.5, the default), or 0 for no warning.")
-    _at_least(t.straggler_steps, 1, "train.straggler_steps")
-    _at_least(t.eval_every, 0, "train.eval_every")
-    _at_least(t.eval_batches, 1, "train.eval_batches")
+    at_least(t.straggler_steps, 1, "train.straggler_steps")
+    at_least(t.eval_every, 0, "train.eval_every")
+    at_least(t.eval_batches, 1, "train.eval_batches")
     if t.eval_every and not (config.data.valid_source or config.data.valid_fraction):
         raise ConfigError(f"train.eval_every = {t.eval_every} needs held-out data: set "
                           "data.valid_source (a file, directory, glob or prepared corpus) or "
@@ -511,7 +347,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
     if d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
         raise ConfigError(f'data.tokenizer = "{d.tokenizer}": no such file; use "bytes" or the '
                           f"path of a Hugging Face tokenizer.json.")
-    _at_least(d.max_bytes, 1, "data.max_bytes")
+    at_least(d.max_bytes, 1, "data.max_bytes")
     if d.sources:
         if d.source != "builtin":
             raise ConfigError(f'data.sources (a mixture) and data.source = "{d.source}" are both '
@@ -536,8 +372,8 @@ def validate_data_and_checkpoint(config: Config) -> None:
 
         if not (Path(d.valid_source).expanduser() / "meta.json").is_file():
             find_source_files(d.valid_source)  # raises ConfigError when nothing matches
-    _at_least(c.every, 0, "checkpoint.every")
-    _at_least(c.keep, 1, "checkpoint.keep")
+    at_least(c.every, 0, "checkpoint.every")
+    at_least(c.keep, 1, "checkpoint.keep")
     if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(f'checkpoint.init_from = "{c.init_from}": no such directory; give a '
                           f"meshtrain weights dir (e.g. RUN_DIR/final) or a Hugging Face model "
