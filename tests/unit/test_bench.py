@@ -91,6 +91,17 @@ def test_pair_suite_json(pair_results, suite):
     assert result["shape"]["microbatches"] == (4 if suite == "pp" else 1)
 
 
+def test_moe_suites_json():
+    # moe: meshtrain's MoE model against HF Mixtral holding the same weights (the same first and
+    # last losses are the parity check); moe-ep: ep 2 against dp 2 of the same model.
+    pytest.importorskip("transformers")
+    results = _bench_json("--suite", "moe,moe-ep", *ONE_QUICK_RUN, *TINY)
+    assert [r["suite"] for r in results] == ["moe", "moe-ep"]
+    _check_result(results[0], "moe", 1)
+    _check_result(results[1], "moe-ep", 2)
+    assert all(r["shape"]["moe_experts"] == 8 for r in results)
+
+
 def test_allocator_suite_is_meshtrain_with_and_without_its_malloc_settings():
     [result] = _bench_json("--suite", "allocator", *ONE_QUICK_RUN, *TINY)
     _check_result(result, "allocator", 1, same_allocator=False)  # its peer never gets them

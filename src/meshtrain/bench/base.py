@@ -188,4 +188,4 @@ def shape_of(config: Config) -> dict:
     m, t = config.model, config.train
     return {**{k: getattr(m, k) for k in SHAPE_KEYS}, "seq_len": t.seq_len,
             "global_batch": t.global_batch, "microbatches": config.parallel.microbatches,
-            "precision": t.precision}
+            "precision": t.precision, "moe_experts": m.moe_experts, "moe_top_k": m.moe_top_k}

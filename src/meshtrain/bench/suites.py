@@ -21,6 +21,12 @@ measures what those settings gain, meshtrain against itself under glibc's defaul
 from __future__ import annotations
 
 from meshtrain.bench.base import Suite, register_suite
+from meshtrain.bench.moe_peers import (
+    configure_moe,
+    configure_moe_ep,
+    hf_mixtral_worker,
+    meshtrain_dp_worker,
+)
 from meshtrain.bench.parallel_peers import dtensor_tp_worker, fsdp2_worker, pipelining_worker
 from meshtrain.bench.peers import ddp_worker, hf_llama_worker
 from meshtrain.bench.scaling import check_scaling, run_scaling
@@ -126,6 +132,23 @@ register_suite(Suite(
                 "training process vs the same run without them (what the settings gain)",
     configure=configure_allocator, meshtrain_worker=meshtrain_worker,
     peer_worker=meshtrain_worker, peer_allocator=False))
+
+register_suite(Suite(
+    name="moe", world_size=1,
+    peer="transformers MixtralForCausalLM (sdpa, grouped_mm experts) + "
+         "torch.optim.AdamW(fused=True)",
+    description="one process: meshtrain's MoE model (8 experts top-2 in every block) vs HF "
+                "Mixtral holding the same weights",
+    configure=configure_moe, meshtrain_worker=meshtrain_worker, peer_worker=hf_mixtral_worker,
+    requires=("transformers",)))
+
+register_suite(Suite(
+    name="moe-ep", world_size=2,
+    peer="meshtrain dp 2 with every expert on every rank",
+    description="2 processes: meshtrain dp 2 × ep 2 (experts split, all-to-all dispatch) vs "
+                "dp 2 of the same MoE model",
+    configure=configure_moe_ep, meshtrain_worker=meshtrain_worker,
+    peer_worker=meshtrain_dp_worker))
 
 register_suite(Suite(
     name="scaling", world_size=4,
