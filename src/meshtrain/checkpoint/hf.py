@@ -254,7 +254,7 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path,
     the source's ``tokenizer.json`` if it has one, else ``bytes``) and ``hf_config.json`` (the
     original config, so that converting back restores the fields meshtrain does not track).
     """
-    from meshtrain.validation import validate_model
+    from meshtrain.validation_model import validate_model
 
     source = _HFSource.open(hf_dir)
     dtype = dtype or torch.float32

@@ -125,7 +125,7 @@ def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> Model
     sliding-window attention, activations other than SiLU, top-1 Mixtral routing), naming the
     field.
     """
-    from meshtrain.validation import validate_rope_scaling
+    from meshtrain.validation_model import validate_rope_scaling
 
     model_type = hf_model_type(hf, origin)
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

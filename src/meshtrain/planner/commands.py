@@ -2,7 +2,7 @@
 
 :mod:`meshtrain.cli` registers them; here is what they parse and print. Input errors are
 :class:`~meshtrain.config.ConfigError` (exit 2). ``estimate`` and ``plan`` validate shapes with
-:func:`meshtrain.validation.validate_model` and degrees with
+:func:`meshtrain.validation_model.validate_model` and degrees with
 :func:`meshtrain.planner.workload.check_layout`, never the runtime's "is this axis implemented"
 checks: they price layouts the runtime may not run yet.
 """
@@ -50,7 +50,7 @@ def _energy(args: argparse.Namespace) -> dict:
 
 def _check_shapes(config: Config) -> None:
     """Model and batch shapes (the runtime-independent checks), vocab filled in."""
-    from meshtrain.validation import validate_model
+    from meshtrain.validation_model import validate_model
 
     if config.model.vocab_size == 0:
         from meshtrain.training.tokenizer import tokenizer_vocab_size
