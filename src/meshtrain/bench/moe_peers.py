@@ -20,10 +20,9 @@ import tempfile
 
 import torch
 
-from meshtrain.bench.peers import make_step, train_data
-from meshtrain.bench.workers import load_bench_config, meshtrain_worker, preload_tokens, timed_run
+from meshtrain.bench.peers import hf_causal_lm_worker
+from meshtrain.bench.workers import load_bench_config, meshtrain_worker
 from meshtrain.config import Config, ConfigError
-from meshtrain.training.metrics import peak_memory_bytes
 
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
@@ -86,17 +85,7 @@ def build_hf_mixtral(config: Config) -> torch.nn.Module:
 
 def hf_mixtral_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     """The ``moe`` suite's peer: plain PyTorch training of ``transformers``' Mixtral."""
-    import transformers  # noqa: F401 - imported before the memory baseline, like torch
-
-    config = load_bench_config(config_dict)
-    preload_tokens(config)
-    data = train_data(config)
-    base = peak_memory_bytes(torch.device("cpu"))
-    model = build_hf_mixtral(config)
-    step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
-                     data, config.train)
-    tokens = config.train.global_batch * config.train.seq_len
-    return timed_run(step, warmup, steps, tokens, base)
+    return hf_causal_lm_worker(config_dict, warmup, steps, build_hf_mixtral)
 
 
 def meshtrain_dp_worker(config_dict: dict, warmup: int, steps: int) -> dict:

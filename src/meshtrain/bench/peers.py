@@ -165,13 +165,19 @@ def train_data(config: Config, rank: int = 0, world: int = 1):
 
 def hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     """The ``single`` suite's peer: plain PyTorch training of ``transformers.LlamaForCausalLM``."""
+    return hf_causal_lm_worker(config_dict, warmup, steps, build_hf_llama)
+
+
+def hf_causal_lm_worker(config_dict: dict, warmup: int, steps: int, build) -> dict:
+    """One process training the ``transformers`` model ``build(config)`` returns, in the plain
+    loop of :func:`make_step` (the Hugging Face peers)."""
     import transformers  # noqa: F401 - imported before the memory baseline, like torch
 
     config = load_bench_config(config_dict)
     preload_tokens(config)
     data = train_data(config)
     base = peak_memory_bytes(torch.device("cpu"))
-    model = build_hf_llama(config)
+    model = build(config)
     step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
                      data, config.train)
     tokens = config.train.global_batch * config.train.seq_len
