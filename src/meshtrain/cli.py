@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             from meshtrain.host_allocator import reexec_with_allocator_env
 
             reexec_with_allocator_env(*requested_allocator_job(args))
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)
         return 2
@@ -390,3 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
         return 1
+    if argv is None:
+        # The real command line, which may have run a process group in this process (an srun
+        # or torchrun task, a one-process run): leave as a spawned worker does, past the
+        # interpreter's finalisation that can abort a run that finished.
+        from meshtrain.worker import leave_process
+
+        leave_process(status)
+    return status

@@ -185,9 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2 if isinstance(error, ConfigError) else 1)
-    # Done: run the exit handlers, then leave without the interpreter's finalisation, where
-    # tensors still referenced from c10d's C++ threads can abort the process (SIGABRT,
-    # "terminate called without an active exception") after a run that succeeded.
+    leave_process(status)
+
+
+def leave_process(status: int) -> None:
+    """Flush the streams, run the exit handlers, then end the process with ``status`` without
+    the interpreter's finalisation, where tensors still referenced from c10d's C++ threads can
+    abort the process (SIGABRT, "terminate called without an active exception") after a run
+    that succeeded."""
     import atexit
 
     sys.stdout.flush()
