@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 
-from meshtrain.config import (
+from meshtrain.config import Config, ConfigError
+from meshtrain.model_config import (
     MLP_KINDS,
     MOE_BALANCE_KINDS,
     MOE_SCORE_KINDS,
     ROPE_SCALING_KEYS,
     ROPE_TYPES,
-    Config,
-    ConfigError,
 )
 
 MAX_LAYERS = 100_000  # sanity bound: a larger value is a typo, and splitting it would take minutes

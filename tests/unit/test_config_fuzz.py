@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from meshtrain.cli import main
 from meshtrain.config import (
     LR_SCHEDULES,
-    MLP_KINDS,
     Config,
     ConfigError,
     default_config_path,
     load_config,
 )
 from meshtrain.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
+from meshtrain.model_config import MLP_KINDS
 from meshtrain.parallel.pipeline.schedules import default_virtual_stages
 from meshtrain.validation import validate_config
 

@@ -142,9 +142,11 @@ def test_the_graph_holds_deferred_imports_too():
     assert "meshtrain.config" in graph["meshtrain.validation"]
     # validate_pipeline imports the schedules inside the function
     assert "meshtrain.parallel.pipeline" in graph["meshtrain.validation"]
-    # the config depends on the layout only, and the layout on nothing of meshtrain's
-    assert graph["meshtrain.config"] == {"meshtrain.layout"}
+    # the config depends on the layout and the model section only, and they on nothing of
+    # meshtrain's
+    assert graph["meshtrain.config"] == {"meshtrain.layout", "meshtrain.model_config"}
     assert graph["meshtrain.layout"] == set()
+    assert graph["meshtrain.model_config"] == set()
 
 
 def test_runtime_imports_leave_out_type_checking_blocks():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtrain.config import ROPE_SCALING_KEYS, ConfigError, ModelConfig
+from meshtrain.config import ConfigError
+from meshtrain.model_config import ROPE_SCALING_KEYS, ModelConfig
 
 _NOT_SCALING = ("rope_theta", "rope_type", "type", "partial_rotary_factor")
 
