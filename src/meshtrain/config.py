@@ -186,6 +186,12 @@ class DataConfig:
     """Attention stays within each document of a packed sample and positions restart at each
     document (block-diagonal causal mask; needs a tokenizer with an eos id). See
     :mod:`meshtrain.model.document_mask`."""
+    replica_sources: list[str] = field(default_factory=list)
+    """One training source per DiLoCo replica group (``parallel.replicas`` entries, each a path
+    as ``source`` takes): group g reads only ``replica_sources[g]``, its share of each step's
+    ``train.global_batch`` (global_batch / replicas), so no group's data reaches another. Empty
+    = every group reads disjoint parts of ``source``. TOML ``["a/", "b/"]`` or ``--set
+    data.replica_sources=a/,b/``."""
     valid_source: str = ""
     """Held-out data for ``train.eval_every``: a file, directory, glob or prepared corpus like
     ``source`` (tokenized the same way); empty = none (see ``valid_fraction``)."""
@@ -297,6 +303,8 @@ def _coerce(value: Any, kind: type, key: str, origin: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise bad
+    if kind == list[str]:
+        return _path_list(value, key, origin)
     if kind is list:
         return _weighted_paths(value, key, origin)
     if kind is dict:
@@ -349,6 +357,16 @@ def _weighted_paths(value: Any, key: str, origin: str) -> list[dict[str, Any]]:
         weight = _coerce(item["weight"], float, f"{key} weight", origin)
         out.append({"path": _coerce(item["path"], str, f"{key} path", origin), "weight": weight})
     return out
+
+
+def _path_list(value: Any, key: str, origin: str) -> list[str]:
+    """A list of paths from a TOML array of strings or an override's comma-separated text."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f'{origin}: {key} = {value!r} is not a list of paths; write {key} = '
+                          f'["site_a/", "site_b/"] (or --set {key}=site_a/,site_b/).')
+    return list(value)
 
 
 def set_key(config: Config, dotted: str, value: Any, origin: str = "--set") -> None:

@@ -9,6 +9,7 @@ and what to do, raised before anything in the run directory is written or overwr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -84,6 +85,9 @@ def check_data_files(config: Config) -> None:
     corpus holds at least one sample; ``.parquet`` files open and have the text column; a
     prepared directory is finished, whole, and was written with ``data.tokenizer``."""
     data = config.data
+    for source in data.replica_sources:  # each replica group's own source, checked alike
+        check_data_files(dataclasses.replace(
+            config, data=dataclasses.replace(data, source=source, replica_sources=[])))
     if data.source == "builtin":
         return
     from meshtrain.data import is_prepared_dir, open_prepared

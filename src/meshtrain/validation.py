@@ -361,6 +361,8 @@ def validate_data_and_checkpoint(config: Config) -> None:
             if item["path"] != "builtin" and not (
                     Path(item["path"]).expanduser() / "meta.json").is_file():
                 find_source_files(item["path"])  # raises ConfigError when nothing matches
+    if d.replica_sources:
+        validate_replica_sources(config)
     if not 0 <= d.valid_fraction < 1:
         raise ConfigError(f"data.valid_fraction = {d.valid_fraction} must be in [0, 1) (the "
                           "fraction of the training tokens held out, e.g. 0.01).")
@@ -381,6 +383,24 @@ def validate_data_and_checkpoint(config: Config) -> None:
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f'checkpoint.resume = "{c.resume}": no such checkpoint; use "auto", '
                           f'"none" or an existing checkpoint path.')
+
+
+def validate_replica_sources(config: Config) -> None:
+    """``data.replica_sources``: one existing source per replica group, nothing it replaces."""
+    d, replicas = config.data, config.parallel.replicas
+    given = len(d.replica_sources)
+    if given != replicas:
+        raise ConfigError(f"data.replica_sources has {given} source(s) but parallel.replicas = "
+                          f"{replicas}; give one source per replica group ({replicas}), or none "
+                          "to let the groups share data.source.")
+    if d.sources or d.source != "builtin":
+        raise ConfigError("data.replica_sources replaces data.source and data.sources (each group "
+                          "reads its own); clear data.source and data.sources.")
+    from meshtrain.training.data import find_source_files
+
+    for path in d.replica_sources:
+        if path != "builtin" and not (Path(path).expanduser() / "meta.json").is_file():
+            find_source_files(path)  # raises ConfigError when nothing matches
 
 
 def validate_config(config: Config, world_size: int | None = None) -> int:

@@ -90,7 +90,7 @@ def test_rounds_traffic_and_groups_end_in_sync():
     results = run_distributed(2, _train_and_fingerprint, fp32.to_dict(), steps)
     records = results[0][0]
     assert results[0][1] == results[1][1]  # both groups hold the same weights at the end
-    metrics_only = 2 * (2 - 1) // 2 * 5 * 4  # the per-step reduction of 5 fp32 numbers
+    metrics_only = 2 * (2 - 1) // 2 * (5 + 2) * 4  # per step: 5 fp32 numbers + 2 group tokens
     traffic = [r["comm_bytes"]["replica"] for r in records]
     sync_steps = [3, 6, 7]
     for step, moved in enumerate(traffic, 1):

@@ -16,7 +16,9 @@ gather/free hooks (each block freed again after its forward). MoE layers route a
 but leave the step's load statistics alone (so balancing and ``metrics.jsonl``'s ``moe`` are
 untouched); the MoE aux loss is not part of ``eval_loss``. The result is ``eval_loss`` = summed
 token cross-entropy over every evaluated target token divided by their number (all ranks), and
-``eval_ppl`` = ``exp(eval_loss)``.
+``eval_ppl`` = ``exp(eval_loss)``. With DiLoCo replica groups every group evaluates with its
+own weights (on its own held-out tail under ``data.replica_sources``) and the token counts and
+sums are added over the groups too.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ class Evaluator:
         totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64,
                                                      device=trainer.device)])
         trainer.mesh.comm("dp_cp").all_reduce(totals)  # cp ranks: parts of every sequence
+        if trainer.mesh.replicas > 1:  # every group's held-out tokens, each with its weights
+            trainer.mesh.comm("replica").all_reduce(totals)
         loss = torch.stack([totals[0]])
         trainer.mesh.comm("pp").all_reduce(loss)  # the loss lives on the last stage
         mean = float(loss[0]) / max(float(totals[1]), 1.0)

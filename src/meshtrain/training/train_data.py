@@ -3,6 +3,7 @@ packed into samples and ordered by a seeded, resumable sampler."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from torch import Tensor
@@ -82,3 +83,22 @@ class TrainData:
     def load_state_dict(self, state: dict) -> None:
         """Resume the sampler position saved by :meth:`state_dict`."""
         self.sampler.load_state_dict(state)
+
+
+def trainer_data(config, mesh, tokenizer) -> TrainData:
+    """The :class:`TrainData` of this rank of ``mesh``.
+
+    Replica groups read disjoint parts of each global batch like more dp ranks, or, with
+    ``data.replica_sources``, group g reads only its own source: its share of the batch
+    (``global_batch / replicas``) split over the group's dp ranks.
+    """
+    data_cfg, train_cfg, micro = config.data, config.train, config.parallel.microbatches
+    if not data_cfg.replica_sources:
+        return TrainData(data_cfg, train_cfg, tokenizer,
+                         dp_rank=mesh.replica_rank * mesh.dp + mesh.dp_rank,
+                         dp_size=mesh.replicas * mesh.dp, microbatches=micro)
+    own = dataclasses.replace(data_cfg, source=data_cfg.replica_sources[mesh.replica_rank],
+                              replica_sources=[])
+    share = dataclasses.replace(train_cfg, global_batch=train_cfg.global_batch // mesh.replicas)
+    return TrainData(own, share, tokenizer, dp_rank=mesh.dp_rank, dp_size=mesh.dp,
+                     microbatches=micro)

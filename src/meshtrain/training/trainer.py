@@ -51,7 +51,7 @@ from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.prefetch import BatchPrefetcher
 from meshtrain.training.straggler import StragglerDetector
 from meshtrain.training.tokenizer import load_tokenizer
-from meshtrain.training.train_data import TrainData
+from meshtrain.training.train_data import trainer_data
 
 IGNORE_INDEX = -100
 
@@ -80,10 +80,7 @@ class Trainer:
         self.document_layout_fn = self._layout_fn(config)
         self.data = self.batches = None
         if with_data:
-            # Replica groups read disjoint parts of each global batch, like more dp ranks.
-            self.data = TrainData(config.data, train, self.tokenizer,
-                                  dp_rank=mesh.replica_rank * mesh.dp + mesh.dp_rank,
-                                  dp_size=mesh.replicas * mesh.dp, microbatches=par.microbatches)
+            self.data = trainer_data(config, mesh, self.tokenizer)
             self.batches = BatchPrefetcher(self.data, self.device, IGNORE_INDEX)
         self.dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
         model = meta_model(config.model)  # no rank materialises more than its own piece
@@ -299,12 +296,16 @@ class Trainer:
         if self.outer is not None:
             # Replica groups: loss, aux and norm are the mean over the groups (each group's its
             # own batch's), energy and tokens the sum, so every group decides alike below.
-            losses = torch.cat([losses, torch.stack([grad_norm.float().reshape(()),
-                                                     losses.new_tensor(global_tokens)])])
-            self.mesh.comm("replica").all_reduce(losses)
             replicas = self.mesh.replicas
+            own_tokens = losses.new_zeros(replicas)  # this group's slot: tokens per group
+            own_tokens[self.mesh.replica_rank] = global_tokens
+            losses = torch.cat([losses, torch.stack([grad_norm.float().reshape(()),
+                                                     losses.new_tensor(global_tokens)]),
+                                own_tokens])
+            self.mesh.comm("replica").all_reduce(losses)
             losses[:2] /= replicas
             grad_norm, global_tokens = losses[3] / replicas, float(losses[4])
+            tokens_per_group = [int(n) for n in losses[5:].tolist()]
         energy_j = float(losses[2]) * self.mesh.tp
         self.energy_total_j += energy_j
         # Loss and norm are global (equal on every rank), so every rank decides alike.
@@ -369,6 +370,8 @@ class Trainer:
                              / (self.peak_flops * self.mesh.world_size))
         if moe_summary is not None:
             record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
+        if self.outer is not None:
+            record["tokens_per_group"] = tokens_per_group
         per_source = self.data.tokens_per_source()
         if per_source is not None:
             record["tokens_per_source"] = per_source
