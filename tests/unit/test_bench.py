@@ -176,6 +176,28 @@ def test_scaling_suite_json_and_plot(tmp_path):
     assert "scaling" in table and "efficiency" in table and "tp" in table
 
 
+def test_diloco_suite_json_and_plot(tmp_path):
+    """Both runs see the same tokens from the same weights (equal first loss), DiLoCo with H = 3
+    moves about a third of dp's bytes, and the plot is a PNG."""
+    plot = tmp_path / "diloco.png"
+    steps = 6
+    [result] = _bench_json("--suite", "diloco", "--plot", str(plot), "--json", *TINY,
+                           "--set", f"train.steps={steps}", "--set", "train.eval_every=3",
+                           "--set", "parallel.replicas=2", "--set", "parallel.sync_every=3")
+    assert result["suite"] == "diloco" and result["replicas"] == 2
+    sync, diloco = result["synchronous"], result["diloco"]
+    for run in (sync, diloco):
+        assert run["curve"]["step"] == list(range(1, steps + 1))
+        assert [s for s, _ in run["curve"]["eval"]] == [3, 6]
+        assert run["tokens"] == steps * 4 * 32
+    assert diloco["curve"]["loss"][0] == pytest.approx(sync["curve"]["loss"][0], rel=1e-5)
+    assert 0.25 < result["bytes_ratio"] < 0.45
+    assert result["train_loss_gap"] == pytest.approx(
+        diloco["final_train_loss"] / sync["final_train_loss"] - 1)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["plot"] == str(plot)
+    assert "diloco" in format_table([result])
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "singel"], 'Did you mean "single"'),
     (["--steps", "0"], "--steps = 0"),
@@ -185,6 +207,8 @@ def test_scaling_suite_json_and_plot(tmp_path):
     (["--suite", "single", "--set", "model.mlp=gelu"], "SwiGLU"),
     (["--suite", "tp", "--set", "model.n_kv_heads=1"], "divisible by 2"),
     (["--suite", "dp", "--plot", "x.png"], "--suite scaling"),
+    (["--suite", "diloco", "--set", "parallel.replicas=1"], "replicas = 1"),
+    (["--suite", "diloco", "--plot", "no/such/dir/x.png"], "does not exist"),
     (["--suite", "scaling", "--plot", "no/such/dir/x.png"], "does not exist"),
     (["--suite", "scaling", "--procs", "0,2"], "--procs"),
     (["--suite", "scaling", "--procs", "two"], "--procs"),

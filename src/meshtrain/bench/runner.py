@@ -40,6 +40,7 @@ from meshtrain.bench.base import (
     shape_of,
     summarise_run,
 )
+from meshtrain.bench.diloco_convergence import format_diloco
 from meshtrain.bench.scaling import format_scaling
 from meshtrain.config import Config, ConfigError
 from meshtrain.host_allocator import allocator_env
@@ -136,7 +137,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     check_options(options)
     suites = resolve_suites(options.suites)
     if options.plot and not any(suite.run is not None for suite in suites):
-        raise ConfigError("--plot draws the scaling suite; add --suite scaling.")
+        raise ConfigError("--plot draws the scaling and diloco suites; add --suite scaling or "
+                          "--suite diloco.")
     for suite in suites:  # refuse a bad --set or a missing peer before any run starts
         check_requirements(suite)
         if suite.check is not None:
@@ -152,6 +154,7 @@ def format_table(results: list[dict]) -> str:
     pairs = [r for r in results if "ratio" in r]
     blocks = [format_pairs(pairs)] if pairs else []
     blocks += [format_scaling(r) for r in results if r.get("suite") == "scaling"]
+    blocks += [format_diloco(r) for r in results if r.get("suite") == "diloco"]
     return "\n\n".join(blocks)
 
 

@@ -1,0 +1,198 @@
+"""The ``diloco`` suite: DiLoCo replica groups against synchronous data parallelism.
+
+Not a speed comparison: both runs train the same model from the same initialisation on the same
+sequences at every step (``replicas × dp`` = the dp run's ranks, the same ``global_batch``), and
+the suite reports what DiLoCo trades: the loss each reaches and the bytes each moves between its
+groups (``comm_bytes.replica``) or ranks (``comm_bytes.dp``), summed over the run, per rank, as
+bus bytes. ``--plot`` draws loss against tokens and against those bytes.
+
+The shape is :data:`DILOCO_DEFAULTS` (what ``docs/diloco.md`` measures), changed by ``--set``;
+``train.steps`` is the length of both runs, ``parallel.replicas`` (default 4) the number of groups
+and ``parallel.sync_every`` (default 20) the rounds' length. The final training loss is the mean
+of the last :data:`FINAL_WINDOW` steps' losses (a single step's is one noisy batch); the held-out
+loss is the last ``eval_loss``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from meshtrain.bench.base import BenchOptions, Suite, check_requirements
+from meshtrain.config import Config, ConfigError, parse_override, set_key
+from meshtrain.validation import validate_config
+
+DILOCO_DEFAULTS: dict[str, Any] = {
+    "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
+    "model.ffn_dim": 176, "train.seq_len": 64, "train.global_batch": 32, "train.steps": 1000,
+    "train.lr": 3e-3, "train.warmup_steps": 10, "train.eval_every": 100, "train.eval_batches": 4,
+    "data.valid_fraction": 0.05, "data.max_bytes": 1_000_000, "train.threads_per_worker": 1,
+    "train.device": "cpu", "train.log_every": 100, "parallel.replicas": 4,
+    "parallel.sync_every": 20,
+}
+"""The suite's shape unless ``--set`` changes it: a 2-layer dim-64 model, 32 × 64 tokens a step,
+1000 steps, 4 groups of H = 20."""
+
+FINAL_WINDOW = 20
+"""Steps whose mean training loss is a run's final training loss."""
+
+
+def diloco_configs(overrides: list[str]) -> tuple[Config, Config]:
+    """The validated ``(synchronous dp, DiLoCo)`` configs: the same shape and data, dp over
+    ``replicas`` ranks against ``replicas`` groups of one rank each (raises ConfigError)."""
+    configs = []
+    for synchronous in (True, False):
+        config = Config()
+        for key, value in DILOCO_DEFAULTS.items():
+            set_key(config, key, value, origin="diloco bench defaults")
+        for text in overrides:
+            set_key(config, *parse_override(text))
+        par = config.parallel
+        if par.replicas < 2:
+            raise ConfigError(f"parallel.replicas = {par.replicas}: the diloco suite compares "
+                              "replica groups with dp over as many ranks; valid: 2 or more.")
+        groups = par.replicas
+        par.dp, par.tp, par.pp, par.cp, par.ep = (groups if synchronous else 1), 1, 1, 1, 1
+        if synchronous:
+            par.replicas, par.sync_fragments = 1, 1
+        validate_config(config, groups)
+        configs.append(config)
+    return configs[0], configs[1]
+
+
+def check_diloco(suite: Suite, options: BenchOptions) -> None:
+    """Refuse a bad ``--set`` and an unwritable ``--plot`` before anything runs."""
+    diloco_configs(options.overrides)
+    if options.plot:
+        folder = os.path.dirname(os.path.abspath(diloco_plot_path(options)))
+        if not os.path.isdir(folder):
+            raise ConfigError(f'--plot "{options.plot}": the folder {folder} does not exist.')
+        from dataclasses import replace
+
+        check_requirements(replace(suite, requires=("matplotlib",)))
+
+
+def diloco_plot_path(options: BenchOptions) -> str:
+    """``--plot`` itself when diloco is the only suite that plots, else ``STEM-diloco.png``
+    beside it (the scaling suite draws ``--plot``)."""
+    if options.suites and all(name == "diloco" for name in _names(options)):
+        return options.plot
+    stem, ext = os.path.splitext(options.plot)
+    return f"{stem}-diloco{ext or '.png'}"
+
+
+def _names(options: BenchOptions) -> list[str]:
+    return [n.strip() for text in options.suites for n in text.split(",") if n.strip()]
+
+
+def curve(records: list[dict], axis: str) -> dict[str, list]:
+    """A run's per-step loss, cumulative tokens and cumulative ``comm_bytes[axis]``, and its
+    held-out evaluations ``[(step, eval_loss)]``."""
+    tokens, moved, out = 0, 0, {"step": [], "loss": [], "tokens": [], "bytes": [], "eval": []}
+    for record in records:
+        tokens += record["tokens"]
+        moved += record["comm_bytes"].get(axis, 0)
+        out["step"].append(record["step"])
+        out["loss"].append(record["loss"])
+        out["tokens"].append(tokens)
+        out["bytes"].append(moved)
+        if "eval_loss" in record:
+            out["eval"].append([record["step"], record["eval_loss"]])
+    return out
+
+
+def _summary(run: dict[str, list]) -> dict[str, Any]:
+    window = run["loss"][-FINAL_WINDOW:]
+    return {"final_train_loss": sum(window) / len(window),
+            "final_eval_loss": run["eval"][-1][1] if run["eval"] else None,
+            "tokens": run["tokens"][-1], "bytes": run["bytes"][-1]}
+
+
+def run_diloco(suite: Suite, options: BenchOptions, log: Callable[[str], None]) -> dict:
+    """Train both runs once (they are deterministic) and return the suite's document."""
+    import torch
+
+    from meshtrain.verify import run_layout
+
+    sync, diloco = diloco_configs(options.overrides)
+    groups, steps = diloco.parallel.replicas, diloco.train.steps
+    log(f"bench diloco: dp {groups} (synchronous), {steps} steps")
+    sync_run = curve(run_layout(sync, groups, steps, timeout=options.timeout_s), "dp")
+    log(f"bench diloco: replicas {groups} x dp 1, H = {diloco.parallel.sync_every}, "
+        f"{steps} steps")
+    diloco_run = curve(run_layout(diloco, groups, steps, timeout=options.timeout_s), "replica")
+    a, b = _summary(sync_run), _summary(diloco_run)
+    result: dict[str, Any] = {
+        "suite": "diloco", "world_size": groups,
+        "peer": f"synchronous data parallelism over {groups} ranks (meshtrain dp)",
+        "replicas": groups, "sync_every": diloco.parallel.sync_every,
+        "sync_fragments": diloco.parallel.sync_fragments,
+        "outer_lr": diloco.train.outer_lr, "outer_momentum": diloco.train.outer_momentum,
+        "outer_grad_dtype": diloco.parallel.outer_grad_dtype, "steps": steps,
+        "synchronous": {**a, "curve": sync_run}, "diloco": {**b, "curve": diloco_run},
+        "train_loss_gap": b["final_train_loss"] / a["final_train_loss"] - 1,
+        "eval_loss_gap": (b["final_eval_loss"] / a["final_eval_loss"] - 1
+                          if a["final_eval_loss"] and b["final_eval_loss"] else None),
+        "bytes_ratio": b["bytes"] / a["bytes"] if a["bytes"] else None,
+        "torch_version": torch.__version__,
+    }
+    if options.plot:
+        path = diloco_plot_path(options)
+        plot_diloco(result, path)
+        result["plot"] = path
+        log(f"bench diloco: wrote {path}")
+    return result
+
+
+def format_diloco(result: dict) -> str:
+    """A plain-text summary of the ``diloco`` suite's result."""
+    mb = 1e6
+    lines = [f"diloco: replicas {result['replicas']} x dp 1, H = {result['sync_every']}, "
+             f"F = {result['sync_fragments']}, outer lr {result['outer_lr']} / momentum "
+             f"{result['outer_momentum']}, {result['outer_grad_dtype']} pseudo-gradients; "
+             f"{result['steps']} steps",
+             f"{'run':<12} {'train loss':>10} {'eval loss':>10} {'MB moved':>10}"]
+    for name in ("synchronous", "diloco"):
+        r = result[name]
+        shown = f"{r['final_eval_loss']:.4f}" if r["final_eval_loss"] is not None else "-"
+        lines.append(f"{name:<12} {r['final_train_loss']:>10.4f} {shown:>10} "
+                     f"{r['bytes'] / mb:>10.1f}")
+    gap = result["eval_loss_gap"]
+    ratio = result["bytes_ratio"]
+    lines.append(f"train loss {result['train_loss_gap']:+.1%}, eval loss "
+                 f"{'-' if gap is None else f'{gap:+.1%}'}, bytes "
+                 f"{'-' if not ratio else f'1/{1 / ratio:.1f}'} of synchronous dp "
+                 f"(final train loss = mean of the last {FINAL_WINDOW} steps)")
+    return "\n".join(lines)
+
+
+def plot_diloco(result: dict, path: str) -> None:
+    """Write loss against tokens and against bytes moved, both runs, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    labels = {"synchronous": f"dp {result['replicas']} (synchronous)",
+              "diloco": f"DiLoCo {result['replicas']} groups, H = {result['sync_every']}"}
+    for name, label in labels.items():
+        run = result[name]["curve"]
+        by_tokens.plot(run["tokens"], run["loss"], lw=0.8, label=f"{label}, train")
+        by_bytes.plot([max(b, 1) for b in run["bytes"]], run["loss"], lw=0.8, label=label)
+        if run["eval"]:
+            steps = {s: i for i, s in enumerate(run["step"])}
+            by_tokens.plot([run["tokens"][steps[s]] for s, _ in run["eval"]],
+                           [v for _, v in run["eval"]], "o--", ms=3, label=f"{label}, held-out")
+    by_tokens.set_xlabel("tokens trained")
+    by_bytes.set_xlabel("bytes moved between groups / dp ranks (per rank, cumulative)")
+    by_bytes.set_xscale("log")
+    for ax in (by_tokens, by_bytes):
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    fig.suptitle("meshtrain: DiLoCo replica groups vs synchronous data parallelism",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
