@@ -54,7 +54,8 @@ TOKENS = torch.randint(0, VOCAB, (2, 2 * CONTEXT), generator=torch.Generator().m
 LOGITS_RTOL = 1e-5
 STEPS = 3
 OPTIONS = {"llama3.1": ("llama3", False, False, False), "qwen2.5": ("yarn", True, False, False),
-           "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True, False)}
+           "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True, False),
+           "qwen3-moe": ("default", False, False, True), "qwen2-moe": ("yarn", True, False, False)}
 
 
 @pytest.fixture(scope="module")
