@@ -143,7 +143,7 @@ class _HFSource:
             if shape != tuple(meta.shape):
                 raise ConfigError(f"{self.directory}: {name} would have shape {shape}, but "
                                   f"config.json implies {tuple(meta.shape)}"
-                                  f"{explain_shape(name, self.config)}.")
+                                  f"{explain_shape(name, shape, self.config)}.")
         ignored = ("lm_head.weight",) if self.config.tie_embeddings else ()
         left = [key for key in self.reader.keys() if key not in used and key not in ignored
                 and not key.endswith(IGNORED_HF_SUFFIXES)]

@@ -66,10 +66,16 @@ def explain_extra(keys: list[str], config: ModelConfig) -> str:
     return ""
 
 
-def explain_shape(name: str, config: ModelConfig) -> str:
-    """The config fields behind the shape of meshtrain MoE tensor ``name``."""
+def explain_shape(name: str, shape: tuple[int, ...], config: ModelConfig) -> str:
+    """The config fields behind the shape of meshtrain MoE tensor ``name``, which the weights
+    would give ``shape``."""
     if ".moe." not in name:
         return ""
+    stacked = name.endswith("moe.router.weight") or ".moe.experts." in name
+    if stacked and shape and shape[0] != config.moe_experts:
+        return (f" (the weights hold {shape[0]} experts in this layer but config.json declares "
+                f"{config.moe_experts}: set num_experts / num_local_experts to {shape[0]}, or "
+                "supply the missing experts)")
     return (f" (config.json: {config.moe_experts} experts of width {config.expert_ffn_dim}"
             + (f", shared expert width {config.shared_ffn_dim}" if config.moe_shared_experts
                else "") + "; the weights hold another number or width)")
