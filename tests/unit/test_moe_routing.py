@@ -233,3 +233,12 @@ def test_default_top1_softmax_gate_stays_the_raw_probability():
 def test_bad_shared_expert_configs(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         tiny_config("model.moe_experts=4", *overrides)
+
+
+def test_parameter_count_includes_the_shared_width_and_gate():
+    from meshtrain.model.init import count_parameters
+
+    config = dataclasses.replace(CONFIG, n_layers=2, moe_first_dense=1, moe_shared_experts=1,
+                                 moe_shared_ffn_dim=40, moe_shared_gate=True)
+    model = build_model(config)
+    assert count_parameters(config)["total"] == sum(p.numel() for p in model.parameters())
