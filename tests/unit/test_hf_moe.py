@@ -87,9 +87,31 @@ def test_moe_tensors_in_a_dense_layer_are_refused(sources, tmp_path):
     path = _edited(sources, tmp_path, "qwen3-moe", mlp_only_layers=[0, 1])
     with pytest.raises(ConfigError, match="leave no MoE layer"):
         load_hf(path)
+    path = _edited(sources, tmp_path, "qwen2-moe", mlp_only_layers=[0])  # experts there
+    _refused(path, "model.layers.0.mlp.gate_proj.weight is missing", "makes layer 0 dense",
+             "it is an MoE layer in the weights")
     path = _edited(sources, tmp_path, "qwen3-moe", name="all-moe", mlp_only_layers=[])
     _refused(path, "model.layers.0.mlp.gate.weight is missing", "MoE layer",
              "list the layer in mlp_only_layers")
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe"])
+def test_fused_qwen_moe_checkpoint_loads(sources, tmp_path, family):
+    """transformers 5.x's in-memory layout (gate_up_proj / down_proj) saved as-is."""
+    import torch
+    import transformers
+
+    from tests.hf_families import hf_logits
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(sources[family])
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((sources[family] / "config.json").read_text())
+    tokens = torch.randint(0, 264, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = load_hf(tmp_path)(tokens)
+    torch.testing.assert_close(logits, hf_logits(sources[family], tokens), atol=1e-5, rtol=1e-5)
 
 
 def test_mlp_only_layers_meshtrain_cannot_express_are_refused_by_the_cli(sources, tmp_path,
