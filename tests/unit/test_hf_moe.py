@@ -120,7 +120,7 @@ def test_mlp_only_layers_meshtrain_cannot_express_are_refused_by_the_cli(sources
     path = _edited(sources, tmp_path, "qwen2-moe", mlp_only_layers=[1])
     assert main(["convert", "--from-hf", str(path), "--out", str(tmp_path / "out")]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "mlp_only_layers = [1]" in err and "valid here [], [0], [0, 1]" in err
+    assert "mlp_only_layers = [1]" in err and "valid here [], [0] (layers" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
@@ -153,7 +153,7 @@ def test_qwen_moe_config_mapping_round_trips():
     ({"num_experts": 0}, "dense model"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step = 0"),
     ({"mlp_only_layers": [7]}, "outside the 6 layers"),
-    ({"mlp_only_layers": [3]}, "valid here [], [1], [1, 3]"),
+    ({"mlp_only_layers": [3]}, "valid here [], [1], [1, 3] (layers"),
 ])
 def test_qwen_moe_configs_meshtrain_cannot_express_are_refused(change, fragment):
     with pytest.raises(ConfigError) as error:

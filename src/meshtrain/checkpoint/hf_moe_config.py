@@ -64,14 +64,16 @@ def _first_dense(hf: dict[str, Any], step: int, layers: int, origin: str) -> int
     sparse = [i for i in range(layers) if (i + 1) % step == 0]
     dense = sorted(i for i in set(only) if i in sparse)
     if dense != sparse[:len(dense)]:
-        prefixes = ", ".join(str(sparse[:n]) for n in range(min(len(sparse), 3) + 1))
+        longest = len(sparse) - 1  # at least one MoE layer must remain
+        prefixes = ", ".join(str(sparse[:n]) for n in range(min(longest, 3) + 1))
+        more = ", ..." if longest > 3 else ""
+        before = sparse[:sparse.index(dense[-1]) + 1]
         raise ConfigError(
             f"{origin}: mlp_only_layers = {sorted(only)} makes MoE-step layer(s) {dense} dense "
-            f"but not all the MoE-step layers before them ({sparse[:sparse.index(dense[-1])+1]} "
-            f"with decoder_sparse_step = {step}); meshtrain makes only the first k MoE-step "
-            f"layers dense (model.moe_first_dense), so mlp_only_layers must list a prefix of "
-            f"them: valid here {prefixes}, ... (layers decoder_sparse_step skips may be listed "
-            f"too).")
+            f"but not all the MoE-step layers up to them ({before} with decoder_sparse_step = "
+            f"{step}); meshtrain makes only the first k MoE-step layers dense "
+            f"(model.moe_first_dense), so mlp_only_layers must list a prefix of them: valid "
+            f"here {prefixes}{more} (layers decoder_sparse_step skips may be listed too).")
     return dense[-1] + 1 if dense else 0
 
 
