@@ -181,3 +181,37 @@ def test_moe_export_family_or_refusal(change, family, fragment):
     else:
         with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
             check_exportable(config)
+
+
+# The fields that matter of two published configs (Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B).
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                 "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None,
+                 "max_window_layers": 48, "rope_scaling": None, "rope_theta": 1000000.0,
+                 "attention_bias": False, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+                 "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16"}
+QWEN15_MOE_A27B = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                   "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
+                   "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                   "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                   "sliding_window": 32768, "max_window_layers": 21, "rope_theta": 1000000.0,
+                   "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+                   "router_aux_loss_coef": 0.001, "torch_dtype": "bfloat16"}
+
+
+def test_published_qwen_moe_configs_map():
+    big = hf_to_model_config(QWEN3_30B_A3B)
+    assert (big.moe_experts, big.moe_top_k, big.moe_ffn_dim, big.head_dim) == (128, 8, 768, 128)
+    assert big.qk_norm and big.moe_norm_topk and big.first_moe_layer == 0
+    assert check_exportable(big) == "qwen3_moe"
+    small = hf_to_model_config(QWEN15_MOE_A27B)
+    assert (small.moe_experts, small.moe_top_k, small.shared_ffn_dim) == (60, 4, 5632)
+    assert small.qkv_bias and small.moe_shared_gate and not small.moe_norm_topk
+    assert check_exportable(small) == "qwen2_moe"
+    for source, config in ((QWEN3_30B_A3B, big), (QWEN15_MOE_A27B, small)):
+        assert hf_to_model_config(model_config_to_hf(config, base=source)) == config
