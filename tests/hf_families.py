@@ -1,6 +1,9 @@
 """Tiny random Hugging Face models of the families meshtrain converts: Llama 3.1 (llama3 RoPE
 scaling), Qwen2.5 (q/k/v biases, YaRN) and Qwen3 (QK-norm, head_dim != hidden / heads, linear
-RoPE scaling), plus a Llama with ``attention_bias`` (biases on all four projections).
+RoPE scaling), plus a Llama with ``attention_bias`` (biases on all four projections), and the MoE
+families Qwen3-MoE (QK-norm, head_dim 32, renormalised top-2 of 4 experts, layer 0 dense through
+``mlp_only_layers``, experts narrower than the dense MLP) and Qwen2-MoE (q/k/v biases, raw
+top-2 gates, a sigmoid-gated shared expert of its own width, YaRN).
 
 Each is built from its ``transformers`` config (nothing is downloaded), every parameter redrawn
 (biases and norm weights too, so that a wrong mapping cannot hide behind zeros and ones), saved
@@ -40,7 +43,19 @@ FAMILIES = {
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM",
                    dict(attention_bias=True, max_position_embeddings=CONTEXT),
                    None),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=32, max_position_embeddings=CONTEXT, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                       decoder_sparse_step=1, mlp_only_layers=[0]),
+                  None),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(max_position_embeddings=4 * CONTEXT, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                       norm_topk_prob=False),
+                  ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT},
+                   1000000.0)),
 }
+MOE_FAMILIES = ("qwen3-moe", "qwen2-moe")
 TRAINED = ("llama3.1", "qwen2.5", "qwen3")
 """The families of the issue's acceptance test (trained at tp2 x pp2)."""
 

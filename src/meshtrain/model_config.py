@@ -57,7 +57,19 @@ class ModelConfig:
     moe_experts: int = 0
     """Routed experts per MoE layer; 0 = a dense model."""
     moe_top_k: int = 2
+    moe_norm_topk: bool = True
+    """Renormalise the chosen experts' gate weights to sum to 1 (Mixtral; Qwen-MoE's
+    ``norm_topk_prob = true``). False keeps the raw scores of the chosen experts (Qwen-MoE's
+    default). Softmax with ``moe_top_k = 1`` keeps the raw probability either way (Switch
+    Transformer: a gate of 1 would give the router no gradient)."""
     moe_shared_experts: int = 0
+    moe_shared_ffn_dim: int = 0
+    """Hidden size of the shared experts together (one MLP); 0 = ``moe_shared_experts`` times
+    the expert hidden size. Qwen2-MoE's ``shared_expert_intermediate_size``."""
+    moe_shared_gate: bool = False
+    """Scale the shared experts' output by ``sigmoid(x @ w)``, one learned gate per token
+    (``moe.shared_gate``, a [1, dim] weight; Qwen2-MoE's ``shared_expert_gate``). Needs
+    ``moe_shared_experts > 0``."""
     moe_capacity_factor: float = 0.0
     """Tokens an expert accepts, as a multiple of its fair share of a routing group; 0 =
     dropless."""
@@ -106,6 +118,13 @@ class ModelConfig:
     def expert_ffn_dim(self) -> int:
         """Effective hidden size of one expert."""
         return self.moe_ffn_dim or self.ffn_dim
+
+    @property
+    def shared_ffn_dim(self) -> int:
+        """Effective hidden size of the shared experts' MLP (0 without shared experts)."""
+        if not self.moe_shared_experts:
+            return 0
+        return self.moe_shared_ffn_dim or self.expert_ffn_dim * self.moe_shared_experts
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) holds an MoE feed-forward instead of a dense one."""

@@ -88,10 +88,21 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         at_least(m.moe_bias_rate, 0.0, "model.moe_bias_rate")
         at_least(m.moe_every, 1, "model.moe_every")
         at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
+        _check_shared_experts(m)
         choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
         choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
         _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
         _check_moe_layers_and_groups(m)
+
+
+def _check_shared_experts(m) -> None:
+    """The shared experts' own hidden size and sigmoid gate need shared experts."""
+    at_least(m.moe_shared_ffn_dim, 0, "model.moe_shared_ffn_dim")
+    if m.moe_shared_experts == 0 and (m.moe_shared_gate or m.moe_shared_ffn_dim):
+        option = "moe_shared_gate = true" if m.moe_shared_gate else (
+            f"moe_shared_ffn_dim = {m.moe_shared_ffn_dim}")
+        raise ConfigError(f"model.{option} needs shared experts: set model.moe_shared_experts "
+                          "to 1 or more, or leave it at its default (false / 0).")
 
 
 def _check_moe_layers_and_groups(m) -> None:

@@ -1,11 +1,15 @@
-"""Llama 3.1, Qwen2.5 and Qwen3 checkpoints: in, trained at tp2 x pp2, and out again.
+"""Llama 3.1, Qwen2.5 and Qwen3 checkpoints: in, trained at tp2 x pp2, and out again; the MoE
+families Qwen3-MoE and Qwen2-MoE in and out (their training: ``test_hf_moe_families``).
 
 For each family a tiny random ``transformers`` model (:mod:`tests.hf_families`) goes through
 ``meshtrain convert --from-hf``; then
 
 - meshtrain's logits equal ``transformers``' own to 1e-5 relative (fp32) over twice the
   original context, where RoPE scaling changes the answer (a control without the scaling differs
-  by far more there);
+  by far more there). The same computation in another order of fp32 operations (fused attention,
+  grouped expert GEMMs against per-expert loops) differs by ~1e-6; the MoE families' routing
+  picks the same experts, since no token's k-th and (k+1)-th probabilities are within rounding of
+  each other for these random weights, and a flipped choice would move a logit by far more;
 - ``convert --to-hf`` gives back every tensor bit for bit, and the same config;
 - training from the converted weights at tp2 x pp2 (Qwen2.5 also with sequence parallelism)
   gives the one-process losses and gradient norms within meshtrain.verify's fp32 tolerances
@@ -54,7 +58,8 @@ TOKENS = torch.randint(0, VOCAB, (2, 2 * CONTEXT), generator=torch.Generator().m
 LOGITS_RTOL = 1e-5
 STEPS = 3
 OPTIONS = {"llama3.1": ("llama3", False, False, False), "qwen2.5": ("yarn", True, False, False),
-           "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True, False)}
+           "qwen3": ("linear", False, False, True), "llama-bias": ("default", True, True, False),
+           "qwen3-moe": ("default", False, False, True), "qwen2-moe": ("yarn", True, False, False)}
 
 
 @pytest.fixture(scope="module")

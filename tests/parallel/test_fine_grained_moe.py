@@ -1,4 +1,5 @@
-"""Fine-grained MoE shapes (dense first blocks, many small experts, top-4, a shared expert,
+"""Fine-grained MoE shapes (dense first blocks, many small experts, top-4, a shared expert (also
+wider than an expert and sigmoid-gated, with raw top-k gates: Qwen2-MoE),
 node-limited routing over expert groups) match one process under expert, data and pipeline
 parallelism (fp32; meshtrain.verify's tolerances: 2e-4 on the loss, 1e-3 relative on the
 gradient norm)."""
@@ -38,3 +39,25 @@ def test_deepseek_style_at_dp2_ep2_pp2():
     config = tiny_config(*DEEPSEEK, "parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2",
                          "model.n_layers=4", "parallel.zero=1", nproc=4)
     assert_layouts_match_one_process(4, [config], STEPS)
+
+
+# Qwen2-MoE in miniature: raw top-2 gates, a sigmoid-gated shared expert wider than one expert,
+# the first block dense.
+QWEN2_MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=16",
+             "model.moe_norm_topk=false", "model.moe_shared_experts=1",
+             "model.moe_shared_ffn_dim=40", "model.moe_shared_gate=true",
+             "model.moe_first_dense=1", "model.n_layers=4")
+
+
+def test_gated_shared_expert_at_pp2_ep2_ep2_zero2_zero3_and_tp2_ep2():
+    """The shared-expert gate is a replicated [1, dim] weight: on its block's pipeline stage,
+    sharded by ZeRO-2 over dp while experts shard over the expert-data ranks, gathered by ZeRO-3
+    (which ep does not combine with), whole on every tp rank, never split over ep."""
+    cases = [
+        tiny_config(*QWEN2_MOE, "parallel.ep=2", "parallel.pp=2", "parallel.zero=1",
+                    "parallel.microbatches=2", nproc=4),
+        tiny_config(*QWEN2_MOE, "parallel.ep=2", "parallel.zero=2", nproc=4),
+        tiny_config(*QWEN2_MOE, "parallel.zero=3", nproc=4),
+        tiny_config(*QWEN2_MOE, "parallel.ep=2", "parallel.tp=2", nproc=4),
+    ]
+    assert_layouts_match_one_process(4, cases, STEPS)

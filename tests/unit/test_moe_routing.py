@@ -189,3 +189,56 @@ def test_first_dense_blocks():
 def test_bad_fine_grained_moe_configs(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         tiny_config("model.moe_experts=4", *overrides)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_without_norm_topk_the_gates_are_the_raw_scores(score):
+    x = _tokens()
+    normalised, raw = _moe(moe_score=score), _moe(moe_score=score, moe_norm_topk=False)
+    indices, weights, _ = raw.route(x)
+    logits = x @ raw.router.weight.t()
+    scores = torch.softmax(logits, -1) if score == "softmax" else torch.sigmoid(logits)
+    torch.testing.assert_close(weights, scores.gather(-1, indices))
+    same_indices, normalised_weights, _ = normalised.route(x)
+    assert torch.equal(indices, same_indices)  # selection is unchanged, only the gates
+    torch.testing.assert_close(normalised_weights, weights / weights.sum(-1, keepdim=True))
+
+
+def test_shared_gate_scales_the_shared_expert_by_a_sigmoid():
+    moe = _moe(moe_shared_experts=1, moe_shared_ffn_dim=24, moe_shared_gate=True)
+    assert moe.shared_experts.w1.weight.shape == (24, CONFIG.dim)
+    assert moe.shared_gate.weight.shape == (1, CONFIG.dim)
+    x = _tokens()
+    indices, weights, _ = moe.route(x)
+    routed, _ = moe.compute_experts(x, indices, weights)
+    gate = torch.sigmoid(x @ moe.shared_gate.weight.t())
+    torch.testing.assert_close(moe(x), routed + gate * moe.shared_experts(x))
+    moe(x).sum().backward()
+    assert moe.shared_gate.weight.grad.abs().sum() > 0
+
+
+def test_default_top1_softmax_gate_stays_the_raw_probability():
+    moe = _moe(moe_top_k=1)
+    x = _tokens()
+    indices, weights, _ = moe.route(x)
+    probs = torch.softmax(x @ moe.router.weight.t(), -1)
+    torch.testing.assert_close(weights, probs.gather(-1, indices))
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.moe_shared_gate=true"], "moe_shared_gate = true needs shared experts"),
+    (["model.moe_shared_ffn_dim=32"], "moe_shared_ffn_dim = 32 needs shared experts"),
+    (["model.moe_shared_experts=1", "model.moe_shared_ffn_dim=-1"], "moe_shared_ffn_dim"),
+])
+def test_bad_shared_expert_configs(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        tiny_config("model.moe_experts=4", *overrides)
+
+
+def test_parameter_count_includes_the_shared_width_and_gate():
+    from meshtrain.model.init import count_parameters
+
+    config = dataclasses.replace(CONFIG, n_layers=2, moe_first_dense=1, moe_shared_experts=1,
+                                 moe_shared_ffn_dim=40, moe_shared_gate=True)
+    model = build_model(config)
+    assert count_parameters(config)["total"] == sum(p.numel() for p in model.parameters())

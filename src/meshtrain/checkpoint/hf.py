@@ -1,5 +1,5 @@
-"""Hugging Face interop: load / save Llama, Qwen2, Qwen3 and Mixtral checkpoints, convert weight
-directories.
+"""Hugging Face interop: load / save Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE
+checkpoints, convert weight directories.
 
 Everything streams one tensor at a time: models are built on the meta device and materialised
 empty, each tensor is read with ``safetensors.safe_open`` and copied into place, and files are
@@ -9,7 +9,8 @@ first and then writes each tensor at its offset. So a conversion never holds mor
 
 Two directory formats are involved:
 
-* a **Hugging Face** directory: ``config.json`` (``model_type`` llama / qwen2 / qwen3 / mixtral) and
+* a **Hugging Face** directory: ``config.json`` (``model_type`` llama / qwen2 / qwen3 / mixtral /
+  qwen2_moe / qwen3_moe) and
   ``model.safetensors`` or shards with ``model.safetensors.index.json``;
 * a **meshtrain weights** directory: meshtrain names and ``config.json`` holding the full run
   Config, with shards ``model-0000i-of-0000K.safetensors`` + ``model.safetensors.index.json``
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-from meshtrain.checkpoint.hf_config import hf_to_model_config, model_config_to_hf
+from meshtrain.checkpoint.hf_config import hf_model_type, hf_to_model_config, model_config_to_hf
+from meshtrain.checkpoint.hf_moe_tensors import explain_extra, explain_missing, explain_shape
 from meshtrain.checkpoint.hf_tensors import IGNORED_HF_SUFFIXES, from_hf, is_fused_moe, to_hf
 from meshtrain.checkpoint.safetensors_io import (
     INDEX_NAME,
@@ -108,6 +110,7 @@ class _HFSource:
     config: ModelConfig
     reader: TensorReader
     fused: bool
+    model_type: str
 
     @classmethod
     def open(cls, path: str | Path) -> _HFSource:
@@ -115,9 +118,14 @@ class _HFSource:
         if kind != "hf":
             raise ConfigError(f"{directory} is a meshtrain weights directory, not a Hugging Face "
                               "one (use convert --to-hf to make one).")
-        config = hf_to_model_config(doc, str(directory / "config.json"))
+        origin = str(directory / "config.json")
+        config = hf_to_model_config(doc, origin)
         reader = TensorReader(directory)
-        return cls(directory, doc, config, reader, is_fused_moe(reader.keys()))
+        return cls(directory, doc, config, reader, is_fused_moe(reader.keys()),
+                   hf_model_type(doc, origin))
+
+    def _read(self, name: str, read) -> torch.Tensor:
+        return from_hf(name, read, self.config, self.fused, self.model_type)
 
     def check(self, state: dict[str, torch.Tensor]) -> None:
         """Dry run on meta tensors: every tensor present with the right shape, none left over."""
@@ -125,36 +133,38 @@ class _HFSource:
 
         def read_meta(key: str) -> torch.Tensor:
             if key not in self.reader:
-                raise ConfigError(f"{self.directory}: tensor {key} is missing.")
+                raise ConfigError(f"{self.directory}: tensor {key} is missing"
+                                  f"{explain_missing(key, self.config)}.")
             used.add(key)
             return torch.empty(self.reader.shape(key), device="meta")
 
         for name, meta in state.items():
-            shape = tuple(from_hf(name, read_meta, self.config, self.fused).shape)
+            shape = tuple(self._read(name, read_meta).shape)
             if shape != tuple(meta.shape):
                 raise ConfigError(f"{self.directory}: {name} would have shape {shape}, but "
-                                  f"config.json implies {tuple(meta.shape)}.")
+                                  f"config.json implies {tuple(meta.shape)}"
+                                  f"{explain_shape(name, shape, self.config)}.")
         ignored = ("lm_head.weight",) if self.config.tie_embeddings else ()
         left = [key for key in self.reader.keys() if key not in used and key not in ignored
                 and not key.endswith(IGNORED_HF_SUFFIXES)]
         if left:
             raise ConfigError(f"{self.directory}: {len(left)} tensors have no meshtrain "
-                              f"counterpart, e.g. {left[:3]}.")
+                              f"counterpart, e.g. {left[:3]}{explain_extra(left, self.config)}.")
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Checked, then ``(meshtrain name, tensor)`` one at a time (incl. zero expert_bias)."""
         state = _meta_state(self.config)
         self.check(state)
         for name in state:
-            yield name, from_hf(name, self.reader.get, self.config, self.fused)
+            yield name, self._read(name, self.reader.get)
 
 
 def load_hf(path: str | Path, device: str | torch.device = "cpu",
             dtype: torch.dtype | None = None) -> Transformer:
     """A meshtrain :class:`Transformer` holding the weights of Hugging Face directory ``path``.
 
-    ``path`` holds a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
-    ``MixtralForCausalLM`` ``config.json`` and
+    ``path`` holds a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM`` ``config.json`` and
     safetensors weights (single file or sharded). The model is built on the meta device,
     materialised empty on ``device`` in ``dtype`` (default float32, meshtrain's master-weight
     dtype) and filled one tensor at a time. Unsupported configs raise :class:`ConfigError`.
@@ -180,13 +190,14 @@ def _write_hf(named: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, ou
               dtype: torch.dtype, max_shard_bytes: int | None, **hf_options: Any) -> Path:
     """Write a Hugging Face directory from meshtrain-named tensors arriving in any order."""
     hf = model_config_to_hf(config, _dtype_name(dtype), **hf_options)  # refuses first
+    model_type = hf["model_type"]
     plan = [(hf_name, tuple(view.shape), dtype)
             for name, meta in _meta_state(config).items()
-            for hf_name, view in to_hf(name, meta, config)]
+            for hf_name, view in to_hf(name, meta, config, model_type)]
     out.mkdir(parents=True, exist_ok=True)
     with ShardedWriter(out, plan, max_shard_bytes) as writer:
         for name, tensor in named:
-            for hf_name, view in to_hf(canonical_name(name), tensor, config):
+            for hf_name, view in to_hf(canonical_name(name), tensor, config, model_type):
                 writer.write(hf_name, view.to(dtype))
         writer.close()
     (out / "config.json").write_text(json.dumps(hf, indent=2))
@@ -196,12 +207,13 @@ def _write_hf(named: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, ou
 def save_hf(model: Transformer, path: str | Path, dtype: torch.dtype | None = None,
             max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write ``model`` (single-device, unsharded) as a Hugging Face Llama / Qwen2 / Qwen3 /
-    Mixtral directory (see :func:`~meshtrain.checkpoint.hf_config.check_exportable`).
+    Mixtral / Qwen2-MoE / Qwen3-MoE directory (see
+    :func:`~meshtrain.checkpoint.hf_config.check_exportable`).
 
     Writes ``config.json`` and ``model.safetensors`` (or shards of at most ``max_shard_bytes``
     plus ``model.safetensors.index.json``), loadable by
     ``transformers.AutoModelForCausalLM.from_pretrained``. ``dtype`` defaults to the model's.
-    Models Hugging Face cannot represent (GELU, shared experts, sigmoid routing, ...) raise
+    Models Hugging Face cannot represent (GELU, ungated shared experts, sigmoid routing, ...) raise
     :class:`ConfigError`.
     """
     if dtype is None:

@@ -1,5 +1,5 @@
-"""Map a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mixtral) to and from
-:class:`ModelConfig`.
+"""Map a Hugging Face ``config.json`` (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) to and
+from :class:`ModelConfig`.
 
 Only what both sides compute identically is converted; anything else is refused with a
 :class:`ConfigError` naming the field, rather than converted into a model that silently computes
@@ -11,43 +11,44 @@ something different. Supported:
   (Qwen2 always has q/k/v biases and none on the output projection).
 * ``Qwen3ForCausalLM`` (``"qwen3"``) <-> a dense model with ``qk_norm`` (``attention_bias``
   sets both bias options) and its ``head_dim`` (``model.head_width``).
-* ``MixtralForCausalLM`` (``model_type = "mixtral"``) <-> an MoE model with an MoE block in every
-  layer (``moe_every = 1``), softmax scores, no shared experts and ``moe_top_k >= 2``.
+* ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` <-> MoE models;
+  their MoE fields (routing, shared expert, dense layers, balance) are mapped in
+  :mod:`meshtrain.checkpoint.hf_moe_config`. Qwen3-MoE's attention is Qwen3's, Qwen2-MoE's is
+  Qwen2's (``qkv_bias`` may be false there).
 
 RoPE (``rope_parameters`` / ``rope_scaling``: plain, ``linear``, ``llama3``, ``yarn``) maps to
 ``model.rope_theta`` and ``model.rope_scaling`` in :mod:`meshtrain.checkpoint.hf_rope`.
-Export picks the architecture from the options: ``qk_norm`` is Qwen3, q/k/v biases without an
-output bias are Qwen2, otherwise Llama.
-
-Routing: Mixtral takes the softmax over all experts, picks the top-k probabilities and renormalises
-them to sum to 1; meshtrain's ``softmax`` router does the same for ``top_k > 1`` (with a zero
-``expert_bias``), so the logits match. With ``top_k = 1`` meshtrain keeps the raw probability
-(Switch Transformer) while Mixtral's gate is 1, hence the refusal.
-
-Balance: an imported Mixtral gets ``moe_balance = "aux-loss"`` with
-``moe_aux_coef = router_aux_loss_coef * top_k / n_layers``. Hugging Face computes one
-Switch-style loss over the assignments of all layers pooled, whose value at perfect balance is
-``coef * top_k``; meshtrain sums a per-layer loss worth ``moe_aux_coef`` each at balance, so this
-choice makes the two equal at balance (their gradients differ slightly away from it). Export
-inverts it. ``moe_capacity_factor`` becomes 0 (Mixtral is dropless).
+Export picks the architecture from the options: a dense model with ``qk_norm`` is Qwen3, q/k/v
+biases without an output bias are Qwen2, otherwise Llama; an MoE model with shared experts is
+Qwen2-MoE, with ``qk_norm`` Qwen3-MoE, otherwise Mixtral.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from meshtrain.checkpoint.hf_moe_config import (
+    MOE_ARCHITECTURES,
+    QWEN_MOE,
+    moe_fields_from_hf,
+    moe_fields_to_hf,
+    moe_model_type,
+)
 from meshtrain.checkpoint.hf_rope import hf_rope, rope_to_hf
 from meshtrain.config import ConfigError, ModelConfig
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
-DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "mixtral": 1000000.0}
-DEFAULT_NORM_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5}
-_QWEN = ("qwen2", "qwen3")
+             "qwen3": "Qwen3ForCausalLM", **MOE_ARCHITECTURES}
+DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "mixtral": 1000000.0,
+                      "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
+DEFAULT_NORM_EPS = {"llama": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "mixtral": 1e-5,
+                    "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
+_QWEN = ("qwen2", "qwen3", *QWEN_MOE)
 
 
 def hf_model_type(hf: dict[str, Any], origin: str) -> str:
-    """``"llama"`` or ``"mixtral"`` from ``model_type`` / ``architectures``; else ConfigError."""
+    """The supported ``model_type`` (a key of :data:`SUPPORTED`) from ``model_type`` /
+    ``architectures``; else ConfigError."""
     model_type = hf.get("model_type")
     if model_type is None:
         by_arch = {arch: kind for kind, arch in SUPPORTED.items()}
@@ -93,9 +94,6 @@ def _refuse_unsupported(hf: dict[str, Any], model_type: str, origin: str) -> Non
                         "sliding-window attention off if that is what you want)")
     if hf.get("quantization_config"):
         problems.append("quantization_config (quantized weights)")
-    if model_type == "mixtral" and hf.get("num_experts_per_tok", 2) < 2:
-        problems.append("num_experts_per_tok = 1 (Mixtral's gate is then 1, meshtrain's top-1 "
-                        "softmax gate is the raw probability)")
     if problems:
         raise ConfigError(f"{origin}: cannot convert this {SUPPORTED[model_type]}: "
                           f"{'; '.join(problems)}.")
@@ -114,7 +112,9 @@ def _attention_options(hf: dict[str, Any], model_type: str) -> dict[str, bool]:
     bias = bool(hf.get("attention_bias", False))
     if model_type == "qwen2":
         return dict(qkv_bias=True, wo_bias=False, qk_norm=False)
-    return dict(qkv_bias=bias, wo_bias=bias, qk_norm=model_type == "qwen3")
+    if model_type == "qwen2_moe":
+        return dict(qkv_bias=bool(hf.get("qkv_bias", True)), wo_bias=False, qk_norm=False)
+    return dict(qkv_bias=bias, wo_bias=bias, qk_norm=model_type in ("qwen3", "qwen3_moe"))
 
 
 def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> ModelConfig:
@@ -122,8 +122,8 @@ def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> Model
 
     Raises :class:`ConfigError` for other architectures, missing fields, and features meshtrain
     does not implement (RoPE types other than plain, linear, llama3 and yarn, MLP biases,
-    sliding-window attention, activations other than SiLU, top-1 Mixtral routing), naming the
-    field.
+    sliding-window attention, activations other than SiLU, top-1 renormalised routing, dense
+    layers other than the first MoE-step ones), naming the field.
     """
     from meshtrain.validation_model import validate_rope_scaling
 
@@ -156,23 +156,10 @@ def hf_to_model_config(hf: dict[str, Any], origin: str = "config.json") -> Model
         norm_eps=float(hf.get("rms_norm_eps", DEFAULT_NORM_EPS[model_type])),
         **_attention_options(hf, model_type),
     )
-    if model_type == "mixtral":
-        top_k = hf.get("num_experts_per_tok", 2)
-        config.moe_experts = hf.get("num_local_experts", 8)
-        config.moe_top_k = top_k
-        config.moe_shared_experts = 0
-        config.moe_capacity_factor = 0.0
-        config.moe_score = "softmax"
-        config.moe_balance = "aux-loss"
-        config.moe_aux_coef = _round(hf.get("router_aux_loss_coef", 0.001) * top_k / layers)
-        config.moe_every = 1
-        config.moe_ffn_dim = hf["intermediate_size"]
+    if model_type in MOE_ARCHITECTURES:
+        for key, value in moe_fields_from_hf(hf, model_type, origin).items():
+            setattr(config, key, value)
     return config
-
-
-def _round(value: float) -> float:
-    """Drop the last bits of float noise so that import then export gives back the same number."""
-    return float(f"{value:.12g}")
 
 
 def _dense_model_type(config: ModelConfig) -> tuple[str | None, str]:
@@ -195,9 +182,10 @@ def check_exportable(config: ModelConfig, origin: str = "model") -> str:
     """The Hugging Face ``model_type`` that represents ``config``, or ConfigError saying why none.
 
     Dense SwiGLU models become Qwen3 (``qk_norm``), Qwen2 (``qkv_bias`` without ``wo_bias``) or
-    Llama; MoE models become Mixtral when every block is MoE, the score is softmax, top_k >= 2,
-    there are no shared experts, attention biases or QK-norm. A capacity factor is dropped
-    (Mixtral is dropless: identical whenever no token was dropped).
+    Llama; MoE models with softmax routing become Qwen2-MoE (gated shared experts), Qwen3-MoE
+    (``qk_norm``) or Mixtral (every block MoE, top_k >= 2, renormalised gates, no attention
+    biases); see :func:`~meshtrain.checkpoint.hf_moe_config.moe_model_type`. A capacity factor
+    is dropped (all three are dropless: identical whenever no token was dropped).
     """
     problems = []
     if config.mlp != "swiglu":
@@ -212,26 +200,13 @@ def check_exportable(config: ModelConfig, origin: str = "model") -> str:
             raise ConfigError(f"{origin}: cannot export as LlamaForCausalLM, Qwen2ForCausalLM "
                               f"or Qwen3ForCausalLM: {'; '.join(problems)}.")
         return model_type
-    if config.moe_every != 1:
-        problems.append(f"moe_every = {config.moe_every} (Mixtral has an MoE block in every "
-                        "layer)")
-    if config.moe_first_dense:
-        problems.append(f"moe_first_dense = {config.moe_first_dense} (Mixtral has no dense "
-                        "blocks)")
-    if config.moe_max_groups:
-        problems.append("moe_max_groups > 0 (Mixtral routes over every expert)")
-    if config.moe_shared_experts:
-        problems.append("moe_shared_experts > 0 (Mixtral has no shared experts)")
-    if config.moe_score != "softmax":
-        problems.append(f"moe_score = {config.moe_score!r} (Mixtral routes by softmax)")
-    if config.moe_top_k < 2:
-        problems.append("moe_top_k = 1 (Mixtral renormalises the top-1 gate to 1)")
-    if config.qkv_bias or config.wo_bias or config.qk_norm:
-        problems.append("attention biases or qk_norm (Mixtral has neither)")
+    model_type, moe_problems = moe_model_type(config)
+    problems += moe_problems
     if problems:
-        raise ConfigError(f"{origin}: cannot export as MixtralForCausalLM: "
-                          f"{'; '.join(problems)}.")
-    return "mixtral"
+        raise ConfigError(f"{origin}: cannot export as {SUPPORTED[model_type]}: "
+                          f"{'; '.join(problems)}. (An MoE model exports as Qwen2-MoE with "
+                          "gated shared experts, as Qwen3-MoE with qk_norm, else as Mixtral.)")
+    return model_type
 
 
 def model_config_to_hf(
@@ -263,7 +238,7 @@ def model_config_to_hf(
         model_type=model_type,
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
-        intermediate_size=config.expert_ffn_dim if model_type == "mixtral" else config.ffn_dim,
+        intermediate_size=config.ffn_dim,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
         num_key_value_heads=config.kv_heads,
@@ -280,16 +255,18 @@ def model_config_to_hf(
     if model_type == "llama":
         hf.update(mlp_bias=False)
     elif model_type in _QWEN:  # full attention in every layer; a base's inert window stays
-        hf.update(use_sliding_window=False, layer_types=["full_attention"] * config.n_layers)
+        hf.update(use_sliding_window=False)
+        if model_type != "qwen3_moe":  # Qwen3-MoE has no per-layer attention kinds
+            hf.update(layer_types=["full_attention"] * config.n_layers)
         hf.setdefault("sliding_window", None)
-        hf.setdefault("max_window_layers", config.n_layers)
-    else:
-        hf.update(
-            num_local_experts=config.moe_experts,
-            num_experts_per_tok=config.moe_top_k,
-            router_aux_loss_coef=_round(config.moe_aux_coef * config.n_layers / config.moe_top_k),
-            sliding_window=None,
-        )
-        hf.setdefault("router_jitter_noise", 0.0)
+        if model_type != "qwen3_moe":
+            hf.setdefault("max_window_layers", config.n_layers)
+    if model_type in MOE_ARCHITECTURES:
+        moe = moe_fields_to_hf(config, model_type, hf)
+        if "num_experts" in moe and "num_local_experts" in hf:  # the base's spelling wins
+            moe["num_local_experts"] = moe.pop("num_experts")
+        hf.update(moe)
         hf.setdefault("output_router_logits", False)
+    if model_type == "mixtral":
+        hf.setdefault("router_jitter_noise", 0.0)
     return hf

@@ -1,5 +1,5 @@
-"""Tensor names and layouts between meshtrain and Hugging Face Llama / Qwen2 / Qwen3 / Mixtral
-checkpoints.
+"""Tensor names and layouts between meshtrain and Hugging Face Llama / Qwen2 / Qwen3 / Mixtral /
+Qwen2-MoE / Qwen3-MoE checkpoints.
 
 Both sides store ``nn.Linear`` weights as [out, in] and use the same rotate-half RoPE layout, so
 attention, dense MLP, norms, embedding and head map one to one by name:
@@ -13,7 +13,10 @@ meshtrain                                Hugging Face (``model.layers.<i>.`` pre
 ``layers.<i>.attention_norm``            ``input_layernorm``
 ``layers.<i>.ffn_norm``                  ``post_attention_layernorm``
 ``layers.<i>.feed_forward.w1/w3/w2``     ``mlp.gate_proj / up_proj / down_proj``
-``layers.<i>.moe.router``                ``block_sparse_moe.gate`` (fused: ``mlp.gate``)
+``layers.<i>.moe.router``                ``block_sparse_moe.gate`` (Qwen, fused: ``mlp.gate``)
+``layers.<i>.moe.shared_experts.w1/w3``  ``mlp.shared_expert.gate_proj / up_proj`` (Qwen2-MoE)
+``layers.<i>.moe.shared_experts.w2``     ``mlp.shared_expert.down_proj`` (Qwen2-MoE)
+``layers.<i>.moe.shared_gate``           ``mlp.shared_expert_gate`` (Qwen2-MoE)
 ``norm.weight`` / ``output.weight``      ``model.norm.weight`` / ``lm_head.weight``
 =======================================  =================================================
 
@@ -23,7 +26,9 @@ in 5.x) hold one ``nn.Linear`` per expert: ``block_sparse_moe.experts.<j>.w1/w3.
 [hidden, dim] and ``w2.weight`` [dim, hidden], i.e. the transposes of expert ``j``'s slices.
 transformers 5.x models hold them fused in memory, and such checkpoints are read too:
 ``mlp.experts.gate_up_proj`` [E, 2*hidden, dim] (gate rows first) and ``mlp.experts.down_proj``
-[E, dim, hidden]. Export always writes the per-expert layout, which every version loads.
+[E, dim, hidden]. Qwen-MoE checkpoints name the per-expert layers ``mlp.experts.<j>.gate_proj``,
+``up_proj`` and ``down_proj`` (meshtrain's ``w1``, ``w3``, ``w2``), fused in memory alike. Export
+always writes the per-expert layout, which every version loads.
 """
 
 from __future__ import annotations
@@ -58,6 +63,15 @@ _LAYER = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "moe.router.weight": "block_sparse_moe.gate.weight",
 }
+_QWEN_MOE_LAYER = {
+    "moe.router.weight": "mlp.gate.weight",
+    "moe.shared_experts.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
+}
+_EXPERT_LEAVES = {"mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+                  "qwen": ("mlp.experts", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})}
 _FUSED_ROUTER = "mlp.gate.weight"
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _FUSED_DOWN = "mlp.experts.down_proj"
@@ -71,11 +85,26 @@ def _split_layer(name: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-def to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """The Hugging Face tensors that meshtrain tensor ``name`` becomes (views, not copies).
+def _expert_names(model_type: str, prefix: str, rest: str, experts: int) -> list[str]:
+    """The per-expert Hugging Face names of stacked expert weight ``rest`` (``moe.experts.w1``)."""
+    folder, leaves = _EXPERT_LEAVES["mixtral" if model_type == "mixtral" else "qwen"]
+    leaf = leaves[rest.rsplit(".", 1)[1]]
+    return [f"{prefix}{folder}.{j}.{leaf}.weight" for j in range(experts)]
+
+
+def _layer_name(rest: str, model_type: str) -> str | None:
+    if model_type != "mixtral" and rest in _QWEN_MOE_LAYER:
+        return _QWEN_MOE_LAYER[rest]
+    return _LAYER.get(rest) if not rest.startswith("moe.shared") else None
+
+
+def to_hf(name: str, tensor: torch.Tensor, config: ModelConfig,
+          model_type: str = "mixtral") -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors that meshtrain tensor ``name`` becomes (views, not copies), in
+    the naming of ``model_type`` (the exported family; its MoE names differ).
 
     A stacked expert weight becomes one tensor per expert; a zero MoE ``expert_bias`` becomes
-    nothing (Mixtral has no selection bias, so a non-zero one is refused).
+    nothing (these families have no selection bias, so a non-zero one is refused).
     """
     if name in _TOP:
         return [(_TOP[name], tensor)]
@@ -84,33 +113,36 @@ def to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[st
         raise ConfigError(f"no Hugging Face name for meshtrain tensor {name}.")
     layer, rest = parts
     prefix = f"model.layers.{layer}."
-    if rest in _LAYER:
-        return [(prefix + _LAYER[rest], tensor)]
+    hf_name = _layer_name(rest, model_type)
+    if hf_name is not None:
+        return [(prefix + hf_name, tensor)]
     if rest == "moe.expert_bias":
         if not tensor.is_meta and bool(tensor.ne(0).any()):
             raise ConfigError(f"{name} is non-zero (moe_balance = 'bias' steered routing); "
-                              "Mixtral has no selection bias, so its routing would differ.")
+                              "Hugging Face's MoE families have no selection bias, so their "
+                              "routing would differ.")
         return []
     if rest in ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"):
-        leaf = rest.rsplit(".", 1)[1]
-        return [(f"{prefix}block_sparse_moe.experts.{j}.{leaf}.weight", tensor[j].t())
-                for j in range(tensor.shape[0])]
-    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Qwen/Mixtral equivalent "
-                      "(e.g. shared experts or a GELU MLP).")
+        names = _expert_names(model_type, prefix, rest, tensor.shape[0])
+        return [(hf_name, tensor[j].t()) for j, hf_name in enumerate(names)]
+    raise ConfigError(f"meshtrain tensor {name} has no Hugging Face {model_type} equivalent "
+                      "(e.g. shared experts outside Qwen2-MoE, or a GELU MLP).")
 
 
 def is_fused_moe(keys: list[str]) -> bool:
-    """Whether a Mixtral checkpoint stores experts fused (transformers 5.x in-memory layout)."""
+    """Whether an MoE checkpoint stores experts fused (transformers 5.x in-memory layout)."""
     return any(key.endswith(_FUSED_GATE_UP) for key in keys)
 
 
 def from_hf(
-    name: str, read: Callable[[str], torch.Tensor], config: ModelConfig, fused: bool
+    name: str, read: Callable[[str], torch.Tensor], config: ModelConfig, fused: bool,
+    model_type: str = "mixtral",
 ) -> torch.Tensor:
     """The meshtrain tensor ``name``, assembled from Hugging Face tensors fetched by ``read``.
 
-    ``fused`` selects the fused expert layout (see the module docstring). Raises ConfigError when
-    the tensor has no Hugging Face counterpart.
+    ``fused`` selects the fused expert layout (see the module docstring); ``model_type`` the
+    source family's MoE names. Raises ConfigError when the tensor has no Hugging Face
+    counterpart.
     """
     if name in _TOP:
         return read(_TOP[name])
@@ -121,8 +153,9 @@ def from_hf(
     prefix = f"model.layers.{layer}."
     if rest == "moe.router.weight" and fused:
         return read(prefix + _FUSED_ROUTER)
-    if rest in _LAYER:
-        return read(prefix + _LAYER[rest])
+    hf_name = _layer_name(rest, model_type)
+    if hf_name is not None:
+        return read(prefix + hf_name)
     if rest == "moe.expert_bias":
         return torch.zeros(config.moe_experts, dtype=torch.float32)
     hidden = config.expert_ffn_dim
@@ -133,7 +166,6 @@ def from_hf(
     if fused and rest == "moe.experts.w2":
         return read(prefix + _FUSED_DOWN).transpose(1, 2).contiguous()
     if rest in ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"):
-        leaf = rest.rsplit(".", 1)[1]
-        return torch.stack([read(f"{prefix}block_sparse_moe.experts.{j}.{leaf}.weight").t()
-                            for j in range(config.moe_experts)])
+        names = _expert_names(model_type, prefix, rest, config.moe_experts)
+        return torch.stack([read(hf_name).t() for hf_name in names])
     raise ConfigError(f"meshtrain tensor {name} has no Hugging Face Llama/Qwen/Mixtral source.")

@@ -37,7 +37,7 @@ MANIFEST = "manifest.json"
 # Model settings that change the shape of some tensor: a checkpoint must agree on all of them.
 SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "mlp",
               "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_every",
-              "moe_first_dense", "expert_ffn_dim")
+              "moe_first_dense", "expert_ffn_dim", "shared_ffn_dim", "moe_shared_gate")
 
 
 def checkpoint_root(config: Config) -> Path:

@@ -19,6 +19,7 @@ norms (``attention_norm``, ``ffn_norm``, ``norm``,     ones
 biases (``wq wk wv wo`` with ``qkv_bias``/``wo_bias``)  zeros
 ``tok_embeddings``                                      0.02
 input projections ``wq wk wv w1 w3``, ``router``        0.02
+the shared-expert gate ``shared_gate``                  0.02
 output projections ``wo``, ``w2`` (dense and experts)   0.02 / sqrt(2 * n_layers)
 the LM head ``output``                                  dim ** -0.5
 =====================================================  ==========================
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 # Wrapper prefixes that activation checkpointing / torch.compile insert into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-_INPUT_PROJECTIONS = ("wq", "wk", "wv", "w1", "w3", "router")
+_INPUT_PROJECTIONS = ("wq", "wk", "wv", "w1", "w3", "router", "shared_gate")
 _OUTPUT_PROJECTIONS = ("wo", "w2")
 
 
@@ -250,7 +251,9 @@ def _layer_counts(config: ModelConfig, layer: int) -> tuple[int, int, int]:
         return attention + norms + mlp, attention + norms + mlp, matmul + mlp
     expert = _mlp_params(config, config.expert_ffn_dim)
     router = config.dim * config.moe_experts
-    shared = config.moe_shared_experts * expert
+    shared = _mlp_params(config, config.shared_ffn_dim)
+    if config.moe_shared_gate and config.moe_shared_experts:
+        shared += config.dim
     total_mlp = router + config.moe_experts * expert + shared
     active_mlp = router + config.moe_top_k * expert + shared
     return attention + norms + total_mlp, attention + norms + active_mlp, matmul + active_mlp

@@ -105,7 +105,9 @@ class MoE(nn.Module):
 
     Submodules: ``router`` (``nn.Linear(dim, E)``), ``experts`` (:class:`GroupedExperts`), and,
     with ``moe_shared_experts > 0``, ``shared_experts`` (:class:`FeedForward` of hidden size
-    ``expert_ffn_dim * moe_shared_experts``). Buffer ``expert_bias`` [E] (fp32, persistent).
+    ``config.shared_ffn_dim``) and, with ``moe_shared_gate``, ``shared_gate``
+    (``nn.Linear(dim, 1)``: the shared output is scaled by ``sigmoid(shared_gate(x))``).
+    Buffer ``expert_bias`` [E] (fp32, persistent).
 
     After every forward, ``last_stats`` holds ``tokens_per_expert`` (LongTensor [E], assignments
     before capacity dropping), ``dropped`` (LongTensor scalar) and ``aux_loss`` (scalar, in the
@@ -121,6 +123,7 @@ class MoE(nn.Module):
                 f"moe_top_k must be between 1 and moe_experts={self.num_experts} (got {self.top_k})"
             )
         self.score_func = config.moe_score
+        self.norm_topk = config.moe_norm_topk
         self.balance = config.moe_balance
         self.aux_coef = config.moe_aux_coef
         self.bias_rate = config.moe_bias_rate
@@ -131,12 +134,12 @@ class MoE(nn.Module):
         hidden = config.expert_ffn_dim
         self.router = nn.Linear(config.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, config.dim, hidden, config.mlp)
+        self.shared_experts = None
+        self.shared_gate = None
         if config.moe_shared_experts > 0:
-            self.shared_experts = FeedForward(
-                config.dim, hidden * config.moe_shared_experts, config.mlp
-            )
-        else:
-            self.shared_experts = None
+            self.shared_experts = FeedForward(config.dim, config.shared_ffn_dim, config.mlp)
+            if config.moe_shared_gate:
+                self.shared_gate = nn.Linear(config.dim, 1, bias=False)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts), persistent=True)
         self.last_stats: dict[str, torch.Tensor] = {}
         self._step_stats: dict[str, torch.Tensor] = {}
@@ -174,9 +177,11 @@ class MoE(nn.Module):
         Router logits and scores are computed in fp32; scores are ``softmax`` over experts or an
         independent ``sigmoid`` each (``config.moe_score``). Experts are selected by top-k of
         ``scores + expert_bias`` (the bias steers selection only). Gate weights are the unbiased
-        scores of the chosen experts, renormalised to sum to 1 for sigmoid, and for softmax when
-        ``top_k > 1``; with softmax and ``top_k == 1`` the gate is the raw probability (Switch
-        Transformer), which is what gives the router its gradient.
+        scores of the chosen experts, renormalised to sum to 1 (``moe_norm_topk``, the default)
+        for sigmoid, and for softmax when ``top_k > 1``; with softmax and ``top_k == 1`` the
+        gate is the raw probability (Switch Transformer), which is what gives the router its
+        gradient. With ``moe_norm_topk = False`` the gates are the raw scores (Qwen-MoE's
+        ``norm_topk_prob = false``).
 
         With node-limited routing (``moe_max_groups``) the selection is restricted to each
         token's best groups first (:meth:`limit_to_groups`).
@@ -194,7 +199,7 @@ class MoE(nn.Module):
             biased = self.limit_to_groups(biased)
         indices = torch.topk(biased, self.top_k, dim=-1).indices
         weights = scores.gather(-1, indices)
-        if self.score_func == "sigmoid" or self.top_k > 1:
+        if self.norm_topk and (self.score_func == "sigmoid" or self.top_k > 1):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         tokens_per_expert = count_values(indices.flatten(), self.num_experts)
         stats = {
@@ -319,7 +324,10 @@ class MoE(nn.Module):
         self._check_sequence_split(seq_len)
         out, dropped = self.compute_experts(flat, indices, weights, seq_len)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(flat))
+            out = out + shared
         self.last_stats = {
             "tokens_per_expert": stats["tokens_per_expert"],
             "dropped": dropped,

@@ -78,7 +78,8 @@ def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[flo
     # The MoE layer is replicated over tp at run time (meshtrain.parallel.tensor.apply, style
     # ``replicated``): router, shared and routed experts are whole on every tp rank.
     expert = _mlp_params(model, model.expert_ffn_dim)
-    dense = attention + model.dim * model.moe_experts + model.moe_shared_experts * expert
+    shared = _mlp_params(model, model.shared_ffn_dim) + (model.dim if model.moe_shared_gate else 0)
+    dense = attention + model.dim * model.moe_experts + shared
     return dense, model.moe_experts * expert / ep
 
 
@@ -123,7 +124,7 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         # The MoE layer runs whole on every tp rank (its input sequence gathered under sp).
         k = model.moe_top_k
         f = model.expert_ffn_dim
-        whole += k * per_hidden * f / h + model.moe_shared_experts * per_hidden * f / h
+        whole += k * per_hidden * f / h + per_hidden * model.shared_ffn_dim / h
         whole += 4.0 * k + 4.0 * model.moe_experts / h  # dispatched + combined, fp32 scores
         whole += 2.0 if sp else 0.0  # the gathered input (without sp: ``replicated`` has it)
     else:

@@ -104,7 +104,7 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
     shapes += [(tokens, model.moe_experts, h, 1), (per_expert, up * f, h, local),
                (per_expert, h, f, local)]
     if model.moe_shared_experts:
-        shared = model.moe_shared_experts * f
+        shared = model.shared_ffn_dim
         shapes += [(tokens, up * shared, h, 1), (tokens, h, shared, 1)]
     return shapes
 

@@ -31,8 +31,8 @@ def _block_cost(config: ModelConfig, layer: int) -> float:
     d, hd = config.dim, config.head_dim
     attention = d * (config.n_heads + 2 * config.kv_heads) * hd + config.n_heads * hd * d
     if config.is_moe_layer(layer):
-        experts = config.moe_top_k + config.moe_shared_experts
-        mlp = experts * (3 if config.mlp == "swiglu" else 2) * d * config.expert_ffn_dim
+        hidden = config.moe_top_k * config.expert_ffn_dim + config.shared_ffn_dim
+        mlp = (3 if config.mlp == "swiglu" else 2) * d * hidden
     else:
         mlp = (3 if config.mlp == "swiglu" else 2) * d * config.ffn_dim
     return float(attention + mlp)
