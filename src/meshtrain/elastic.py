@@ -158,6 +158,8 @@ def adapt(config: Config, world: int, in_job: bool) -> None:
     from meshtrain.planner.auto import describe, job_cluster, rank_layouts
 
     validate_elastic(config)
+    if config.checkpoint.resume == "none":  # any start may be a restart on other nodes
+        config.checkpoint.resume = "auto"
     old_shape, old_world, where = reference(config)
     if old_world == world and _fits(config, world) and not config.parallel.auto:
         return  # the same world as before, at the config's own layout

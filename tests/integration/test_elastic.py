@@ -83,17 +83,33 @@ def _wait_listening(port: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"the first agent never listened on {port}")
 
 
+def _agent(port: int, run_dir: Path, steps: int) -> list[str]:
+    """One node: a torchrun agent of 2 workers, elastic between 1 and 2 nodes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+            "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+            "--rdzv-conf", "join_timeout=60,last_call_timeout=3,keep_alive_interval=1,"
+                           "keep_alive_max_attempt=3",
+            "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
+            "-m", "meshtrain", "train", "--run-dir", str(run_dir), *ARGS, *ELASTIC,
+            "--steps", str(steps)]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+
+
+def _wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline and process.poll() is None, log.read_text()
+        time.sleep(0.05)
+
+
 def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
     port = free_port()
     run_dir = tmp_path / "elastic"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-             "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-             "--rdzv-conf", "join_timeout=60,last_call_timeout=3,keep_alive_interval=1,"
-                            "keep_alive_max_attempt=3",
-             "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
-             "-m", "meshtrain", "train", "--run-dir", str(run_dir), *ARGS, *ELASTIC]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    agent = _agent(port, run_dir, STEPS)
+    env = ENV
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
     # The first agent hosts the rendezvous store: it must be the one that survives.
     first = subprocess.Popen(agent, stdout=logs[0], stderr=subprocess.STDOUT, env=env,
@@ -103,11 +119,8 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
         _wait_listening(port)
         nodes.append(subprocess.Popen(agent, stdout=logs[1], stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True))
-        deadline = time.monotonic() + 300
-        while not any(r["step"] >= 5 for r in _records(run_dir)):
-            assert time.monotonic() < deadline and first.poll() is None, \
-                (tmp_path / "agent0.log").read_text()
-            time.sleep(0.05)
+        _wait_for(lambda: any(r["step"] >= 5 for r in _records(run_dir)), first,
+                  tmp_path / "agent0.log")
         _kill_node(nodes[1])
         first.wait(timeout=300)
     finally:
@@ -137,3 +150,52 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
     local = _records(tmp_path / "local")
     assert [r["loss"] for r in records[5:]] == pytest.approx(
         [r["loss"] for r in local[5:]], abs=1e-4)
+
+
+GROW_STEPS = 40
+
+
+def test_node_back_returns_to_the_configured_layout(tmp_path, capfd):
+    """Shrink as above, then a new node joins the running job: torchrun restarts the workers on
+    4 processes and meshtrain goes back to the configured dp 2 × tp 2."""
+    port = free_port()
+    run_dir = tmp_path / "elastic"
+    agent = _agent(port, run_dir, GROW_STEPS)
+    # Slow the 2-process phase (restart 1) down, so that the third node joins while it runs.
+    env = {**ENV, "MESHTRAIN_FAULT": "slow:rank=0:factor=20:attempt=1"}
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(3)]
+    log0 = tmp_path / "agent0.log"
+    first = subprocess.Popen(agent, stdout=logs[0], stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+    nodes = [first]
+    try:
+        _wait_listening(port)
+        nodes.append(subprocess.Popen(agent, stdout=logs[1], stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True))
+        _wait_for(lambda: any(r["step"] >= 3 for r in _records(run_dir)), first, log0)
+        _kill_node(nodes[1])
+        _wait_for(lambda: "(2 processes): WORLD_SIZE 2" in log0.read_text(), first, log0)
+        nodes.append(subprocess.Popen(agent, stdout=logs[2], stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True))
+        first.wait(timeout=300)
+        nodes[2].wait(timeout=60)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                _kill_node(node)
+        for log in logs:
+            log.close()
+    output = log0.read_text() + (tmp_path / "agent2.log").read_text()
+    assert first.returncode == 0 and nodes[2].returncode == 0, output
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, GROW_STEPS + 1))
+    changes = [r["layout"] for r in records if "layout" in r]
+    assert [(c["from"]["world_size"], c["to"]["world_size"]) for c in changes] == \
+        [(4, 2), (2, 4)], output
+    assert changes[1]["to"]["dp"] == 2 and changes[1]["to"]["tp"] == 2
+    assert changes[1]["how"] == "the config's own layout fits"
+
+    assert main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "local"), *ARGS,
+                 "--steps", str(GROW_STEPS)]) == 0, capfd.readouterr().err
+    local = _records(tmp_path / "local")
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in local], abs=1e-4)
