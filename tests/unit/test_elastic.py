@@ -100,3 +100,24 @@ def test_refused_where_it_cannot_work(tmp_path, overrides, section, words):
         setattr(getattr(config, section), key, value)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         elastic.adapt(config, 2, in_job=True)
+
+
+def test_workers_store_prefix_follows_the_rendezvous_round(monkeypatch):
+    """A node that joins restarts the workers without counting a restart (and the joining agent
+    counts from 0): the workers' store prefix is the c10d rendezvous round, which all share."""
+    import base64
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from meshtrain.mesh import _attempt_key
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    store = dist.HashStore()
+    assert _attempt_key(store) == "attempt_1"  # no rendezvous state: the restart count
+    state = _RendezvousState()
+    state.round = 3
+    store.set("torch.rendezvous.job", base64.b64encode(pickle.dumps(state)))
+    assert _attempt_key(store) == "round_3"
