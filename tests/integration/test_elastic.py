@@ -89,7 +89,9 @@ def _agent(port: int, run_dir: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
             "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-            "--rdzv-conf", "join_timeout=60,last_call_timeout=3,keep_alive_interval=1,"
+            # last_call_timeout: how long the first agent waits for the second one at the start
+            # (after that it would start alone), and the wait after the node is lost.
+            "--rdzv-conf", "join_timeout=60,last_call_timeout=10,keep_alive_interval=1,"
                            "keep_alive_max_attempt=3",
             "--monitor-interval", "0.2", "--local-addr", "127.0.0.1",
             "-m", "meshtrain", "train", "--run-dir", str(run_dir), *ARGS, *ELASTIC,
@@ -132,6 +134,7 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
             log.close()
     output = (tmp_path / "agent0.log").read_text()
     assert first.returncode == 0, output
+    assert "steps on 4 process(es) (dp=2 tp=2 pp=1)" in output, output
     assert "meshtrain: elastic: layout dp=2 tp=2 pp=1 (4 processes) ->" in output, output
     assert "WORLD_SIZE 2 differs from the 4 processes checkpoint step_" in output, output
 
