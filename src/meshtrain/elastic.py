@@ -181,9 +181,12 @@ def adapt(config: Config, world: int, in_job: bool) -> None:
     new_shape = {key: result["layout"][key] for key in SHAPE_KEYS}
     if old_world == world and new_shape == old_shape:
         return  # e.g. a restart on as many processes as the checkpoint: the same plan again
-    reason = (f"WORLD_SIZE {world} differs from the {old_world} processes {where}"
-              if old_world != world else f"the layout {where} is not the one chosen for "
-                                         f"{world} processes")
+    if old_world != world:
+        reason = f"WORLD_SIZE {world} differs from the {old_world} processes {where}"
+    elif config.parallel.auto:
+        reason = f"parallel.auto chose another layout for {world} processes"
+    else:
+        reason = f"the config's layout does not fit {world} processes"
     change = {"from": {**old_shape, "world_size": old_world},
               "to": {**new_shape, "world_size": world,
                      "microbatches": result["layout"]["microbatches"]},

@@ -121,3 +121,13 @@ def test_workers_store_prefix_follows_the_rendezvous_round(monkeypatch):
     state.round = 3
     store.set("torch.rendezvous.job", base64.b64encode(pickle.dumps(state)))
     assert _attempt_key(store) == "round_3"
+
+
+def test_with_parallel_auto_the_planner_chooses_on_every_change(tmp_path):
+    _fake_checkpoint(tmp_path, 5)
+    config = _config(tmp_path, auto=True)
+    elastic.adapt(config, 2, in_job=True)
+    change = elastic.take_change()
+    assert change["how"].startswith("planned over ")
+    assert config.parallel.dp * config.parallel.tp * config.parallel.pp == 2
+    assert validate_config(config, 2) == 2
