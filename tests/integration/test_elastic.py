@@ -162,7 +162,7 @@ GROW_STEPS = 40
 @pytest.mark.slow
 def test_node_back_returns_to_the_configured_layout(tmp_path, capfd):
     """Shrink as above, then a new node joins the running job: torchrun restarts the workers on
-    4 processes and meshtrain goes back to the configured dp 2 × tp 2 (about 80 s).
+    4 processes and meshtrain goes back to the configured dp 2 × tp 2 (about 75 s).
 
     Growing needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the agents: with the rendezvous
     store shared with the workers (torch's default), torch's agents wait for each other's keys
