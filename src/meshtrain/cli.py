@@ -183,7 +183,12 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
             raise ConfigError(f"--nproc {nproc} does not match the {job_world_size()} processes "
                               f"that torchrun/SLURM started; drop --nproc under torchrun/srun.")
         nproc = job_world_size()
-    if config.parallel.auto:  # the planner picks the layout (meshtrain.planner.auto)
+    if config.parallel.elastic:  # re-plan when the world changed (meshtrain.elastic)
+        from meshtrain.elastic import adapt, start_world
+
+        nproc = start_world(config, nproc)
+        adapt(config, nproc, in_job)
+    elif config.parallel.auto:  # the planner picks the layout (meshtrain.planner.auto)
         from meshtrain.planner.auto import choose_layout
 
         nproc = choose_layout(config, nproc, in_job)

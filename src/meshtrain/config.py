@@ -79,6 +79,10 @@ class ParallelConfig(Layout):
     """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
     and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;
     the choice and why are printed on stderr. See :mod:`meshtrain.planner.auto`."""
+    elastic: bool = False
+    """Under an elastic launch (torchrun ``--nnodes MIN:MAX``), re-plan the layout when a start's
+    world differs from the newest checkpoint's (a node was lost or came back), keeping the global
+    batch, and resume from that checkpoint at the new layout. See :mod:`meshtrain.elastic`."""
     auto_profile: str = ""
     """Hardware profile for ``auto``: a ``meshtrain calibrate`` JSON or a profile name; empty =
     ~/.cache/meshtrain/profile.json if present, else a quick measurement of this machine."""

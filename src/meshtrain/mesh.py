@@ -291,10 +291,33 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0,
         # (refused connections, barriers that never complete). Give each attempt its own prefix.
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=False, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        extra = {"store": dist.PrefixStore(f"meshtrain/attempt_{attempt}", store),
+        extra = {"store": dist.PrefixStore(f"meshtrain/{_attempt_key(store)}", store),
                  "rank": int(os.environ["RANK"]), "world_size": world}
     dist.init_process_group(backend=backend, timeout=timeout, **extra)
+
+
+def _attempt_key(store) -> str:
+    """A name for this start of the workers that every worker of it agrees on.
+
+    The restart count alone is not one: a node that joins a running job (``--nnodes MIN:MAX``)
+    restarts the workers without counting a restart, and the joining agent counts from 0. So the
+    c10d rendezvous round, read from the rendezvous state in the agent's store (a new round for
+    every start of the workers, the same for all of them), is used when it can be read; else the
+    restart count."""
+    import base64
+    import pickle
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        key = f"torch.rendezvous.{run_id}"
+        try:
+            if store.check([key]):
+                state = pickle.loads(base64.b64decode(store.get(key)))
+                return f"round_{int(state.round)}"
+        except Exception:  # another backend, or another torch's state: fall back
+            pass
+    return f"attempt_{attempt}"
 
 
 def shutdown_distributed() -> None:

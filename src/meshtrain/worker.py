@@ -108,7 +108,8 @@ def _run(config: Config, task: str, signals: preemption.StopSignals) -> int:
         config.checkpoint.resume = "auto"  # a restarted worker continues from the newest one
     mesh = build_mesh(config)
     if attempt and mesh.is_logging_rank:
-        print(f"meshtrain: restart {attempt} of at most {config.train.max_restarts}; resuming "
+        limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS") or config.train.max_restarts
+        print(f"meshtrain: restart {attempt} of at most {limit}; resuming "
               f"from the newest valid checkpoint", file=sys.stderr, flush=True)
     mesh.comm_log.debug = config.train.debug_collectives
     timeout = config.train.collective_timeout_s

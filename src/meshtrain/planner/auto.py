@@ -228,18 +228,27 @@ def describe(result: dict) -> str:
     return f"{text} ({', '.join(extras)})"
 
 
+def job_cluster(config: Config, nproc: int, in_job: bool) -> tuple[Cluster, str]:
+    """The machine ``parallel.auto`` (and ``parallel.elastic``) prices layouts of ``nproc``
+    processes on, and where its profile came from (:func:`resolve_profile`)."""
+    from meshtrain.launch import threads_per_worker
+
+    profile, origin = resolve_profile(config, nproc, in_job)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if in_job else nproc
+    threads = 1 if profile.solo_tflops == 0 else threads_per_worker(config, per_node)
+    return Cluster(profile, nproc, max(per_node, 1), threads), origin
+
+
 def choose_layout(config: Config, nproc: int | None, in_job: bool = False) -> int:
     """Set ``config.parallel`` to the best valid layout for ``nproc`` processes (default:
     :func:`default_processes`), print why on stderr, and return the process count."""
-    from meshtrain.launch import job_rank, threads_per_worker
+    from meshtrain.launch import job_rank
 
     nproc = default_processes(config) if nproc is None else nproc
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1.")
-    profile, origin = resolve_profile(config, nproc, in_job)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if in_job else nproc
-    threads = 1 if profile.solo_tflops == 0 else threads_per_worker(config, per_node)
-    cluster = Cluster(profile, nproc, max(per_node, 1), threads)
+    cluster, origin = job_cluster(config, nproc, in_job)
+    profile, threads = cluster.profile, cluster.threads_per_process
     chosen, searched = rank_layouts(config, nproc, cluster)
     if not chosen:
         raise ConfigError(

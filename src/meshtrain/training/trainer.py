@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
+from meshtrain.elastic import take_change
 from meshtrain.errors import NonFiniteError, RunFailure
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
@@ -433,6 +434,7 @@ class Trainer:
             if summary:
                 print(f"meshtrain: {summary}", flush=True)
         history = []
+        layout_change = take_change()  # parallel.elastic re-planned this start: on the next line
         self.energy.read()  # the first step's energy starts here, not when the trainer was built
         try:
             while self.step < train.steps:
@@ -441,6 +443,8 @@ class Trainer:
                 stopping = bool(self.stop_signal) and self.step < train.steps
                 if writer is not None and (record["step"] % train.log_every == 0
                                            or record["step"] == train.steps or stopping):
+                    if layout_change is not None:
+                        record["layout"], layout_change = layout_change, None
                     writer.log(record)
                 if every and (self.step % every == 0 or self.step == train.steps):
                     self.save_checkpoint()
