@@ -185,9 +185,10 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
         nproc = job_world_size()
     if config.parallel.elastic:  # re-plan when the world changed (meshtrain.elastic)
         from meshtrain.elastic import adapt, start_world
+        from meshtrain.launch import job_rank
 
         nproc = start_world(config, nproc)
-        adapt(config, nproc, in_job)
+        adapt(config, nproc, in_job, verbose=job_rank() == 0)
     elif config.parallel.auto:  # the planner picks the layout (meshtrain.planner.auto)
         from meshtrain.planner.auto import choose_layout
 

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
+from meshtrain.layout_change import remember_change
 
 PLANNED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedule",
                 "virtual_stages", "sequence_parallel", "activation_checkpointing")
@@ -44,14 +45,6 @@ PLANNED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedu
 SHAPE_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")
 """What a checkpoint's manifest records of its layout, and what makes a layout change."""
 
-_pending: dict | None = None
-
-
-def take_change() -> dict | None:
-    """The layout change of this start (see the module doc), once; None when there was none."""
-    global _pending
-    change, _pending = _pending, None
-    return change
 
 
 def validate_elastic(config: Config) -> None:
@@ -150,11 +143,10 @@ def _predict(config: Config, world: int, cluster) -> dict:
     return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster)
 
 
-def adapt(config: Config, world: int, in_job: bool) -> None:
-    """Set ``config.parallel`` for a start on ``world`` processes (see the module doc); print and
-    remember the change when the layout differs from the reference one."""
-    global _pending
-    from meshtrain.launch import job_rank
+def adapt(config: Config, world: int, in_job: bool, verbose: bool = True) -> None:
+    """Set ``config.parallel`` for a start on ``world`` processes (see the module doc); remember
+    the change, and print it when ``verbose`` (the job's rank 0), when the layout differs from
+    the reference one."""
     from meshtrain.planner.auto import describe, job_cluster, rank_layouts
 
     validate_elastic(config)
@@ -193,8 +185,8 @@ def adapt(config: Config, world: int, in_job: bool) -> None:
               "reason": reason, "how": how,
               "predicted_step_s": result["step_time_s"],
               "profile": f"{cluster.profile.name} from {origin}"}
-    _pending = change
-    if job_rank() == 0:
+    remember_change(change)
+    if verbose:
         old_text = _describe_shape(old_shape) + (f" ({old_world} processes)" if old_world
                                                  else "")
         print(f"meshtrain: elastic: layout {old_text} -> {describe(result)} ({world} "

@@ -9,6 +9,7 @@ import pytest
 
 from meshtrain import elastic
 from meshtrain.config import Config, ConfigError
+from meshtrain.layout_change import take_change
 from meshtrain.validation import validate_config
 
 
@@ -17,7 +18,7 @@ def _no_calibration(monkeypatch, tmp_path):
     """The built-in CPU figures, whatever this machine has calibrated."""
     monkeypatch.setenv("MESHTRAIN_PROFILE", str(tmp_path / "no-profile.json"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    elastic.take_change()
+    take_change()
 
 
 def _config(tmp_path, **parallel) -> Config:
@@ -50,12 +51,12 @@ def test_lost_node_replans_for_the_remaining_world(tmp_path, capsys):
     assert par.dp * par.tp * par.pp == 2
     assert config.train.global_batch % (par.dp * par.microbatches) == 0
     assert validate_config(config, 2) == 2
-    change = elastic.take_change()
+    change = take_change()
     assert change["from"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1, "zero": 0,
                               "world_size": 4}
     assert change["to"]["world_size"] == 2 and change["predicted_step_s"] > 0
     assert "checkpoint step_00000005" in change["reason"]
-    assert elastic.take_change() is None  # handed over once
+    assert take_change() is None  # handed over once
     err = capsys.readouterr().err
     assert "meshtrain: elastic: layout dp=2 tp=2 pp=1 (4 processes) -> " in err
     assert "WORLD_SIZE 2 differs from the 4 processes checkpoint step_00000005 was saved at" in err
@@ -66,7 +67,7 @@ def test_same_world_as_the_checkpoint_changes_nothing(tmp_path, capsys):
     config = _config(tmp_path)
     elastic.adapt(config, 4, in_job=True)
     assert (config.parallel.dp, config.parallel.tp) == (2, 2)
-    assert elastic.take_change() is None
+    assert take_change() is None
     assert capsys.readouterr().err == ""
 
 
@@ -75,7 +76,7 @@ def test_nodes_back_return_to_the_configured_layout(tmp_path):
     config = _config(tmp_path)
     elastic.adapt(config, 4, in_job=True)
     assert (config.parallel.dp, config.parallel.tp) == (2, 2)
-    change = elastic.take_change()
+    change = take_change()
     assert change["how"] == "the config's own layout fits"
     assert change["from"]["world_size"] == 2 and change["to"]["world_size"] == 4
 
@@ -83,7 +84,7 @@ def test_nodes_back_return_to_the_configured_layout(tmp_path):
 def test_without_checkpoint_the_config_is_the_reference(tmp_path):
     config = _config(tmp_path)
     elastic.adapt(config, 2, in_job=True)
-    change = elastic.take_change()
+    change = take_change()
     assert "the config's layout needs" in change["reason"]
     assert config.parallel.dp * config.parallel.tp == 2
 
@@ -127,7 +128,7 @@ def test_with_parallel_auto_the_planner_chooses_on_every_change(tmp_path):
     _fake_checkpoint(tmp_path, 5)
     config = _config(tmp_path, auto=True)
     elastic.adapt(config, 2, in_job=True)
-    change = elastic.take_change()
+    change = take_change()
     assert change["how"].startswith("planned over ")
     assert config.parallel.dp * config.parallel.tp * config.parallel.pp == 2
     assert validate_config(config, 2) == 2

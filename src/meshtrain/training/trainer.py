@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
-from meshtrain.elastic import take_change
 from meshtrain.errors import NonFiniteError, RunFailure
+from meshtrain.layout_change import take_change
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
 from meshtrain.parallel import (
