@@ -90,3 +90,21 @@ def test_torchtitan_llama31_8b_fsdp_selective_fits_where_it_ran():
     assert rank["activation_bytes"] == pytest.approx(blocks + logits, rel=0.1)
     assert (result["full"]["tokens_per_s"] < selective["tokens_per_s"]
             < result["none"]["tokens_per_s"])
+
+
+def test_plans_on_a100_never_promise_more_than_the_best_published_mfu():
+    from meshtrain.planner.hardware import PUBLISHED_MFU_CAPS
+    from meshtrain.planner.search import plan
+
+    cap = PUBLISHED_MFU_CAPS["a100"][0]
+    assert cap == pytest.approx(0.563)  # Korthikanti et al. 2022, Table 5 (1T)
+    work = Workload.from_config(preset_config("llama3-70b"))
+    result = plan(work, Cluster(PROFILES["a100-80g"], 64, 8), top=5)
+    assert result.candidates
+    for c in result.candidates:
+        assert c["mfu"] <= cap + 1e-9
+    # The cap shows as lost time, not as a silently shorter step.
+    best = estimate(work, Layout(dp=16, tp=4, zero=3, sequence_parallel=True,
+                                 activation_checkpointing="selective"),
+                    Cluster(PROFILES["a100-80g"], 64, 8))
+    assert best["mfu"] <= cap + 1e-9 and best["breakdown"]["mfu_cap_s"] >= 0
