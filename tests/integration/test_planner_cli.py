@@ -144,3 +144,29 @@ def test_h800_and_h100_96g_profiles(meshtrain, name, memory):
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["hardware"] == name and out["memory_limit_gb"] == pytest.approx(memory - 3.0)
+
+
+def test_estimate_prices_the_stack_it_is_given(meshtrain):
+    from meshtrain.planner.workload import STACKS
+
+    args = ["estimate", "--model", "llama3-8b", "--hardware", "h100-96g", "--gpus", "8",
+            "--json", "--set", "train.seq_len=8192", "--set", "train.global_batch=16",
+            "--set", "parallel.dp=8", "--set", "parallel.zero=3",
+            "--set", "parallel.activation_checkpointing=selective"]
+    by_stack = {}
+    for stack in STACKS:
+        run = meshtrain(*args, "--stack", stack)
+        assert run.returncode == 0, run.stderr
+        by_stack[stack] = json.loads(run.stdout)
+        assert by_stack[stack]["stack"] == stack
+    # torchtitan's per-op policy keeps far less than meshtrain's module policy.
+    titan, ours = by_stack["torchtitan-2024"], by_stack["meshtrain"]
+    assert titan["memory_gb_per_gpu"] < ours["memory_gb_per_gpu"] and titan["fits"]
+    import argparse
+
+    from meshtrain.planner.commands import add_hardware_options
+
+    parser = argparse.ArgumentParser()
+    add_hardware_options(parser, gpus_required=False)
+    choices = next(a.choices for a in parser._actions if a.dest == "stack")
+    assert tuple(choices) == tuple(STACKS)  # every stack is offered, and nothing else

@@ -9,23 +9,11 @@ from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster, load_profile
 from meshtrain.planner.presets import preset_config
+from meshtrain.planner.published import NARAYANAN_TABLE_1
 from meshtrain.planner.search import plan
 from meshtrain.planner.workload import MEGATRON_2021, Workload
 
-# Narayanan et al. 2021 (SC21), Table 1: GPT, vocab 51200, seq 2048, A100, full recomputation.
-# (params B, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU)
-NARAYANAN_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
+# Narayanan et al. 2021 (SC21), Table 1 (rows in meshtrain.planner.published).
 
 
 def megatron_2021_estimate(heads, hidden, layers, tp, pp, gpus, batch, **layout):

@@ -26,6 +26,10 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                         help="GPUs in the cluster" + ("" if gpus_required else
                                                       " (default: dp × cp × tp × pp)"))
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--stack", default="meshtrain",
+                        choices=("meshtrain", "megatron-2021", "torchtitan-2024"),
+                        help="software stack to price (what it fuses, overlaps, saves for "
+                             "backward; meshtrain.planner.workload.STACKS); default meshtrain")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--pue", type=float, default=1.2, help="datacenter PUE (default 1.2)")
     parser.add_argument("--price-per-kwh", type=float, default=0.10, help="currency per kWh")
@@ -100,7 +104,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshtrain.planner.estimate import estimate
     from meshtrain.planner.hardware import Cluster, load_profile
     from meshtrain.planner.report import format_estimate
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.workload import STACKS, Workload
 
     model = getattr(args, "model", None)
     if model:
@@ -136,8 +140,9 @@ def run_estimate(args: argparse.Namespace) -> int:
                           f"leave parallel.dp at 0 to fill the GPUs with data parallelism.")
     profile = load_profile(args.hardware)
     cluster = Cluster(profile, gpus, args.gpus_per_node)
-    result = estimate(Workload.from_config(config), layout, cluster, _energy(args))
-    result["hardware"] = profile.name
+    work = Workload.from_config(config, STACKS[args.stack])
+    result = estimate(work, layout, cluster, _energy(args))
+    result["hardware"], result["stack"] = profile.name, args.stack
     result["warnings"] = layout_warnings(layout, args.gpus_per_node)
     for warning in result["warnings"]:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
@@ -189,7 +194,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtrain.planner.presets import PRESETS, preset_config
     from meshtrain.planner.report import format_plan
     from meshtrain.planner.search import plan
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.workload import STACKS, Workload
 
     if args.model.lower() in PRESETS:
         config = preset_config(args.model)
@@ -208,14 +213,15 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         return _run_budget_plan(args, config, profile)
     cluster = Cluster(profile, args.gpus, args.gpus_per_node)
-    result = plan(Workload.from_config(config), cluster, args.top, _energy(args)).to_dict()
+    work = Workload.from_config(config, STACKS[args.stack])
+    result = plan(work, cluster, args.top, _energy(args)).to_dict()
     if args.objective != "time":
         from meshtrain.planner.objective import rank_rows
 
         result["candidates"] = rank_rows(result["candidates"], args.objective,
                                          args.gpu_hour_price)
     result["objective"] = args.objective
-    result.update(model=args.model, hardware=profile.name, gpus=args.gpus,
+    result.update(model=args.model, hardware=profile.name, stack=args.stack, gpus=args.gpus,
                   gpus_per_node=args.gpus_per_node, seq_len=config.train.seq_len,
                   global_batch=config.train.global_batch)
     title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
@@ -227,9 +233,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def _run_budget_plan(args: argparse.Namespace, config: Config, profile) -> int:
     """``plan --tokens T --deadline-hours H``: GPU count and layout for the objective."""
     from meshtrain.planner.objective import budget_plan, format_budget_plan
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.workload import STACKS, Workload
 
-    answer = budget_plan(Workload.from_config(config), profile, args.gpus, args.gpus_per_node,
+    work = Workload.from_config(config, STACKS[args.stack])
+    answer = budget_plan(work, profile, args.gpus, args.gpus_per_node,
                          args.tokens, args.deadline_hours, args.objective, _energy(args),
                          args.gpu_hour_price)
     answer.update(model=args.model, hardware=profile.name, seq_len=config.train.seq_len,

@@ -3,7 +3,9 @@
 Step time = the pipelined forward/backward of the slowest stage (``m`` micro-batches plus the
 schedule's bubble) + the exposed part of data-parallel communication + the optimizer update
 (``RuntimeTraits.optimizer_bytes_per_param`` through memory) + a few latency-bound all-reduces
-per axis (loss and gradient norm, ``STEP_SYNCS_PER_AXIS``).
+per axis (loss and gradient norm, ``STEP_SYNCS_PER_AXIS``), and never shorter than the profile's
+``max_mfu`` allows (the best published MFU on that accelerator; the difference is
+``mfu_cap_s``).
 
 Data-parallel communication per step (bus bytes from :mod:`meshtrain.parallel.comm`), gradients
 on the wire at ``RuntimeTraits.grad_reduce_bytes`` per element, parameters in the training dtype:
@@ -200,16 +202,22 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                                      (lay.pp, lay.tp * lay.cp * lay.dp)))
     tied = _tied_embedding_time(workload, lay, cluster, zero_share)
     step = pipelined + dp_exposed + optimizer + syncs + tied
+    total_params, active_params, per_token = _model_totals(workload)
+    model_flops = per_token * workload.tokens_per_step
+    peak = cluster.profile.peak_tflops * 1e12
+    # Never promise more than the best published MFU on this accelerator (HardwareProfile.
+    # max_mfu): a faster step is the cost model's optimism, charged as lost efficiency.
+    cap = cluster.profile.max_mfu
+    floor = model_flops / (lay.world_size * peak * cap) if cap > 0 else 0.0
+    mfu_cap = max(floor - step, 0.0)
+    step += mfu_cap
 
     memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
               for r, layers in enumerate(placement)]
     tokens = workload.tokens_per_step
     gpus = lay.world_size
-    total_params, active_params, per_token = _model_totals(workload)
-    model_flops = per_token * tokens
     recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))
     hardware_flops = model_flops + recomputed * lay.tp * lay.cp * lay.dp * lay.microbatches
-    peak = cluster.profile.peak_tflops * 1e12
     m = lay.microbatches
     breakdown = {
         "compute_s": m * (c.forward + c.backward_input + c.backward_weight),
@@ -223,6 +231,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "dp_comm_total_s": dp_total,
         "optimizer_s": optimizer,
         "step_sync_s": syncs,
+        "mfu_cap_s": mfu_cap,
     }
     result = {
         "params": total_params,

@@ -97,6 +97,10 @@ class HardwareProfile:
     static_power_fraction: float = 0.3
     """Share of ``gpu_tdp_w`` that does not scale with the clock (leakage, memory, fans): what a
     waiting accelerator draws, the floor under the cubic dynamic part."""
+    max_mfu: float = 0.0
+    """Highest model-FLOPs utilisation a training step is known to reach on this accelerator
+    (the best published figure, see :data:`PUBLISHED_MFU_CAPS`); the estimate never promises
+    more (:func:`meshtrain.planner.estimate.estimate`). 0 = no published figure, no cap."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -128,6 +132,13 @@ class HardwareProfile:
         return self.peak_tflops * share, self.hbm_gbps * share
 
 
+PUBLISHED_MFU_CAPS = {
+    "a100": (0.563, "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5: 1T GPT, 512 A100, "
+                    "tp 8 x pp 64, sequence parallelism + selective recompute, 56.3 % MFU, the "
+                    "highest published A100 figure (MegaScale 2024 reports 55.2 % at 175B)"),
+}
+"""Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
+
 # Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
 # below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU). fp32_rate is the
 # datasheet's FP32 (CUDA-core, no TF32) TFLOP/s over its dense bf16 figure: A100 19.5 / 312,
@@ -140,13 +151,15 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
-            power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+            power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=80.0, hbm_gbps=2039.0,
             matmul_efficiency=0.75, kernel_overhead_us=6.0, intra_node_gbps=230.0,
             inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
-            power_w=800.0, source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+            power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,

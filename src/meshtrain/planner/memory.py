@@ -100,10 +100,24 @@ def stage_params(model: ModelConfig, layers: list[int], layout: Layout, first: b
     return StageParams(dense, expert, largest)
 
 
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            mode: str = "none") -> float:
+    """Activation bytes of one GPT layer (with dropout, 16-bit) per micro-batch per tp rank,
+    Korthikanti et al. 2022, Table 2: ``sbh(10 + 24/t + 5as/(ht))`` with tp, ``sbh(34/t +
+    5as/(ht))`` with tp and sp; selective recomputation drops the ``5as/h`` term; full keeps
+    the layer input, ``2sbh`` (divided by t under sp, as the runtime shards it)."""
+    if mode == "full":
+        return 2.0 * s * b * h / (t if sp else 1)
+    attention = 0.0 if mode == "selective" else 5.0 * a * s / (h * t)
+    return s * b * h * ((34.0 / t if sp else 10.0 + 24.0 / t) + attention)
+
+
 def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout: Layout,
-                           flash: bool, mode: str | None = None) -> float:
+                           flash: bool, mode: str | None = None,
+                           policy: str = "modules") -> float:
     """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
-    element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them)."""
+    element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them).
+    ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``)."""
     mode = mode or layout.activation_checkpointing
     t, h = layout.tp, model.dim
     sp = layout.sequence_parallel
@@ -111,6 +125,11 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         return 2.0 / (t if sp else 1)
     q_ratio = model.n_heads * model.head_dim / h  # 1 unless model.head_width is set
     kv_ratio = model.kv_heads / model.n_heads * q_ratio
+    if mode == "selective" and policy == "op" and not model.is_moe_layer(layer):
+        # The block input (replicated unless sp), then the outputs of wq, wv, SDPA, w1, w2:
+        # torchtitan's policy saves SDPA and every odd matmul (wq wk wv wo w1 w3 w2 in order).
+        return (2.0 + 2.0) / (t if sp else 1) + (4.0 * q_ratio + 2.0 * kv_ratio
+                                                 + 2.0 * model.ffn_dim / h) / t
     replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
     parallel = 4.0 * q_ratio + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
     if model.qk_norm:
@@ -138,7 +157,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
     tokens; the gathered K/V of context parallelism are counted apart)."""
     b = layout.micro_batch_size(workload.global_batch)
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
-                                   workload.traits.flash_attention, mode)
+                                   workload.traits.flash_attention, mode,
+                                   workload.traits.selective_policy)
     tokens = workload.seq_len / layout.cp * b
     return units * tokens * workload.model.dim * workload.act_bytes / 2
 
@@ -196,8 +216,9 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
         activations += largest
         if lay.activation_checkpointing == "full":
             activations += largest  # the block being recomputed
-    if last:  # logits (activation dtype) and their fp32 copy for the loss, one micro-batch
-        activations += (workload.act_bytes + 4) * s * b * model.vocab_size / lay.tp
+    if last:  # logits and the loss's fp32 buffers, one micro-batch (loss_bytes_per_logit)
+        logit = workload.traits.loss_bytes_per_logit + workload.act_bytes - 2  # fp32 logits
+        activations += logit * s * b * model.vocab_size / lay.tp
     if lay.zero >= 3:
         buffers = zero3_transient_bytes(workload, lay, layers, params.dense + params.expert,
                                         bucket_mb)

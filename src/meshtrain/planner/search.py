@@ -87,6 +87,13 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     return layouts
 
 
+def _speed(result: dict) -> tuple[float, float]:
+    """Sort key, fastest first: tokens/s, then (among layouts held at the profile's MFU cap)
+    the step time the cost model gave before the cap."""
+    return (-result["tokens_per_s"],
+            result["step_time_s"] - result["breakdown"].get("mfu_cap_s", 0.0))
+
+
 def why(result: dict) -> str:
     """One line on what bounds a candidate."""
     step = result["step_time_s"]
@@ -140,13 +147,13 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
                           f"(global batch {workload.global_batch}); try a global batch that is "
                           f"a multiple of the GPU count.")
     results = [estimate(workload, lay, cluster, energy, use_simulator=False) for lay in layouts]
-    feasible = sorted((r for r in results if r["fits"]), key=lambda r: -r["tokens_per_s"])
+    feasible = sorted((r for r in results if r["fits"]), key=_speed)
     # Re-price the front runners with the schedule simulator (closed forms ranked them); one
     # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
     front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy)
              for r in feasible[:3 * top]]
     count = len(feasible) - sum(1 for r in front if not r["fits"])
-    feasible = sorted((r for r in front if r["fits"]), key=lambda r: -r["tokens_per_s"])
+    feasible = sorted((r for r in front if r["fits"]), key=_speed)
     rows = [candidate_row(r) for r in feasible[:top]]
     message = None
     if not feasible:

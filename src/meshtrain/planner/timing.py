@@ -119,7 +119,8 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     cost = BlockCost()
 
     linear_flops = 0.0
-    for m, n, k, batch in _linear_shapes(model, layer, tokens, lay):
+    shapes = _linear_shapes(model, layer, tokens, lay)
+    for m, n, k, batch in shapes:
         one = clock.gemm(m, n, k, batch)
         cost.forward += one
         cost.backward_input += one
@@ -149,6 +150,18 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     if mode == "full":
         cost.recompute = cost.forward
         cost.recompute_flops = linear_flops + attention_flops
+    elif mode == "selective" and traits.selective_policy == "op" and not model.is_moe_layer(layer):
+        # torchtitan's per-op policy reruns the block but keeps SDPA and the odd matmuls:
+        # what runs again is wk (of the fused qkv), wo, w3 (half the fused up) and every
+        # element-wise kernel.
+        qkv, wo, up = shapes[0], shapes[1], shapes[2]
+        kv = model.kv_heads * model.head_dim / lay.tp
+        parts = ((qkv, kv / qkv[1]), (wo, 1.0), (up, 0.5 if model.mlp == "swiglu" else 0.0))
+        for (m, n, k, batch), share in parts:
+            if share:
+                cost.recompute += clock.gemm(m, n * share, k, batch)
+                cost.recompute_flops += 2.0 * m * n * share * k * batch
+        cost.recompute += elementwise
     elif mode == "selective":
         cost.recompute = attention_fwd + 0.3 * elementwise
         cost.recompute_flops = attention_flops

@@ -43,12 +43,32 @@ class RuntimeTraits:
     master, gradient, m and v and writing master, m and v (28), zeroing (4). (The eager formula
     it replaced made about a dozen passes, 96.) A fused Adam (Megatron-LM / Apex) reads master,
     m, v, grad and writes master, m, v and the bf16 copy: 30."""
+    selective_policy: str = "modules"
+    """What ``selective`` checkpointing recomputes. ``modules``: meshtrain's (the attention core
+    and the MLP activation function, :mod:`meshtrain.parallel.activation_checkpoint`; for an
+    unfused-attention runtime like Megatron-LM this is Korthikanti et al. 2022's selective
+    recompute, which drops the ``5as/h`` term). ``op``: torchtitan's per-op policy
+    (``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``): the whole block is
+    checkpointed and only the outputs of SDPA and of every other matmul (wq, wv, w1, w2) are
+    kept."""
+    loss_bytes_per_logit: float = 6.0
+    """Bytes per logit element alive at the start of backward on the last stage. 6: the
+    activation-dtype logits and one fp32 copy. An eager ``F.cross_entropy(logits.float())``
+    as torchtitan runs it keeps the saved fp32 log-softmax output while its backward allocates
+    the fp32 gradients of both the log-softmax output and input: 12."""
 
 
 MESHTRAIN = RuntimeTraits()
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0)
+TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0)
+"""torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
+overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
+eager fp32 cross-entropy."""
+STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
+          "torchtitan-2024": TORCHTITAN_2024}
+"""Software stacks the cost model can price, by name."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,135 @@
+"""Published training runs the cost model is checked against, split into the rows its constants
+were fitted on and the rows that report its accuracy.
+
+``python -m meshtrain.planner.published`` prints every row with its error (what
+docs/planner.md quotes). Each row names its source, table, layout and which figure it is:
+
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM" (SC21, arXiv:2104.04473), Table 1: achieved TFLOP/s per GPU counted with full
+  recomputation (the paper's ``96 B s l h^2 (1 + s/6h + V/16lh)``: our hardware FLOPs), A100
+  80 GB. Micro-batch size and schedule are not in the table: micro-batch 1, 1F1B. **Fit**: the
+  A100 profile's ``matmul_efficiency`` (0.75) was chosen on these rows.
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv:2205.05198), Table 5: seconds per iteration with full recomputation and with sequence
+  parallelism + selective recomputation, layouts of its Table 3 (22B: one micro-batch of 4;
+  175B and 530B: interleaved 1F1B, 3 chunks per rank; 1T: 1F1B; micro-batch 1 elsewhere).
+  **Report**: nothing was fitted on them.
+- torchtitan, docs/performance.md, Table 1: Llama 3.1 8B, FSDP on 8 H100 96 GB, seq 8192, local
+  batch 2, per-op selective checkpointing: 82.4 GiB of memory. **Report** (memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config import ModelConfig
+from meshtrain.layout import Layout
+from meshtrain.planner.estimate import estimate
+from meshtrain.planner.hardware import PROFILES, Cluster
+from meshtrain.planner.workload import MEGATRON_2021, TORCHTITAN_2024, Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRow:
+    """One published figure and how to price it."""
+
+    name: str
+    source: str
+    use: str
+    """``fit`` (a constant was chosen on it) or ``report`` (accuracy)."""
+    metric: str
+    """The estimate's key compared: ``hardware_tflops_per_gpu``, ``step_time_s`` or
+    ``memory_gb_per_gpu``."""
+    published: float
+    workload: Workload
+    layout: Layout
+    profile: str
+
+
+def _gpt(hidden: int, layers: int, heads: int) -> ModelConfig:
+    return ModelConfig(vocab_size=51200, dim=hidden, n_layers=layers, n_heads=heads,
+                       ffn_dim=4 * hidden, mlp="gelu")
+
+
+# (params B, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU)
+NARAYANAN_TABLE_1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+# (name, heads, hidden, layers, tp, pp, GPUs, batch, micro-batch, chunks, full s, selective s)
+KORTHIKANTI_TABLE_5 = (
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49),
+)
+
+
+def published_rows() -> list[PublishedRow]:
+    """Every row of the validation set."""
+    rows = []
+    for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_1:
+        dp = gpus // (tp * pp)
+        rows.append(PublishedRow(
+            f"GPT {size}B tp{tp} pp{pp} dp{dp}", "Narayanan 2021 Table 1", "fit",
+            "hardware_tflops_per_gpu", tflops,
+            Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
+            Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
+                   activation_checkpointing="full"), "a100-80g"))
+    for name, heads, hidden, layers, tp, pp, gpus, batch, mb, chunks, *times in \
+            KORTHIKANTI_TABLE_5:
+        schedule = "interleaved-1f1b" if chunks > 1 else "1f1b"
+        for mode, seconds in zip(("full", "selective"), times, strict=True):
+            rows.append(PublishedRow(
+                f"GPT {name} tp{tp} pp{pp} {mode}", "Korthikanti 2022 Table 5", "report",
+                "step_time_s", seconds,
+                Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
+                Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, microbatches=batch // mb,
+                       sequence_parallel=True, pp_schedule=schedule, virtual_stages=chunks,
+                       activation_checkpointing=mode), "a100-80g"))
+    llama = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        ffn_dim=14336, mlp="swiglu", rope_theta=500000.0)
+    rows.append(PublishedRow(
+        "Llama 3.1 8B FSDP 8 selective", "torchtitan docs/performance.md Table 1", "report",
+        "memory_gb_per_gpu", 82.4 * 2**30 / 1e9,
+        Workload(llama, 8192, 16, "bf16", TORCHTITAN_2024),
+        Layout(dp=8, zero=3, activation_checkpointing="selective"), "h100-96g"))
+    return rows
+
+
+def evaluate(row: PublishedRow) -> dict:
+    """The row priced: ``predicted``, ``error`` (predicted / published - 1) and ``fits``."""
+    gpus = row.layout.world_size
+    result = estimate(row.workload, row.layout, Cluster(PROFILES[row.profile], gpus, 8))
+    predicted = result[row.metric]
+    return {"name": row.name, "source": row.source, "use": row.use, "metric": row.metric,
+            "published": row.published, "predicted": predicted,
+            "error": predicted / row.published - 1, "fits": result["fits"]}
+
+
+def summary(results: list[dict], use: str) -> tuple[float, float]:
+    """(mean absolute error, worst absolute error) over the rows of ``use``."""
+    errors = [abs(r["error"]) for r in results if r["use"] == use]
+    return sum(errors) / len(errors), max(errors)
+
+
+def main() -> None:
+    """Print the validation set with errors, fitted rows apart from reported ones."""
+    results = [evaluate(row) for row in published_rows()]
+    for use in ("fit", "report"):
+        print(f"{use} rows:")
+        for r in (r for r in results if r["use"] == use):
+            print(f"  {r['name']:<34} {r['source']:<40} {r['metric']:<24} "
+                  f"{r['published']:>8.2f} {r['predicted']:>8.2f} {r['error']:+7.1%}"
+                  f"{'' if r['fits'] else '  (does not fit)'}")
+        mean, worst = summary(results, use)
+        print(f"  mean |error| {mean:.1%}, worst {worst:.1%}")
+
+
+if __name__ == "__main__":
+    main()
