@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
-OUTER_GRAD_DTYPES = ("fp32", "bf16")
+OUTER_GRAD_DTYPES = ("fp32", "bf16", "int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -73,8 +73,10 @@ class ParallelConfig(Layout):
     staggered inner steps (each still every ``sync_every``), spreading the traffic; 1 = all at
     once."""
     outer_grad_dtype: str = "fp32"
-    """dtype of the pseudo-gradient all-reduce between replica groups: ``fp32`` or ``bf16``
-    (half the bytes; the sum is taken in bf16, the outer step in fp32)."""
+    """dtype of the pseudo-gradient exchange between replica groups: ``fp32``, ``bf16`` (half
+    the bytes; the sum is taken in bf16), or ``int8`` / ``fp8`` (e4m3; a quarter of fp32's bytes:
+    one byte per value and an fp32 scale per 256, the mean taken in fp32 between two exchanges,
+    :mod:`meshtrain.training.quantized_reduce`). The outer step is fp32 in every case."""
     auto: bool = False
     """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
     and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;

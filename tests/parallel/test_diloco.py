@@ -133,7 +133,7 @@ def test_mesh_puts_replica_groups_outermost():
     (("parallel.replicas=2", "parallel.sync_every=0"), 2, "parallel.sync_every"),
     (("parallel.replicas=2", "train.outer_lr=0"), 2, "train.outer_lr"),
     (("parallel.replicas=2", "train.outer_momentum=1"), 2, "train.outer_momentum"),
-    (("parallel.replicas=2", "parallel.outer_grad_dtype=fp8"), 2, "fp32, bf16"),
+    (("parallel.replicas=2", "parallel.outer_grad_dtype=fp16"), 2, "fp32, bf16, int8, fp8"),
     (("parallel.replicas=2", "parallel.auto=true"), 2, "parallel.auto"),
     (("parallel.replicas=2", "parallel.check_replicas_every=1"), 2, "check_replicas_every"),
     (("parallel.replicas=2", "parallel.sync_every=2", "parallel.sync_fragments=3"), 2,

@@ -18,9 +18,10 @@ across rounds, as DiLoCo does.
 
 The outer state (start weights and momentum buffer) is kept per optimizer shard, so it is
 ZeRO-sharded exactly where the inner layout shards the masters: 8 bytes per parameter this rank
-owns. The pseudo-gradient is all-reduced in ``parallel.outer_grad_dtype`` (fp32 or bf16; the
-outer step itself is fp32), through the mesh's counted ``replica`` comm, so its traffic is
-``comm_bytes.replica``.
+owns. The pseudo-gradient is all-reduced in ``parallel.outer_grad_dtype`` (fp32 or bf16), or
+its mean exchanged in 8 bits with per-block scales (int8 or fp8,
+:mod:`meshtrain.training.quantized_reduce`); the outer step itself is fp32. Either goes through
+the mesh's counted ``replica`` comm, so its traffic is ``comm_bytes.replica``.
 
 Streaming (``parallel.sync_fragments = F``, Streaming DiLoCo, Douillard et al. 2025): the model's
 parameters are split into F fragments of consecutive blocks (the embedding with the first, the
@@ -38,6 +39,7 @@ import re
 import torch
 
 from meshtrain.training.optimizer import FlatAdamW
+from meshtrain.training.quantized_reduce import FORMATS, quantized_mean
 
 
 def fragment_of_parameters(sizes: list[tuple[str, int]], fragments: int) -> dict[str, int]:
@@ -74,6 +76,8 @@ class OuterOptimizer:
         self.replicas = mesh.replicas
         self.sync_every = sync_every
         self.lr, self.momentum = lr, momentum
+        self.quantized = grad_dtype if grad_dtype in FORMATS else ""
+        """``int8`` / ``fp8``: the mean is exchanged in 8 bits (:mod:`.quantized_reduce`)."""
         self.grad_dtype = torch.bfloat16 if grad_dtype == "bf16" else torch.float32
         self.start = [shard.master.detach().clone() for shard in self.shards]
         """Start-of-round fp32 weights of each shard (the outer parameters)."""
@@ -125,9 +129,12 @@ class OuterOptimizer:
         views = [(self.start[i][a:a + n], self.shards[i].master[a:a + n],
                   self.momentum_buf[i][a:a + n]) for i, a, n in runs]
         flat = torch.cat([start - master for start, master, _ in views])
-        flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
-        self.comm.all_reduce(flat)
-        flat = flat.float().div_(self.replicas)
+        if self.quantized:
+            flat = quantized_mean(self.comm, flat, self.replicas, self.quantized)
+        else:
+            flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
+            self.comm.all_reduce(flat)
+            flat = flat.float().div_(self.replicas)
         offset = 0
         for start, master, buf in views:
             grad = flat[offset:offset + start.numel()]
