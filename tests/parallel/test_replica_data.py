@@ -86,3 +86,20 @@ def test_replica_sources_refused_where_they_cannot_work(tmp_path):
     with pytest.raises(ConfigError, match="missing"):
         tiny_config("parallel.replicas=2", f"data.replica_sources={sites[0]},"
                     f"{tmp_path / 'missing.txt'}", nproc=2)
+
+
+def test_per_group_data_resumes_bitwise(tmp_path):
+    """Stopped after step 3 of 6 (H = 2, mid-round) and resumed: each group's data position
+    comes back, so the losses equal the uninterrupted run's bitwise."""
+    from tests.parallel.test_checkpoint import resume_and_finish, train_then_stop, uninterrupted
+
+    sites = _write_sites(tmp_path)
+    common = ("parallel.replicas=2", "parallel.sync_every=2", "train.steps=6",
+              f"data.replica_sources={','.join(sites)}")
+    saved = tiny_config(*common, run_dir=str(tmp_path / "run"), nproc=2)
+    first = run_distributed(2, train_then_stop, saved.to_dict(), 3)[0]
+    resumed = tiny_config(*common, "checkpoint.resume=auto", run_dir=str(tmp_path / "run"),
+                          nproc=2)
+    rest = run_distributed(2, resume_and_finish, resumed.to_dict())[0]
+    straight = tiny_config(*common, run_dir=str(tmp_path / "straight"), nproc=2)
+    assert first + rest == run_distributed(2, uninterrupted, straight.to_dict())[0]
