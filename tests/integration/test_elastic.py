@@ -101,6 +101,12 @@ def _agent(port: int, run_dir: Path, steps: int) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
 
 
+def _start_node(agent: list[str], log, env: dict) -> subprocess.Popen:
+    """Start one torchrun agent in its own session, its output in ``log``."""
+    return subprocess.Popen(agent, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
 def _wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -115,13 +121,11 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
     env = ENV
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
     # The first agent hosts the rendezvous store: it must be the one that survives.
-    first = subprocess.Popen(agent, stdout=logs[0], stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+    first = _start_node(agent, logs[0], env)
     nodes = [first]
     try:
         _wait_listening(port)
-        nodes.append(subprocess.Popen(agent, stdout=logs[1], stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True))
+        nodes.append(_start_node(agent, logs[1], env))
         _wait_for(lambda: any(r["step"] >= 5 for r in _records(run_dir)), first,
                   tmp_path / "agent0.log")
         _kill_node(nodes[1])
@@ -175,18 +179,15 @@ def test_node_back_returns_to_the_configured_layout(tmp_path, capfd):
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(3)]
     log0 = tmp_path / "agent0.log"
-    first = subprocess.Popen(agent, stdout=logs[0], stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+    first = _start_node(agent, logs[0], env)
     nodes = [first]
     try:
         _wait_listening(port)
-        nodes.append(subprocess.Popen(agent, stdout=logs[1], stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True))
+        nodes.append(_start_node(agent, logs[1], env))
         _wait_for(lambda: any(r["step"] >= 3 for r in _records(run_dir)), first, log0)
         _kill_node(nodes[1])
         _wait_for(lambda: "(2 processes): WORLD_SIZE 2" in log0.read_text(), first, log0)
-        nodes.append(subprocess.Popen(agent, stdout=logs[2], stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True))
+        nodes.append(_start_node(agent, logs[2], env))
         first.wait(timeout=300)
         nodes[2].wait(timeout=60)
     finally:

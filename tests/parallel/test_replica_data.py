@@ -8,6 +8,8 @@ groups' shares, and ``tokens_per_group`` must report each group's tokens.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from meshtrain.config import ConfigError
@@ -71,7 +73,7 @@ def test_each_group_reads_only_its_own_source(tmp_path):
     for record in records:
         assert record["tokens_per_group"] == [share, share]
         assert record["tokens"] == 2 * share
-        assert record["loss"] == record["loss"]  # finite, and trains below
+        assert math.isfinite(record["loss"])
     assert records[-1]["loss"] < records[0]["loss"]
 
 
