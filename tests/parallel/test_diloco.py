@@ -230,12 +230,9 @@ def test_fragments_split_blocks_in_order():
     assert where["norm.weight"] == where["output.weight"] == 3
 
 
-@pytest.mark.parametrize("command", [
-    ("estimate", "--model", "llama3.2-1b", "--hardware", "h100-80g", "--gpus", "4"),
-    ("verify", "--nproc", "4"),
-])
-def test_planner_and_verify_refuse_replica_groups(meshtrain, command):
-    result = meshtrain(*command, "--set", "parallel.replicas=2")
+def test_verify_refuses_replica_groups(meshtrain):
+    """(``estimate`` prices replica groups: tests/unit/test_planner_wide_area.py.)"""
+    result = meshtrain("verify", "--nproc", "4", "--set", "parallel.replicas=2")
     assert result.returncode == 2
     assert "parallel.replicas = 2" in result.stderr and "valid value" in result.stderr
 

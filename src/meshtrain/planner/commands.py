@@ -26,6 +26,9 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                         help="GPUs in the cluster" + ("" if gpus_required else
                                                       " (default: dp × cp × tp × pp)"))
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    from meshtrain.planner.wide_area import add_site_options
+
+    add_site_options(parser)
     parser.add_argument("--stack", default="meshtrain",
                         choices=("meshtrain", "megatron-2021", "torchtitan-2024"),
                         help="software stack to price (what it fuses, overlaps, saves for "
@@ -66,10 +69,6 @@ def _check_shapes(config: Config) -> None:
             raise ConfigError(f"train.{key} must be at least 1.")
     if config.train.precision not in ("bf16", "fp32"):
         raise ConfigError(f'train.precision = "{config.train.precision}"; use bf16 or fp32.')
-    if config.parallel.replicas != 1:
-        raise ConfigError(f"parallel.replicas = {config.parallel.replicas}: the planner does not "
-                          "price DiLoCo replica groups yet (docs/diloco.md); the valid value "
-                          "here is 1: estimate one group's layout on its own processes.")
 
 
 #: What ``estimate`` needs from ``--set`` alone (no ``--config``, no ``--model``): the model's
@@ -102,7 +101,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     """``meshtrain estimate``: price the layout a run config (or a preset's model, sequence
     length and batch, with ``--set`` layout keys) describes."""
     from meshtrain.planner.estimate import estimate
-    from meshtrain.planner.hardware import Cluster, load_profile
+    from meshtrain.planner.hardware import load_profile
     from meshtrain.planner.report import format_estimate
     from meshtrain.planner.workload import STACKS, Workload
 
@@ -126,27 +125,46 @@ def run_estimate(args: argparse.Namespace) -> int:
     for key in ("tp", "pp", "cp"):
         if getattr(par, key) < 1:
             raise ConfigError(f"parallel.{key} = {getattr(par, key)} must be at least 1.")
+    if par.replicas < 1:
+        raise ConfigError(f"parallel.replicas = {par.replicas} must be at least 1.")
     names = "cp × tp × pp" if par.cp > 1 else "tp × pp"
-    model_parallel = par.cp * par.tp * par.pp
+    if par.replicas > 1:
+        names = "replicas × " + names
+    model_parallel = par.cp * par.tp * par.pp * par.replicas
     if par.dp == 0:
         if world and world % model_parallel:
             raise ConfigError(f"--gpus {world} is not a multiple of {names} = "
                               f"{model_parallel}.")
         par.dp = world // model_parallel if world else 1
     layout = config.parallel.layout()
-    gpus = args.gpus or layout.world_size
-    if gpus != layout.world_size:
-        raise ConfigError(f"dp × {names} = {layout.world_size} does not equal --gpus {gpus}; "
-                          f"leave parallel.dp at 0 to fill the GPUs with data parallelism.")
+    gpus = args.gpus or layout.world_size * par.replicas
+    if gpus != layout.world_size * par.replicas:
+        raise ConfigError(f"dp × {names} = {layout.world_size * par.replicas} does not equal "
+                          f"--gpus {gpus}; leave parallel.dp at 0 to fill the GPUs with data "
+                          "parallelism.")
     profile = load_profile(args.hardware)
-    cluster = Cluster(profile, gpus, args.gpus_per_node)
+    cluster = cluster_from_args(args, profile, gpus)
     work = Workload.from_config(config, STACKS[args.stack])
-    result = estimate(work, layout, cluster, _energy(args))
+    if par.replicas > 1:
+        from meshtrain.planner.diloco_cost import ReplicaSettings, estimate_replicated
+
+        result = estimate_replicated(work, layout, cluster, ReplicaSettings.from_config(par),
+                                     _energy(args))
+    else:
+        result = estimate(work, layout, cluster, _energy(args))
+    if cluster.wan is not None or par.replicas > 1:
+        from meshtrain.planner.across_sites import describe_sites
+
+        result["wide_area"] = describe_sites(work, layout, cluster, result)
     result["hardware"], result["stack"] = profile.name, args.stack
     result["warnings"] = layout_warnings(layout, args.gpus_per_node)
     for warning in result["warnings"]:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
     text = format_estimate(result, profile.name)
+    if "wide_area" in result:
+        from meshtrain.planner.across_sites import format_sites
+
+        text += "\n" + format_sites(result)
     if getattr(args, "energy_schedule", False):
         from meshtrain.planner.energy_schedule import format_energy_schedule, layout_schedule
 
@@ -154,6 +172,19 @@ def run_estimate(args: argparse.Namespace) -> int:
         text += "\n" + format_energy_schedule(result["energy_schedule"], " per pipeline")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
+
+
+def cluster_from_args(args: argparse.Namespace, profile, gpus: int):
+    """The :class:`~meshtrain.planner.hardware.Cluster` of ``gpus`` GPUs the options describe,
+    sites and wide-area link included (:mod:`meshtrain.planner.wide_area`)."""
+    from meshtrain.planner.hardware import Cluster
+    from meshtrain.planner.wide_area import wide_area_from_options
+
+    Cluster(profile, gpus, args.gpus_per_node)  # refuses a count that is not whole nodes
+    nodes = max(1, -(-gpus // args.gpus_per_node))
+    wan = wide_area_from_options(nodes, args.gpus_per_node, args.sites, args.nodes_per_site,
+                                 args.wan_gbps, args.wan_latency_ms)
+    return Cluster(profile, gpus, args.gpus_per_node, wan=wan)
 
 
 def layout_warnings(layout, gpus_per_node: int) -> list[str]:
@@ -190,7 +221,7 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """``meshtrain plan``: rank layouts; exit 0 even when nothing fits (the answer says why)."""
     from meshtrain.config import parse_override, set_key
-    from meshtrain.planner.hardware import Cluster, load_profile
+    from meshtrain.planner.hardware import load_profile
     from meshtrain.planner.presets import PRESETS, preset_config
     from meshtrain.planner.report import format_plan
     from meshtrain.planner.search import plan
@@ -210,9 +241,12 @@ def run_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.hardware)
     if (args.tokens is None) != (args.deadline_hours is None):
         raise ConfigError("--tokens and --deadline-hours go together (a budget and a deadline).")
+    cluster = cluster_from_args(args, profile, args.gpus)
     if args.tokens is not None:
+        if cluster.wan is not None:
+            raise ConfigError("plan --tokens (a GPU-count budget) prices one site; drop "
+                              "--sites / --nodes-per-site, or plan the sites without --tokens.")
         return _run_budget_plan(args, config, profile)
-    cluster = Cluster(profile, args.gpus, args.gpus_per_node)
     work = Workload.from_config(config, STACKS[args.stack])
     result = plan(work, cluster, args.top, _energy(args)).to_dict()
     if args.objective != "time":
@@ -226,7 +260,15 @@ def run_plan(args: argparse.Namespace) -> int:
                   global_batch=config.train.global_batch)
     title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
              f"seq {config.train.seq_len}, global batch {config.train.global_batch}")
-    print(json.dumps(result, indent=2) if args.json else format_plan(result, title))
+    text = format_plan(result, title)
+    if cluster.wan is not None:
+        from meshtrain.planner.across_sites import format_site_plan, plan_across_sites
+
+        result["across_sites"] = plan_across_sites(work, cluster, result["candidates"],
+                                                   config.parallel.outer_grad_dtype,
+                                                   _energy(args))
+        text += "\n" + format_site_plan(result["across_sites"])
+    print(json.dumps(result, indent=2) if args.json else text)
     return 0
 
 

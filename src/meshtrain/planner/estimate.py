@@ -165,7 +165,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     if lay.sequence_parallel or (workload.traits.pp_scatter_gather and lay.tp > 1):
         boundary /= lay.tp
     sends = 2 * lay.chunks_per_rank if lay.pp > 1 else 0
-    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp)
+    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp, lay.pp)
 
     cp_f = c.cp_comm * forward_share(lay)
     comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2 + cp_f

@@ -16,7 +16,8 @@ prices one collective for a group laid out with a given stride over the ranks (t
 pp outermost, as :mod:`meshtrain.mesh` places them): a group inside one node runs at the NVLink
 bus bandwidth; a group spanning nodes with ``g`` of its ranks per node runs at ``g`` times the
 per-GPU network bandwidth (each GPU drives its own NIC, NCCL runs one ring per NIC), capped by
-NVLink.
+NVLink. A cluster split into sites (:mod:`meshtrain.planner.wide_area`) prices a group that
+spans sites at its share of the wide-area link instead, never faster than the above.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 from pathlib import Path
 
 from meshtrain.config import ConfigError
+from meshtrain.planner.wide_area import WideArea, gpus_per_site, spans_sites, wan_bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +252,8 @@ class Cluster:
     gpus_per_node: int = 8
     threads_per_process: int = 1
     """CPU runs: intra-op threads of each worker process (see :meth:`process_rates`)."""
+    wan: WideArea | None = None
+    """Sites and the wide-area link between them (None: one site)."""
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -258,6 +262,15 @@ class Cluster:
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ConfigError(f"--gpus {self.gpus} is not a whole number of nodes of "
                               f"{self.gpus_per_node} GPUs.")
+        if self.wan is not None and (self.gpus < self.gpus_per_node * self.wan.sites
+                                     or self.nodes % self.wan.sites):
+            raise ConfigError(f"{self.wan.sites} sites need whole nodes each: --gpus "
+                              f"{self.gpus} makes {self.nodes} node(s) of {self.gpus_per_node}.")
+
+    @property
+    def sites(self) -> int:
+        """Sites the cluster spans (1 without a wide-area link)."""
+        return self.wan.sites if self.wan else 1
 
     def process_rates(self) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) of one rank while all ``gpus`` ranks compute
@@ -281,8 +294,12 @@ class Cluster:
         per_node = self.ranks_per_node(size, stride)
         if per_node >= size:
             return p.intra_node_gbps * 1e9, p.intra_node_latency_us * 1e-6
-        bandwidth = min(p.intra_node_gbps, per_node * p.inter_node_gbps)
-        return bandwidth * 1e9, p.inter_node_latency_us * 1e-6
+        bandwidth = min(p.intra_node_gbps, per_node * p.inter_node_gbps) * 1e9
+        latency = p.inter_node_latency_us * 1e-6
+        if spans_sites(self.wan, self.gpus, size, stride):
+            wide, wide_latency = wan_bandwidth(self.wan, self.gpus, size, stride)
+            return min(bandwidth, wide), max(latency, wide_latency)
+        return bandwidth, latency
 
     def collective_time(self, op: str, full_bytes: float, size: int, stride: int = 1) -> float:
         """Seconds for one collective over ``size`` ranks on a tensor of ``full_bytes``.
@@ -333,14 +350,25 @@ class Cluster:
         on_node = (per_node - 1) / size * full_bytes
         off_node = (size - per_node) / size * full_bytes
         time = on_node / (p.intra_node_gbps * 1e9) + off_node / (p.inter_node_gbps * 1e9)
-        latency = p.inter_node_latency_us if off_node else p.intra_node_latency_us
-        return time + (size - 1) * latency * 1e-6 / 4  # peers are addressed concurrently
+        latency = (p.inter_node_latency_us if off_node else p.intra_node_latency_us) * 1e-6
+        if spans_sites(self.wan, self.gpus, size, stride):  # the off-site share: the WAN
+            in_site = min(size, max(1, gpus_per_site(self.wan, self.gpus) // stride))
+            wide, wide_latency = wan_bandwidth(self.wan, self.gpus, size, stride)
+            time += (size - in_site) / size * full_bytes / wide
+            latency = max(latency, wide_latency)
+        return time + (size - 1) * latency / 4  # peers are addressed concurrently
 
-    def p2p_time(self, nbytes: float, stride: int) -> float:
-        """One point-to-point send between ranks ``stride`` apart."""
+    def p2p_time(self, nbytes: float, stride: int, group_size: int = 2) -> float:
+        """One point-to-point send between ranks ``stride`` apart, in a chain of
+        ``group_size`` such ranks (pipeline stages): when the chain spans sites its slowest
+        hop crosses the wide-area link, shared by the ``stride`` chains sending at once."""
         if nbytes <= 0:
             return 0.0
         p = self.profile
+        if spans_sites(self.wan, self.gpus, group_size, stride):
+            senders = min(stride, gpus_per_site(self.wan, self.gpus))
+            return (nbytes * senders / self.wan.bytes_per_s
+                    + max(self.wan.wan_latency_ms * 1e-3, p.inter_node_latency_us * 1e-6))
         if stride < self.gpus_per_node:
             return nbytes / (p.intra_node_gbps * 1e9) + p.intra_node_latency_us * 1e-6
         return nbytes / (p.inter_node_gbps * 1e9) + p.inter_node_latency_us * 1e-6

@@ -83,6 +83,12 @@ def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[flo
     return dense, model.moe_experts * expert / ep
 
 
+def layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
+    """(dense, expert) parameters of block ``layer`` on one rank at tensor degree ``tp`` and
+    expert degree ``ep``."""
+    return _layer_params(model, layer, tp, ep)
+
+
 def stage_params(model: ModelConfig, layers: list[int], layout: Layout, first: bool,
                  last: bool) -> StageParams:
     """Parameters on one rank of the stage holding ``layers``."""
