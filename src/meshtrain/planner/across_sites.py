@@ -193,9 +193,12 @@ def plan_across_sites(workload: Workload, cluster: Cluster, synchronous: list[di
     answer["diloco"] = _option_row(chosen)
     answer["round_options"] = [_option_row(r) for r in same]
     answer["saving"] = _saving(workload, cluster, chosen, energy)
-    gain = chosen["tokens_per_s"] / best_sync["tokens_per_s"] if best_sync else float("inf")
+    gain = chosen["tokens_per_s"] / best_sync["tokens_per_s"] if best_sync else None
     answer["speedup_over_synchronous"] = gain
-    if gain >= DILOCO_MIN_GAIN:
+    if gain is None:
+        answer["proposal"] = "diloco"
+        answer["why"] = "no synchronous layout fits; DiLoCo's groups do"
+    elif gain >= DILOCO_MIN_GAIN:
         answer["proposal"] = "diloco"
         answer["why"] = (f"the wide-area link dominates synchronous training: DiLoCo is "
                          f"{gain:.2f} x as fast as the best synchronous layout")

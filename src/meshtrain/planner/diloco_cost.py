@@ -101,13 +101,15 @@ def check_replica_settings(settings: ReplicaSettings, workload: Workload, cluste
 
 def inner_cluster(cluster: Cluster, replicas: int) -> Cluster:
     """One replica group's share of ``cluster``: ``gpus / replicas`` ranks, spanning
-    ``sites / replicas`` sites when there are more sites than groups, else inside one."""
+    ``sites / replicas`` sites when there are more sites than groups, else inside one, while
+    all of the cluster's processes compute (what a shared CPU host's rates depend on)."""
     wan = cluster.wan
     if wan is not None and wan.sites > replicas:
         wan = WideArea(wan.sites // replicas, wan.wan_gbps, wan.wan_latency_ms)
     else:
         wan = None
-    return dataclasses.replace(cluster, gpus=cluster.gpus // replicas, wan=wan)
+    return dataclasses.replace(cluster, gpus=cluster.gpus // replicas, wan=wan,
+                               busy_processes=cluster.busy_processes or cluster.gpus)
 
 
 def inner_workload(workload: Workload, replicas: int) -> Workload:

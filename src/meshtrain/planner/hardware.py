@@ -254,6 +254,10 @@ class Cluster:
     """CPU runs: intra-op threads of each worker process (see :meth:`process_rates`)."""
     wan: WideArea | None = None
     """Sites and the wide-area link between them (None: one site)."""
+    busy_processes: int = 0
+    """Processes computing at once on the machine(s) when more than ``gpus`` do (one DiLoCo
+    replica group's share of a job, see :func:`meshtrain.planner.diloco_cost.inner_cluster`);
+    0 = ``gpus``. Only calibrated CPU profiles' rates depend on it."""
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -275,7 +279,8 @@ class Cluster:
     def process_rates(self) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) of one rank while all ``gpus`` ranks compute
         (:meth:`HardwareProfile.per_process`)."""
-        return self.profile.per_process(self.gpus, self.threads_per_process)
+        return self.profile.per_process(self.busy_processes or self.gpus,
+                                        self.threads_per_process)
 
     @property
     def nodes(self) -> int:
