@@ -202,3 +202,28 @@ def test_estimate_cli_prices_replica_groups_and_refuses_a_bad_site_split(meshtra
     assert "crossing it: replica" in result.stdout and "not convergence" in result.stdout
     bad = meshtrain(*base[:-4], "--sites", "3", "--wan-gbps", "1")
     assert bad.returncode == 2 and "--sites 3 does not split the 2 nodes" in bad.stderr
+
+
+def test_pipeline_sends_and_expert_all_to_alls_that_cross_sites_pay_the_link():
+    """pp 2 with one stage per site: the stage boundary's sends cross the link (half the link,
+    twice the time); an MoE model's ep spanning both sites pays for its off-site share."""
+    from meshtrain.layout import Layout
+    from meshtrain.planner.across_sites import crossing_axes
+    from meshtrain.planner.estimate import estimate
+
+    work = _llama_like(layers=4, batch=32)
+    piped = Layout(dp=8, pp=2, microbatches=4)
+    prices = {}
+    for gbps in (10.0, 20.0, None):
+        cluster = Cluster(H100, 16, 8, wan=WideArea(2, gbps, 1.0) if gbps else None)
+        prices[gbps] = estimate(work, piped, cluster, use_simulator=False)["breakdown"]
+    assert crossing_axes(piped, Cluster(H100, 16, 8, wan=WideArea(2, 10.0))) == ["pp"]
+    assert prices[10.0]["pp_comm_s"] > 50 * prices[None]["pp_comm_s"]
+    assert prices[10.0]["pp_comm_s"] == pytest.approx(2 * prices[20.0]["pp_comm_s"], rel=0.05)
+    moe = dataclasses.replace(work, model=dataclasses.replace(work.model, moe_experts=16,
+                                                              moe_top_k=2))
+    expert = Layout(dp=16, ep=16, zero=1)
+    one, two = (estimate(moe, expert, Cluster(H100, 16, 8, wan=wan), use_simulator=False)
+                for wan in (None, WideArea(2, 10.0, 1.0)))
+    assert "ep" in crossing_axes(expert, Cluster(H100, 16, 8, wan=WideArea(2, 10.0)))
+    assert two["breakdown"]["ep_comm_s"] > 10 * one["breakdown"]["ep_comm_s"]

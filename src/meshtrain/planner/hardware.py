@@ -354,13 +354,20 @@ class Cluster:
         per_node = self.ranks_per_node(size, stride)
         on_node = (per_node - 1) / size * full_bytes
         off_node = (size - per_node) / size * full_bytes
-        time = on_node / (p.intra_node_gbps * 1e9) + off_node / (p.inter_node_gbps * 1e9)
         latency = (p.inter_node_latency_us if off_node else p.intra_node_latency_us) * 1e-6
-        if spans_sites(self.wan, self.gpus, size, stride):  # the off-site share: the WAN
-            in_site = min(size, max(1, gpus_per_site(self.wan, self.gpus) // stride))
-            wide, wide_latency = wan_bandwidth(self.wan, self.gpus, size, stride)
-            time += (size - in_site) / size * full_bytes / wide
-            latency = max(latency, wide_latency)
+        off_site = 0.0
+        if spans_sites(self.wan, self.gpus, size, stride):
+            # Each rank's share for other sites crosses the site's link, which every rank of
+            # the site uses at once; the rest of its off-node share stays on the site's network.
+            per_site = gpus_per_site(self.wan, self.gpus)
+            in_site = min(size, max(1, per_site // stride))
+            off_site = (size - in_site) / size * full_bytes
+            off_node -= off_site
+            time = off_site * per_site / self.wan.bytes_per_s
+            latency = max(latency, self.wan.wan_latency_ms * 1e-3)
+        else:
+            time = 0.0
+        time += on_node / (p.intra_node_gbps * 1e9) + off_node / (p.inter_node_gbps * 1e9)
         return time + (size - 1) * latency / 4  # peers are addressed concurrently
 
     def p2p_time(self, nbytes: float, stride: int, group_size: int = 2) -> float:
