@@ -135,6 +135,9 @@ class ReplicaQuorum:
         are ahead. Called once before the first step, after any checkpoint was restored."""
         trainer = self.trainer
         last = trainer.config.train.steps
+        if self.mesh.is_logging_rank:
+            print(f"meshtrain: replica group {self.mesh.replica_rank} of {self.groups} joining "
+                  "the others through the lighthouse", file=sys.stderr, flush=True)
         if trainer.step:  # resumed: the rounds this group committed up to its step
             done = 1 + sum(1 for s in range(1, trainer.step + 1) if trainer.outer.due(s, last))
             self.manager.load_state_dict({"step": done, "batches_committed": 0})

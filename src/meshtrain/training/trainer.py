@@ -279,7 +279,7 @@ class Trainer:
     def train_step(self) -> dict:
         """Run one optimizer step; return its metrics record."""
         if faults.active():
-            faults.maybe_kill(self.step + 1)
+            faults.at_step_start(self.step + 1)
         self.mesh.comm_log.begin_step(self.step + 1)
         start = timing.stamp(self.device)
         batches, local_tokens = self.batches.next_step()
