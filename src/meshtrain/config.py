@@ -87,7 +87,7 @@ class ParallelConfig(Layout):
     (0 .. replicas - 1): its share of each batch, its ``data.replica_sources`` entry, its id."""
     lighthouse: str = ""
     """With ``replica_fault_tolerance``: the torchft lighthouse's address
-    (``http://HOST:PORT``, as ``meshtrain lighthouse`` prints it); empty = the
+    (``HOST:PORT``, or ``http://HOST:PORT`` as ``meshtrain lighthouse`` prints it); empty = the
     ``TORCHFT_LIGHTHOUSE`` environment variable."""
     quorum_timeout_s: float = 600.0
     """With ``replica_fault_tolerance``: longest wait for the other groups at a sync (a

@@ -9,6 +9,7 @@ holds no training state, so it can be restarted between syncs.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ def add_lighthouse_options(parser: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace, ready: threading.Event | None = None) -> int:
     """Run the lighthouse until SIGINT or SIGTERM; prints its address on stdout first."""
+    os.environ.setdefault("RUST_LOG", "warn")  # RUST_LOG=info: every quorum it forms
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:

@@ -129,7 +129,7 @@ def validate_replica_fault_tolerance(config: Config) -> None:
                           "valid values are fp32 and bf16.")
     if not (par.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         raise ConfigError("parallel.replica_fault_tolerance = true needs the torchft "
-                          "lighthouse's address: set parallel.lighthouse = \"http://HOST:PORT\" "
+                          "lighthouse's address: set parallel.lighthouse = \"HOST:PORT\" "
                           "(as `meshtrain lighthouse` prints it) or TORCHFT_LIGHTHOUSE.")
     if par.quorum_timeout_s <= 0:
         raise ConfigError(f"parallel.quorum_timeout_s = {par.quorum_timeout_s} must be positive "

@@ -55,12 +55,30 @@ def _group_store(mesh) -> tuple[str, int, object]:
     return str(where[0]), int(where[1]), store
 
 
+def lighthouse_address(configured: str) -> str:
+    """``parallel.lighthouse`` (else ``TORCHFT_LIGHTHOUSE``) as torchft takes it: with a scheme
+    (``HOST:PORT`` becomes ``http://HOST:PORT``)."""
+    address = configured or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    return address if "://" in address else f"http://{address}"
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum at INFO and its manager warns on CPU that it cannot
+    reset NCCL's flight recorder: keep warnings of the Rust side (``RUST_LOG`` set by the user
+    wins) and errors of the Python side."""
+    import logging
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+
+
 class ReplicaQuorum:
     """This rank's torchft manager and the rounds of a fault-tolerant run (module docstring)."""
 
     def __init__(self, trainer):
         """``trainer``: the :class:`~meshtrain.training.trainer.Trainer` whose state heals a
         restarted group and whose :class:`~meshtrain.training.diloco.OuterOptimizer` syncs."""
+        quiet_torchft()
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.trainer = trainer
@@ -83,7 +101,7 @@ class ReplicaQuorum:
             min_replica_size=1, use_async_quorum=False, timeout=timeout,
             quorum_timeout=datetime.timedelta(seconds=par.quorum_timeout_s),
             rank=mesh.rank, world_size=mesh.world_size, store_addr=host, store_port=port,
-            lighthouse_addr=par.lighthouse or None, hostname=host, init_sync=False,
+            lighthouse_addr=lighthouse_address(par.lighthouse), hostname=host, init_sync=False,
             replica_id=f"meshtrain_group{mesh.replica_rank}")
 
     # ------------------------------------------------------------------ healing
@@ -192,10 +210,13 @@ class ReplicaQuorum:
             return flat
         outer = self.trainer.outer
         sent = flat if flat.dtype == outer.grad_dtype else flat.to(outer.grad_dtype)
-        self.mesh.comm_log.record("replica", "all_reduce", sent.shape, sent.dtype,
-                                  sent.numel() * sent.element_size(),
-                                  self.manager.num_participants())
+        entry = self.mesh.comm_log.record("replica", "all_reduce", sent.shape, sent.dtype,
+                                          sent.numel() * sent.element_size(),
+                                          self.manager.num_participants())
+        began = time.perf_counter()
         self.manager.allreduce(sent).wait()  # in place: sum / num_participants
+        self.mesh.comm_log.wait_s += time.perf_counter() - began
+        entry.done = True
         return sent.float()
 
     def shutdown(self) -> None:
