@@ -74,10 +74,25 @@ def _train(tmp: Path, run_dir: str, log: str, sets: list[str], fault: str = ""):
                             cwd=tmp)
 
 
-def _group(tmp: Path, index: int, lighthouse: str, log: str, fault: str = ""):
-    sets = [*TINY, "parallel.replica_fault_tolerance=true", f"parallel.replica_group={index}",
-            f"parallel.lighthouse={lighthouse}"]
+def _group(tmp: Path, index: int, lighthouse: str, log: str, fault: str = "",
+           extra: tuple[str, ...] = ()):
+    sets = [*TINY, *extra, "parallel.replica_fault_tolerance=true",
+            f"parallel.replica_group={index}", f"parallel.lighthouse={lighthouse}"]
     return _train(tmp, f"group{index}", log, sets, fault)
+
+
+def _lighthouse(tmp: Path) -> tuple[subprocess.Popen, str]:
+    """A ``meshtrain lighthouse`` on a free loopback port, and its address."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain", "lighthouse", "--bind", "127.0.0.1:0",
+         "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000"],
+        stdout=open(tmp / "lighthouse.out", "w"), stderr=subprocess.DEVNULL, env=_env())
+    line = _wait_for(tmp / "lighthouse.out", "TORCHFT_LIGHTHOUSE=", process, 120)
+    return process, line.split("=", 1)[1]
+
+
+def _final(run_dir: Path) -> bytes:
+    return (run_dir / "final" / "model-00001-of-00001.safetensors").read_bytes()
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -89,15 +104,11 @@ def test_killed_group_others_go_on_and_it_rejoins_in_sync(tmp_path):
     """Group 0 finishes every step (alone while group 1 is dead); the restarted group 1 heals
     from it and both end with identical weights."""
     release = tmp_path / "release"
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "meshtrain", "lighthouse", "--bind", "127.0.0.1:0",
-         "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000"],
-        stdout=open(tmp_path / "lighthouse.out", "w"), stderr=subprocess.DEVNULL, env=_env())
     reference = _train(tmp_path, "reference", "reference.log", TINY)  # both groups, one job
-    procs = [lighthouse, reference]
+    procs = [reference]
     try:
-        address = _wait_for(tmp_path / "lighthouse.out", "TORCHFT_LIGHTHOUSE=", lighthouse,
-                            120).split("=", 1)[1]
+        lighthouse, address = _lighthouse(tmp_path)
+        procs.append(lighthouse)
         survivor = _group(tmp_path, 0, address, "group0.log",
                           fault=f"hold:step={HOLD_AT}:file={release}")
         doomed = _group(tmp_path, 1, address, "group1.log", fault=f"kill:rank=0:step={KILL_AT}")
@@ -126,6 +137,31 @@ def test_killed_group_others_go_on_and_it_rejoins_in_sync(tmp_path):
                 for a, b in zip(survivor_log[:4], rejoined[:4], strict=True)]
     expected = [r["loss"] for r in _metrics(tmp_path / "reference")[:4]]
     assert together == pytest.approx(expected, abs=1e-6)
-    weights = [(tmp_path / f"group{g}" / "final" / "model-00001-of-00001.safetensors")
-               .read_bytes() for g in (0, 1)]
-    assert weights[0] == weights[1]
+    assert _final(tmp_path / "group0") == _final(tmp_path / "group1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_groups_as_jobs_match_one_job_with_fragments_and_bf16(tmp_path):
+    """Without a death, 2 fault-tolerant groups of dp 2 with 2 streaming fragments and bf16
+    pseudo-gradients end with the final weights of the same groups inside one 4-process job,
+    bitwise: both sum the same bf16 tensors of two groups in gloo and halve them (exact)."""
+    extra = ("parallel.dp=2", "parallel.sync_fragments=2", "parallel.outer_grad_dtype=bf16")
+    reference = _train(tmp_path, "reference", "reference.log", [*TINY, *extra])
+    procs = [reference]
+    try:
+        lighthouse, address = _lighthouse(tmp_path)
+        procs.append(lighthouse)
+        groups = [_group(tmp_path, g, address, f"group{g}.log", extra=extra) for g in (0, 1)]
+        procs += groups
+        for proc, log in ((groups[0], "group0.log"), (groups[1], "group1.log"),
+                          (reference, "reference.log")):
+            assert proc.wait(300) == 0, (tmp_path / log).read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert _final(tmp_path / "group0") == _final(tmp_path / "group1")
+    assert _final(tmp_path / "group0") == _final(tmp_path / "reference")
+    assert _metrics(tmp_path / "group0")[-1]["comm_bytes"]["replica"] > 0
