@@ -20,6 +20,9 @@ def _replicas_note(par) -> str:
     """``; R replica groups synced every H steps`` for DiLoCo runs, else empty."""
     if par.replicas == 1:
         return ""
+    if par.replica_fault_tolerance:
+        return (f"; replica group {par.replica_group} of {par.replicas}, synced every "
+                f"{par.sync_every} steps through torchft")
     fragments = f" in {par.sync_fragments} fragments" if par.sync_fragments > 1 else ""
     return (f" in each of {par.replicas} replica groups, synced every {par.sync_every} "
             f"steps{fragments}")
@@ -114,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "warm-up fills this one's drain), so only idle inside each rank's "
                           "busy span is slack")
     _add_convert_parser(sub)
+    from meshtrain.lighthouse import add_lighthouse_options
+
+    add_lighthouse_options(sub.add_parser(
+        "lighthouse", help="serve the torchft lighthouse that fault-tolerant replica groups "
+                           "join (docs/diloco.md)"))
     return parser
 
 
@@ -369,7 +377,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "verify": cmd_verify,
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    """``meshtrain lighthouse``: see :mod:`meshtrain.lighthouse`."""
+    from meshtrain.lighthouse import serve
+
+    return serve(args)
+
+
+COMMANDS = {"lighthouse": cmd_lighthouse, "prepare": cmd_prepare, "train": cmd_train,
+            "verify": cmd_verify,
             "generate": cmd_generate, "bench": cmd_bench, "estimate": cmd_estimate,
             "plan": cmd_plan, "calibrate": cmd_calibrate, "simulate": cmd_simulate,
             "convert": cmd_convert}

@@ -77,6 +77,21 @@ class ParallelConfig(Layout):
     the bytes; the sum is taken in bf16), or ``int8`` / ``fp8`` (e4m3; a quarter of fp32's bytes:
     one byte per value and an fp32 scale per 256, the mean taken in fp32 between two exchanges,
     :mod:`meshtrain.training.quantized_reduce`). The outer step is fp32 in every case."""
+    replica_fault_tolerance: bool = False
+    """Each replica group is a job of its own (one ``meshtrain train`` launch per group, its
+    world = the inner layout), joined to the others through a torchft lighthouse: a group that
+    dies does not stop the others, which average over the groups present, and a restarted group
+    heals from a live one's state (docs/diloco.md, "Groups that fail alone"; the ``ft`` extra)."""
+    replica_group: int = 0
+    """With ``replica_fault_tolerance``: which of the ``replicas`` groups this launch is
+    (0 .. replicas - 1): its share of each batch, its ``data.replica_sources`` entry, its id."""
+    lighthouse: str = ""
+    """With ``replica_fault_tolerance``: the torchft lighthouse's address
+    (``HOST:PORT``, or ``http://HOST:PORT`` as ``meshtrain lighthouse`` prints it); empty = the
+    ``TORCHFT_LIGHTHOUSE`` environment variable."""
+    quorum_timeout_s: float = 600.0
+    """With ``replica_fault_tolerance``: longest wait for the other groups at a sync (a
+    restarted group waits for the others' next sync to heal from them)."""
     auto: bool = False
     """Let the planner choose dp, tp, pp, zero, microbatches, the schedule, sequence parallelism
     and checkpointing for ``--nproc`` processes (default: GPUs or CPU cores) before launching;

@@ -18,6 +18,9 @@ kill              at the start of ``step`` on ``rank`` the worker sends itself S
 slow              from ``step`` on (default 1), ``rank``'s compute takes ``factor`` times as
                   long: after computing its gradients it sleeps ``factor - 1`` times the time
                   that took outside collectives (a straggler, for ``train.straggler_factor``).
+hold              at the start of ``step`` (on ``rank``, or every rank when omitted) the worker
+                  waits until the file ``file`` exists (a test holds a running replica group
+                  back until a restarted one is joining).
 ================  ===========================================================================
 
 Every fault fires only in restart ``attempt`` (default 0, the first run; torch elastic counts
@@ -35,7 +38,7 @@ import signal
 import time
 
 ENV_VAR = "MESHTRAIN_FAULT"
-KINDS = ("skip_collective", "nan_loss", "kill", "slow")
+KINDS = ("skip_collective", "nan_loss", "kill", "slow", "hold")
 _INT_KEYS = ("rank", "step", "attempt")
 
 
@@ -50,6 +53,7 @@ class Fault:
     then: str = "stall"
     attempt: int = 0
     factor: float = 1.0
+    file: str = ""
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -62,7 +66,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
         fields: dict[str, object] = {"kind": kind}
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            if not sep or key not in ("rank", "step", "axis", "then", "attempt", "factor"):
+            if not sep or key not in ("rank", "step", "axis", "then", "attempt", "factor",
+                                      "file"):
                 raise ValueError(f"{ENV_VAR}: bad field {pair!r} in {item!r}")
             fields[key] = (int(value) if key in _INT_KEYS
                            else float(value) if key == "factor" else value)
@@ -74,6 +79,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
             raise ValueError(f"{ENV_VAR}: {item!r} needs step=N")
         if fields.get("then", "stall") not in ("stall", "continue"):
             raise ValueError(f"{ENV_VAR}: then= must be stall or continue in {item!r}")
+        if kind == "hold" and not fields.get("file"):
+            raise ValueError(f"{ENV_VAR}: {item!r} needs file=PATH")
         if kind in ("skip_collective", "kill") and "rank" not in fields:
             raise ValueError(f"{ENV_VAR}: {item!r} needs rank=N")
         faults.append(Fault(**fields))  # type: ignore[arg-type]
@@ -140,10 +147,14 @@ def corrupt_loss(loss, step: int):
     return loss * float("nan")
 
 
-def maybe_kill(step: int) -> None:
-    """SIGKILL this process when a ``kill`` fault is due at the start of ``step``."""
+def at_step_start(step: int) -> None:
+    """SIGKILL this process when a ``kill`` fault is due at the start of ``step``; wait for the
+    file of a ``hold`` fault due then."""
     if take("kill", step) is not None:
         os.kill(os.getpid(), signal.SIGKILL)
+    hold = take("hold", step)
+    while hold is not None and not os.path.exists(hold.file):
+        time.sleep(0.1)
 
 
 def slow_factor(step: int) -> float:

@@ -27,7 +27,10 @@ gradients of the shared matrix (counted as ``pp`` traffic). Every other rank is 
 
 The ``replica`` group joins the ranks with the same inner coordinates in every replica group
 (each holds the same shard of the model), over which DiLoCo averages pseudo-gradients; every other
-axis's groups stay inside one replica group. With ``replicas = 1`` it has one rank.
+axis's groups stay inside one replica group. With ``replicas = 1`` it has one rank. A replica
+group that runs as a job of its own (``parallel.replica_fault_tolerance``, ``replica_group`` given)
+has a world of its inner layout only: its ``replica`` group is itself, and the other groups are
+reached through torchft instead (:mod:`meshtrain.training.replica_ft`).
 
 The mesh owns every process group (none are module-level globals), the counted collectives of
 each axis (:mod:`meshtrain.parallel.comm`), and the per-axis random-number streams.
@@ -59,11 +62,13 @@ class ParallelMesh:
     def __init__(self, *, dp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                  rank: int = 0, device: torch.device | str = "cpu", seed: int = 0,
                  timeout_s: float | None = None, tied_pp_ranks: Iterable[int] = (),
-                 replicas: int = 1):
+                 replicas: int = 1, replica_group: int | None = None):
         """``timeout_s`` bounds every collective of the axis groups (``train.collective_timeout_s``;
         None = torch's default). Sub-groups do not inherit the world group's timeout.
         ``tied_pp_ranks``: the pipeline ranks holding a tied embedding (those of the first and
-        the last stage; empty = none), which form the ``tied`` groups."""
+        the last stage; empty = none), which form the ``tied`` groups. ``replica_group``: this
+        world is that one of the ``replicas`` groups alone (a separate job; ``rank`` is then
+        the rank inside the group); None = the world holds every group."""
         if ep < 1 or dp % ep:
             raise ValueError(f"ep = {ep} must divide dp = {dp}")
         if cp < 1:
@@ -74,7 +79,11 @@ class ParallelMesh:
         self.replicas = replicas
         self.inner_size = dp * cp * tp * pp
         """Ranks of one replica group (its inner layout's world)."""
-        self.world_size = replicas * self.inner_size
+        self.group_alone = replica_group is not None
+        """This world is one replica group of a fault-tolerant run (the others are other jobs)."""
+        if self.group_alone and not 0 <= replica_group < replicas:
+            raise ValueError(f"replica_group {replica_group} outside replicas = {replicas}")
+        self.world_size = self.inner_size if self.group_alone else replicas * self.inner_size
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -84,7 +93,7 @@ class ParallelMesh:
         self.device = torch.device(device)
         self.seed = seed
         self.timeout_s = timeout_s
-        self.replica_rank = rank // self.inner_size
+        self.replica_rank = replica_group if self.group_alone else rank // self.inner_size
         inner = rank % self.inner_size
         self.tp_rank = inner % tp
         self.cp_rank = (inner // tp) % cp
@@ -115,22 +124,28 @@ class ParallelMesh:
     def from_environment(cls, *, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                          seed: int = 0, device: torch.device | str = "cpu",
                          timeout_s: float | None = None,
-                         tied_pp_ranks: Iterable[int] = (), replicas: int = 1) -> ParallelMesh:
+                         tied_pp_ranks: Iterable[int] = (), replicas: int = 1,
+                         replica_group: int | None = None) -> ParallelMesh:
         """Build the mesh for this process; the default process group must already exist
-        when the world has more than one rank. ``tied_pp_ranks``: see the constructor."""
+        when the world has more than one rank. ``tied_pp_ranks``, ``replica_group``: see the
+        constructor."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != replicas * dp * cp * tp * pp:
+        groups = 1 if replica_group is not None else replicas
+        if world != groups * dp * cp * tp * pp:
             raise ValueError(f"world size {world} != replicas × dp × cp × tp × pp = "
-                             f"{replicas} × {dp} × {cp} × {tp} × {pp}")
+                             f"{groups} × {dp} × {cp} × {tp} × {pp}")
         return cls(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, seed=seed,
-                   timeout_s=timeout_s, tied_pp_ranks=tied_pp_ranks, replicas=replicas)
+                   timeout_s=timeout_s, tied_pp_ranks=tied_pp_ranks, replicas=replicas,
+                   replica_group=replica_group)
 
     def coords_to_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0,
                        replica_rank: int | None = None) -> int:
         """Global rank of the process at the given coordinates (in this rank's replica group
         unless ``replica_rank`` is given)."""
         replica = self.replica_rank if replica_rank is None else replica_rank
+        if self.group_alone:  # the world is this group alone: its ranks start at 0
+            replica = 0
         return (replica * self.inner_size
                 + ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank)
 
@@ -138,6 +153,10 @@ class ParallelMesh:
         """Every group of every axis, as lists of global ranks: each inner axis's groups of
         every replica group, then the ``replica`` groups."""
         groups: dict[str, list[list[int]]] = {}
+        if self.group_alone:
+            groups = self._inner_members(0)
+            groups["replica"] = [[i] for i in range(self.inner_size)]
+            return groups
         for replica in range(self.replicas):
             for axis, members in self._inner_members(replica).items():
                 groups.setdefault(axis, []).extend(members)

@@ -40,8 +40,10 @@ def resolve_world(config: Config, nproc: int | None) -> int:
         at_least(getattr(par, key), 1, f"parallel.{key}")
     at_least(par.dp, 0, "parallel.dp")
     at_least(par.replicas, 1, "parallel.replicas")
-    model_parallel = par.replicas * par.cp * par.tp * par.pp
-    shown = [("replicas", par.replicas), ("cp", par.cp)]
+    # Fault-tolerant replica groups are jobs of their own: this world is one group's.
+    groups = 1 if par.replica_fault_tolerance else par.replicas
+    model_parallel = groups * par.cp * par.tp * par.pp
+    shown = [("replicas", groups), ("cp", par.cp)]
     shown = [(k, v) for k, v in shown if v > 1] + [("tp", par.tp), ("pp", par.pp)]
     names = " × ".join(k for k, _ in shown)
     values = " × ".join(str(v) for _, v in shown)
@@ -87,6 +89,8 @@ def validate_replicas(config: Config) -> None:
     if not 0 <= train.outer_momentum < 1:
         raise ConfigError(f"train.outer_momentum = {train.outer_momentum} must be in [0, 1) "
                           "(DiLoCo's default 0.9; 0 = plain outer SGD).")
+    if par.replica_fault_tolerance:
+        validate_replica_fault_tolerance(config)
     if par.replicas == 1:
         return
     if par.auto:
@@ -102,6 +106,37 @@ def validate_replicas(config: Config) -> None:
         raise ConfigError("parallel.check_replicas_every checks dp replicas within a group; "
                           "with parallel.replicas > 1 the groups differ between syncs by design, "
                           "so the valid value is 0.")
+
+
+def validate_replica_fault_tolerance(config: Config) -> None:
+    """``parallel.replica_fault_tolerance``: one group per launch, joined through torchft."""
+    import importlib.util
+    import os
+
+    par = config.parallel
+    if par.replicas < 2:
+        raise ConfigError(f"parallel.replica_fault_tolerance = true needs parallel.replicas >= 2 "
+                          f"(the groups that survive each other), not {par.replicas}; set "
+                          "parallel.replicas to the number of groups, or turn it off.")
+    if not 0 <= par.replica_group < par.replicas:
+        raise ConfigError(f"parallel.replica_group = {par.replica_group} is not a group of "
+                          f"parallel.replicas = {par.replicas}; valid: 0 to {par.replicas - 1} "
+                          "(one launch per group).")
+    if par.outer_grad_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"parallel.outer_grad_dtype = {par.outer_grad_dtype} is exchanged in "
+                          "two steps (all-to-all, all-gather) that torchft's fault-tolerant "
+                          "all-reduce does not offer; with parallel.replica_fault_tolerance the "
+                          "valid values are fp32 and bf16.")
+    if not (par.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError("parallel.replica_fault_tolerance = true needs the torchft "
+                          "lighthouse's address: set parallel.lighthouse = \"HOST:PORT\" "
+                          "(as `meshtrain lighthouse` prints it) or TORCHFT_LIGHTHOUSE.")
+    if par.quorum_timeout_s <= 0:
+        raise ConfigError(f"parallel.quorum_timeout_s = {par.quorum_timeout_s} must be positive "
+                          "(seconds to wait for the other groups at a sync; default 600).")
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("parallel.replica_fault_tolerance = true needs torchft, which is not "
+                          "installed: pip install 'meshtrain[ft]' (or pip install torchft).")
 
 
 def validate_parallel(config: Config) -> None:

@@ -61,7 +61,9 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
                                          cp=par.cp, replicas=par.replicas,
                                          seed=config.train.seed, device=device,
                                          timeout_s=config.train.collective_timeout_s,
-                                         tied_pp_ranks=tied)
+                                         tied_pp_ranks=tied,
+                                         replica_group=par.replica_group
+                                         if par.replica_fault_tolerance else None)
 
 
 def _run_task(config: Config, mesh: ParallelMesh, task: str,

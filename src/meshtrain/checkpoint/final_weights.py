@@ -211,8 +211,10 @@ def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_j
     if problems:
         raise FinalWeightsError(f"final weights not saved: {problems[0]}.")
     mine = [(file, spec) for file, spec in zip(names[mesh.pp_rank], stage_files, strict=True)
-            if mesh.dp_cp_rank == 0 and getattr(mesh, "replica_rank", 0) == 0
-            and spec[0] == mesh.tp_rank]  # replica groups hold the same (synced) weights
+            if mesh.dp_cp_rank == 0 and spec[0] == mesh.tp_rank
+            # replica groups hold the same (synced) weights; a group that is a job of its
+            # own (fault tolerance) writes its own run's copy
+            and (getattr(mesh, "replica_rank", 0) == 0 or getattr(mesh, "group_alone", False))]
     writer = _Writer(out, mine, {"format": "pt", "step": str(step)})
     for spec, value in tensors:
         writer.add(spec.name, value)

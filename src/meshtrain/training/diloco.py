@@ -86,6 +86,9 @@ class OuterOptimizer:
         """Outer steps taken (one per fragment synced)."""
         self.fragments = fragments
         self._runs = self._fragment_runs(fragments)
+        self.quorum = None
+        """A :class:`~meshtrain.training.replica_ft.ReplicaQuorum` when the replica groups are
+        separate jobs (``parallel.replica_fault_tolerance``), else None (the mesh's comm)."""
 
     def _fragment_runs(self, fragments: int) -> list[list[tuple[int, int, int]]]:
         """``(shard index, start, length)`` runs of each fragment's elements in the shards."""
@@ -117,33 +120,49 @@ class OuterOptimizer:
     def sync(self, fragments: list[int] | None = None) -> None:
         """Average the pseudo-gradients of ``fragments`` (default: all) over the replica groups
         in one all-reduce each, take the outer step, and write the new weights into the masters,
-        the parameters and those fragments' next round's start."""
-        for fragment in range(self.fragments) if fragments is None else fragments:
-            self._sync_runs(self._runs[fragment])
+        the parameters and those fragments' next round's start. With fault-tolerant groups
+        (:attr:`quorum`) the mean is over the groups present, through torchft."""
+        fragments = list(range(self.fragments)) if fragments is None else fragments
+        if self.quorum is not None:
+            fragments, means = self.quorum.sync(fragments)
+        else:
+            means = [self._mean(self.pseudo_gradient(f)) for f in fragments]
+        self.apply(fragments, means)
+
+    def pseudo_gradient(self, fragment: int) -> torch.Tensor:
+        """This rank's fp32 pseudo-gradient (start − now) of ``fragment``, flat."""
+        parts = [self.start[i][a:a + n] - self.shards[i].master[a:a + n]
+                 for i, a, n in self._runs[fragment]]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """The fp32 mean of ``flat`` over the ``replica`` comm, sent in the outer dtype."""
+        if not flat.numel():
+            return flat
+        if self.quantized:
+            return quantized_mean(self.comm, flat, self.replicas, self.quantized)
+        flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
+        self.comm.all_reduce(flat)
+        return flat.float().div_(self.replicas)
+
+    @torch.no_grad()
+    def apply(self, fragments: list[int], means: list[torch.Tensor]) -> None:
+        """The outer Nesterov step of each of ``fragments`` from its mean pseudo-gradient; the
+        results become the masters, the parameters and the fragments' next round's start."""
+        for fragment, flat in zip(fragments, means, strict=True):
+            offset = 0
+            for i, a, n in self._runs[fragment]:
+                start, master = self.start[i][a:a + n], self.shards[i].master[a:a + n]
+                buf = self.momentum_buf[i][a:a + n]
+                grad = flat[offset:offset + n]
+                offset += n
+                if self.momentum:
+                    buf.mul_(self.momentum).add_(grad)
+                    grad.add_(buf, alpha=self.momentum)  # Nesterov: Δ̄ + μ b
+                start.add_(grad, alpha=-self.lr)
+                master.copy_(start)
             self.rounds += 1
         self.engine.after_step(self.shards)
-
-    def _sync_runs(self, runs: list[tuple[int, int, int]]) -> None:
-        if not runs:
-            return
-        views = [(self.start[i][a:a + n], self.shards[i].master[a:a + n],
-                  self.momentum_buf[i][a:a + n]) for i, a, n in runs]
-        flat = torch.cat([start - master for start, master, _ in views])
-        if self.quantized:
-            flat = quantized_mean(self.comm, flat, self.replicas, self.quantized)
-        else:
-            flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
-            self.comm.all_reduce(flat)
-            flat = flat.float().div_(self.replicas)
-        offset = 0
-        for start, master, buf in views:
-            grad = flat[offset:offset + start.numel()]
-            offset += start.numel()
-            if self.momentum:
-                buf.mul_(self.momentum).add_(grad)
-                grad.add_(buf, alpha=self.momentum)  # Nesterov: Δ̄ + μ b
-            start.add_(grad, alpha=-self.lr)
-            master.copy_(start)
 
     @torch.no_grad()
     def restart_round(self) -> None:
@@ -154,3 +173,19 @@ class OuterOptimizer:
     def state_bytes(self) -> int:
         """Bytes of outer state this rank holds (start weights and momentum)."""
         return sum(t.numel() * t.element_size() for t in self.start + self.momentum_buf)
+
+
+def reduce_over_groups(mesh, losses: torch.Tensor, grad_norm: torch.Tensor,
+                       global_tokens: float) -> tuple[torch.Tensor, torch.Tensor, float, list]:
+    """A step's (loss, aux, energy) ``losses``, gradient norm and tokens over the replica groups
+    of this world: loss, aux and norm the mean over the groups (each its own batch's), energy
+    and tokens the sum, and the tokens of each group. A group that is a job of its own (fault
+    tolerance) keeps its own values: no per-step collective waits for another group."""
+    comm = mesh.comm("replica")
+    own_tokens = losses.new_zeros(mesh.replicas)  # this group's slot: tokens per group
+    own_tokens[mesh.replica_rank] = global_tokens
+    losses = torch.cat([losses, torch.stack([grad_norm.float().reshape(()),
+                                             losses.new_tensor(global_tokens)]), own_tokens])
+    comm.all_reduce(losses)
+    losses[:2] /= comm.size
+    return losses, losses[3] / comm.size, float(losses[4]), [int(n) for n in losses[5:].tolist()]

@@ -38,6 +38,7 @@ from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.training import straggler, timing
+from meshtrain.training.diloco import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
@@ -99,6 +100,10 @@ class Trainer:
             self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
                                         train.outer_momentum, par.outer_grad_dtype,
                                         par.sync_fragments)
+            if mesh.group_alone and with_data:  # groups as jobs of their own (torchft)
+                from meshtrain.training.replica_ft import ReplicaQuorum
+
+                self.outer.quorum = ReplicaQuorum(self)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
         self.expert_placer = self.evaluator = None
         self.ignore_index = IGNORE_INDEX
@@ -274,7 +279,7 @@ class Trainer:
     def train_step(self) -> dict:
         """Run one optimizer step; return its metrics record."""
         if faults.active():
-            faults.maybe_kill(self.step + 1)
+            faults.at_step_start(self.step + 1)
         self.mesh.comm_log.begin_step(self.step + 1)
         start = timing.stamp(self.device)
         batches, local_tokens = self.batches.next_step()
@@ -294,19 +299,9 @@ class Trainer:
                               result["lm"].new_tensor(self.energy.read())])
         self.mesh.comm("pp").all_reduce(losses)  # the loss lives on the last stage
         self.mesh.comm("dp_cp").all_reduce(losses)  # cp ranks hold parts of every sequence
-        if self.outer is not None:
-            # Replica groups: loss, aux and norm are the mean over the groups (each group's its
-            # own batch's), energy and tokens the sum, so every group decides alike below.
-            replicas = self.mesh.replicas
-            own_tokens = losses.new_zeros(replicas)  # this group's slot: tokens per group
-            own_tokens[self.mesh.replica_rank] = global_tokens
-            losses = torch.cat([losses, torch.stack([grad_norm.float().reshape(()),
-                                                     losses.new_tensor(global_tokens)]),
-                                own_tokens])
-            self.mesh.comm("replica").all_reduce(losses)
-            losses[:2] /= replicas
-            grad_norm, global_tokens = losses[3] / replicas, float(losses[4])
-            tokens_per_group = [int(n) for n in losses[5:].tolist()]
+        if self.outer is not None:  # replica groups: each decides alike below
+            losses, grad_norm, global_tokens, tokens_per_group = reduce_over_groups(
+                self.mesh, losses, grad_norm, global_tokens)
         energy_j = float(losses[2]) * self.mesh.tp
         self.energy_total_j += energy_j
         # Loss and norm are global (equal on every rank), so every rank decides alike.
@@ -371,7 +366,10 @@ class Trainer:
                              / (self.peak_flops * self.mesh.world_size))
         if moe_summary is not None:
             record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
-        if self.outer is not None:
+        if self.outer is not None and self.outer.quorum is not None:  # one job per group
+            record.update(replica_group=self.mesh.replica_rank,
+                          groups_present=self.outer.quorum.present)
+        elif self.outer is not None:
             record["tokens_per_group"] = tokens_per_group
         per_source = self.data.tokens_per_source()
         if per_source is not None:
@@ -418,6 +416,8 @@ class Trainer:
         saves the final weights; checkpoints every ``checkpoint.every`` steps."""
         train = self.config.train
         self.restore()
+        if self.outer is not None and self.outer.quorum is not None:
+            self.outer.quorum.join()  # with the other groups; heals when they are ahead
         every = self.config.checkpoint.every
         writer = None
         if train.energy_schedule:
@@ -454,6 +454,8 @@ class Trainer:
         finally:
             if writer is not None:
                 writer.close()
+            if self.outer is not None and self.outer.quorum is not None:
+                self.outer.quorum.shutdown()
         if writer is not None:
             print(summary_line(self.energy_total_j, self.energy.source, self.mesh.world_size,
                                train.carbon_g_per_kwh, train.price_per_kwh), flush=True)
