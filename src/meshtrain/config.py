@@ -72,6 +72,11 @@ class ParallelConfig(Layout):
     """Streaming DiLoCo: split the blocks into this many fragments that end their rounds at
     staggered inner steps (each still every ``sync_every``), spreading the traffic; 1 = all at
     once."""
+    sync_overlap: int = 0
+    """Streaming DiLoCo's overlapped communication (τ): a fragment's pseudo-gradient mean is
+    sent in the background while its group trains this many more inner steps, and applied
+    after them (mixed with the group's own weights by ``train.outer_mix``); 0 = the groups wait
+    for the mean at the end of the round. Below ``sync_every``; fp32 or bf16 exchange."""
     outer_grad_dtype: str = "fp32"
     """dtype of the pseudo-gradient exchange between replica groups: ``fp32``, ``bf16`` (half
     the bytes; the sum is taken in bf16), or ``int8`` / ``fp8`` (e4m3; a quarter of fp32's bytes:
@@ -179,6 +184,10 @@ class TrainConfig:
     outer_momentum: float = 0.9
     """DiLoCo's outer Nesterov SGD (``parallel.replicas > 1``): learning rate and momentum on
     the averaged pseudo-gradient (Douillard et al. 2023: 0.7 and 0.9)."""
+    outer_mix: float = 0.5
+    """With ``parallel.sync_overlap > 0``: a fragment's weights after its delayed outer step
+    are ``outer_mix`` × the group's own (trained on meanwhile) + (1 − ``outer_mix``) × the
+    outer result (Streaming DiLoCo's merge); 0 = take the outer result. In [0, 1)."""
     carbon_g_per_kwh: float = 0.0
     price_per_kwh: float = 0.0
     """Grid g CO2 per kWh and price per kWh for the run summary's CO2 and cost; 0 = omitted."""

@@ -47,10 +47,16 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 
-COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp"}
+COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp", "replica_sync": "replica"}
 """Groups whose collectives are counted under another axis's name in ``comm_bytes``: gradient
 reduction over dp × cp is data-parallel traffic (``cp`` counts only the key/value exchange); the
-tied embedding's gradient sum between the first and last stage is pipeline traffic."""
+tied embedding's gradient sum between the first and last stage is pipeline traffic; DiLoCo's
+background exchange (``replica_sync``) is replica traffic."""
+
+OWN_GROUPS = ("replica_sync",)
+"""Axes whose process groups are never shared with another axis of the same members: DiLoCo's
+overlapped pseudo-gradient exchange runs in the background on ``replica_sync``, so that the
+per-step reductions over ``replica`` do not queue behind it."""
 
 STARTUP_TIMEOUT_S = 60.0
 """Least time to wait for every worker to join, whatever ``train.collective_timeout_s`` is."""
@@ -156,12 +162,14 @@ class ParallelMesh:
         if self.group_alone:
             groups = self._inner_members(0)
             groups["replica"] = [[i] for i in range(self.inner_size)]
+            groups["replica_sync"] = groups["replica"]
             return groups
         for replica in range(self.replicas):
             for axis, members in self._inner_members(replica).items():
                 groups.setdefault(axis, []).extend(members)
         groups["replica"] = [[g * self.inner_size + i for g in range(self.replicas)]
                              for i in range(self.inner_size)]
+        groups["replica_sync"] = [list(members) for members in groups["replica"]]
         return groups
 
     def _inner_members(self, replica: int) -> dict[str, list[list[int]]]:
@@ -209,7 +217,7 @@ class ParallelMesh:
             key = tuple(map(tuple, member_lists))
             if not distributed or all(len(m) == 1 for m in member_lists):
                 continue
-            if key in built:  # e.g. edp == dp when ep == 1: reuse, don't create twice
+            if key in built and axis not in OWN_GROUPS:  # e.g. edp == dp when ep == 1
                 self._groups[axis] = built[key]
                 continue
             # new_group is collective over the whole world: every rank creates every group
@@ -219,7 +227,8 @@ class ParallelMesh:
                     continue
                 group = dist.new_group(members, timeout=timeout)
                 if self.rank in members:
-                    self._groups[axis] = built[key] = group
+                    self._groups[axis] = group
+                    built.setdefault(key, group)
 
     # ---------------------------------------------------------------- queries
     def group(self, axis: str) -> dist.ProcessGroup | None:

@@ -83,6 +83,7 @@ def validate_replicas(config: Config) -> None:
     if par.sync_fragments > 1 and par.replicas == 1:
         raise ConfigError("parallel.sync_fragments > 1 needs parallel.replicas > 1 (fragments "
                           "are synchronised between replica groups); valid here: 1.")
+    validate_sync_overlap(config)
     if train.outer_lr <= 0:
         raise ConfigError(f"train.outer_lr = {train.outer_lr} must be positive (DiLoCo's "
                           "default 0.7; 1.0 with outer_momentum = 0 averages the groups).")
@@ -106,6 +107,35 @@ def validate_replicas(config: Config) -> None:
         raise ConfigError("parallel.check_replicas_every checks dp replicas within a group; "
                           "with parallel.replicas > 1 the groups differ between syncs by design, "
                           "so the valid value is 0.")
+
+
+def validate_sync_overlap(config: Config) -> None:
+    """``parallel.sync_overlap`` (τ) and ``train.outer_mix``."""
+    par, train = config.parallel, config.train
+    at_least(par.sync_overlap, 0, "parallel.sync_overlap")
+    if not 0 <= train.outer_mix < 1:
+        raise ConfigError(f"train.outer_mix = {train.outer_mix} must be in [0, 1): the share of "
+                          "a group's own weights in the merge after a delayed outer step "
+                          "(Streaming DiLoCo uses 0.5; 0 = take the outer result).")
+    if not par.sync_overlap:
+        return
+    if par.replicas == 1:
+        raise ConfigError("parallel.sync_overlap > 0 needs parallel.replicas > 1 (it overlaps "
+                          "the exchange between replica groups); valid here: 0.")
+    if par.sync_overlap >= par.sync_every:
+        raise ConfigError(f"parallel.sync_overlap = {par.sync_overlap} must be below "
+                          f"parallel.sync_every = {par.sync_every}: a fragment's mean is applied "
+                          "before its next round ends; valid: 0 to "
+                          f"{par.sync_every - 1}.")
+    if par.outer_grad_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"parallel.outer_grad_dtype = {par.outer_grad_dtype} takes two "
+                          "dependent exchanges (all-to-all, then all-gather), which do not run "
+                          "in the background; with parallel.sync_overlap > 0 the valid values "
+                          "are fp32 and bf16.")
+    if par.replica_fault_tolerance:
+        raise ConfigError("parallel.sync_overlap > 0 is not combined with "
+                          "parallel.replica_fault_tolerance (torchft's quorum is taken at the "
+                          "sync itself); valid with fault tolerance: 0.")
 
 
 def validate_replica_fault_tolerance(config: Config) -> None:

@@ -98,8 +98,21 @@ def test_rounds_are_amortised_over_h_and_fragments_cut_the_largest_sync():
     assert 3.3 <= ratio <= 4.0, ratio  # the embedding and head make the end fragments larger
     assert streamed["replica_round_bytes"] == pytest.approx(whole["replica_round_bytes"],
                                                             rel=1e-3)
-    # Overlapped with the next H / F inner steps a fragment hides; blocking it does not.
-    assert streamed["replica_comm_overlapped_exposed_s"] < streamed["replica_comm_exposed_s"]
+    # parallel.sync_overlap = τ: a fragment's exchange hides behind τ inner steps, up to the
+    # whole of it; blocking, none of it does.
+    inner = streamed["inner_step_time_s"]
+    for overlap in (1, 2, 5):
+        hidden = _priced(work, cluster, sync_every=20, sync_fragments=4, sync_overlap=overlap)
+        assert hidden["replica_comm_exposed_s"] <= streamed["replica_comm_exposed_s"]
+        assert hidden["replica_comm_s"] == pytest.approx(streamed["replica_comm_s"])
+        assert hidden["step_time_s"] == pytest.approx(
+            streamed["step_time_s"] - streamed["replica_comm_exposed_s"]
+            + hidden["replica_comm_exposed_s"])
+    longest = streamed["replica_sync_s_max"]
+    enough = _priced(work, cluster, sync_every=20, sync_fragments=4,
+                     sync_overlap=min(19, int(longest / inner) + 1))
+    blocking_rounds = streamed["replica_comm_exposed_s"] - enough["replica_comm_exposed_s"]
+    assert blocking_rounds == pytest.approx(streamed["replica_round_s"] / 20, rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])

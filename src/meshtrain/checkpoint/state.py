@@ -12,6 +12,8 @@ rounds, so each group's masters, moments and buffers are saved under its own pre
 (``replica<r>.model.<param>``, ...), and the outer state, the same in every group, once
 (``outer.start.<param>``, ``outer.momentum.<param>``, still ZeRO- and tp-sharded like the
 masters). Such a checkpoint resumes at the same number of replica groups (any inner layout).
+Pseudo-gradient means still in flight (``parallel.sync_overlap``) are finished and saved as
+``outer.pending.<param>``, with their fragments and steps in the metadata.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -45,17 +48,26 @@ def _layout(trainer) -> dict:
             "precision": trainer.config.train.precision, "replicas": par.replicas}
 
 
-def _chunks(trainer) -> list[Chunk]:
-    """Every tensor chunk this rank saves and loads (see the module docstring)."""
+def _chunks(trainer, pending: list | None = None) -> list[Chunk]:
+    """Every tensor chunk this rank saves and loads (see the module docstring); ``pending``:
+    DiLoCo's in-flight means, laid out like the masters (None = none)."""
     outer = getattr(trainer, "outer", None)
     if outer is None:
         return optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model)
     prefix = f"replica{trainer.mesh.replica_rank}."
     buffers = [Chunk(prefix + c.fqn, c.global_size, c.offsets, c.tensor)
                for c in buffer_chunks(trainer.model)]
-    outer_state = shard_chunks(trainer.engine, trainer.optimizer.shards,
-                               {"outer.start": outer.start, "outer.momentum": outer.momentum_buf})
+    sources = {"outer.start": outer.start, "outer.momentum": outer.momentum_buf}
+    if pending is not None:
+        sources["outer.pending"] = pending
+    outer_state = shard_chunks(trainer.engine, trainer.optimizer.shards, sources)
     return optimizer_chunks(trainer.optimizer, prefix) + buffers + outer_state
+
+
+def _saved_pending(directory: Path) -> bool:
+    """Whether the checkpoint in ``directory`` holds DiLoCo means in flight."""
+    names = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return any(name.startswith("outer.pending.") for name in names)
 
 
 def _group():
@@ -83,7 +95,11 @@ def save(trainer) -> Path:
     placer = getattr(trainer, "expert_placer", None)
     if placer is not None:  # which expert sits where; the tensors are in canonical order
         meta["expert_placement"] = placer.state_dict()
-    chunks = _chunks(trainer)
+    pending = None
+    if outer is not None and outer.in_flight:  # the same steps on every rank
+        pending = outer.pending_buffers()
+        meta["outer_pending"] = [[p.fragment, p.apply_at] for p in outer.in_flight]
+    chunks = _chunks(trainer, pending)
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(temp)),
              planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()}),
              process_group=_group())
@@ -102,15 +118,20 @@ def save(trainer) -> Path:
 def load(trainer, directory: Path) -> dict:
     """Restore ``trainer`` from ``directory`` (saved at any layout with as many replica groups);
     returns the metadata."""
-    chunks = _chunks(trainer)
+    outer = getattr(trainer, "outer", None)
+    pending = None
+    if outer is not None and _saved_pending(directory):
+        pending = [torch.zeros_like(shard.master) for shard in trainer.optimizer.shards]
+    chunks = _chunks(trainer, pending)
     planner = ChunkLoadPlanner(chunks, [META])
     dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
              process_group=_group())
     meta = json.loads(planner.blobs[META])
     trainer.step = meta["step"]
     trainer.optimizer.step_count = meta["optimizer_step"]
-    if getattr(trainer, "outer", None) is not None:
-        trainer.outer.rounds = meta.get("outer_rounds", 0)
+    if outer is not None:
+        outer.rounds = meta.get("outer_rounds", 0)
+        outer.restore_pending(meta.get("outer_pending", []), pending)
     trainer.data.load_state_dict(meta["data"])
     manager.decode_rng(meta["rng"])
     trainer.engine.after_step(trainer.optimizer.shards)  # parameters from the loaded masters

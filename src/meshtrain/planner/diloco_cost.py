@@ -25,11 +25,11 @@ runtime's own split (:func:`meshtrain.training.diloco.fragment_of_parameters`) o
 units (embedding, blocks, norm and head).
 
 Amortised per inner step: a round's traffic and seconds over ``H``, plus the per-step numbers.
-meshtrain exchanges each due fragment between two steps, blocking, so all of it is exposed and
-added to the step (``replica_comm_exposed_s``). A runtime that overlapped each fragment's
-exchange with the next ``H / F`` inner steps, as Streaming DiLoCo does, would expose only
-``max(0, sync − (H / F) · inner step)`` per fragment: ``replica_comm_overlapped_exposed_s``
-(on GPUs; on CPUs communication takes the cores compute needs, so nothing hides).
+Without ``parallel.sync_overlap`` meshtrain exchanges each due fragment between two steps,
+blocking, so all of it is exposed and added to the step (``replica_comm_exposed_s``). With
+``sync_overlap = τ`` the exchange runs in the background during the next τ inner steps, as
+Streaming DiLoCo does, and only ``max(0, sync − τ · inner step)`` per fragment is exposed (on
+GPUs; on CPUs communication takes the cores compute needs, so nothing hides).
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ class ReplicaSettings:
     sync_every: int = 1
     sync_fragments: int = 1
     outer_grad_dtype: str = "fp32"
+    sync_overlap: int = 0
 
     @classmethod
     def from_config(cls, parallel) -> ReplicaSettings:
         """The settings of a :class:`meshtrain.config.ParallelConfig`."""
         return cls(parallel.replicas, parallel.sync_every, parallel.sync_fragments,
-                   parallel.outer_grad_dtype)
+                   parallel.outer_grad_dtype, parallel.sync_overlap)
 
     def to_dict(self) -> dict:
         """JSON form: the config keys and their values."""
@@ -87,6 +88,12 @@ def check_replica_settings(settings: ReplicaSettings, workload: Workload, cluste
     if s.outer_grad_dtype not in OUTER_GRAD_DTYPES:
         raise ConfigError(f'parallel.outer_grad_dtype = "{s.outer_grad_dtype}"; choose one of '
                           f"{', '.join(OUTER_GRAD_DTYPES)}.")
+    if not 0 <= s.sync_overlap < s.sync_every:
+        raise ConfigError(f"parallel.sync_overlap = {s.sync_overlap}; valid: 0 to "
+                          f"{s.sync_every - 1} (below parallel.sync_every).")
+    if s.sync_overlap and s.outer_grad_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f'parallel.outer_grad_dtype = "{s.outer_grad_dtype}" does not run in '
+                          "the background; with parallel.sync_overlap > 0 choose fp32 or bf16.")
     if cluster.gpus % s.replicas:
         raise ConfigError(f"parallel.replicas = {s.replicas} does not divide the {cluster.gpus} "
                           "GPUs into equal replica groups.")
@@ -190,10 +197,9 @@ def replica_traffic(workload: Workload, layout: Layout, cluster: Cluster,
     metric_bytes = bus_bytes("all_reduce", metrics_values(r) * 4, r)
     metric_s = cluster.collective_time("all_reduce", metrics_values(r) * 4, r, stride)
     round_bytes = sum(per_stage[heaviest])
-    window = (s.sync_every / s.sync_fragments * inner_step_s
-              if cluster.profile.comm_overlaps_compute else 0.0)
+    window = s.sync_overlap * inner_step_s if cluster.profile.comm_overlaps_compute else 0.0
     round_s = sum(times)
-    overlapped = sum(max(0.0, t - window) for t in times)
+    exposed = sum(max(0.0, t - window) for t in times)
     return {
         "replica_round_bytes": round_bytes,
         "replica_sync_bytes_max": max(per_stage[heaviest]),
@@ -201,8 +207,8 @@ def replica_traffic(workload: Workload, layout: Layout, cluster: Cluster,
         "replica_comm_bytes": round_bytes / s.sync_every + metric_bytes,
         "replica_round_s": round_s,
         "replica_comm_s": round_s / s.sync_every + metric_s,
-        "replica_comm_exposed_s": round_s / s.sync_every + metric_s,
-        "replica_comm_overlapped_exposed_s": overlapped / s.sync_every + metric_s,
+        "replica_comm_exposed_s": exposed / s.sync_every + metric_s,
+        "replica_sync_s_max": max(times, default=0.0),
         "replica_elements_per_rank": sum(fragments),
     }
 

@@ -30,10 +30,25 @@ element count, so fragments are about equally large), and fragment ``f`` ends it
 inner steps ``s`` with ``s mod H = (f + 1)·H/F mod H``: every fragment still syncs once per H
 steps, but at a different step, so the largest per-step traffic falls about F ×. All fragments
 sync at the run's last step.
+
+Overlapped communication (``parallel.sync_overlap = τ``, Streaming DiLoCo): when a fragment's
+round ends after inner step ``s``, its pseudo-gradient is all-reduced in the background (on the
+mesh's own ``replica_sync`` group, so the per-step reductions over ``replica`` do not queue
+behind it) while the group trains steps ``s + 1 .. s + τ``; after step ``s + τ`` the outer step
+is taken from that mean, and the fragment's weights become
+
+    θ ← α θ + (1 − α) θ_start      (α = ``train.outer_mix``)
+
+the group's own weights (trained τ more steps) mixed with the outer result, which is the next
+round's start. At the run's last step every mean in flight is applied, then every fragment
+syncs at once without mixing, so all groups end with the same weights. A checkpoint taken
+while means are in flight waits for them and saves them (``outer.pending``), so a resumed run
+applies them at the same steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -62,13 +77,27 @@ def fragment_of_parameters(sizes: list[tuple[str, int]], fragments: int) -> dict
     return {name: where[unit(name)] for name, _ in sizes}
 
 
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """A fragment's pseudo-gradient exchange running in the background."""
+
+    fragment: int
+    apply_at: int
+    """The inner step after which its outer step is taken."""
+    flat: torch.Tensor
+    """The sum being all-reduced (outer dtype), or the fp32 mean once ``work`` is None."""
+    work: object | None
+
+
 class OuterOptimizer:
     """Round bookkeeping, the pseudo-gradient all-reduce and the outer Nesterov step of one rank."""
 
     def __init__(self, optimizer: FlatAdamW, mesh, sync_every: int, lr: float, momentum: float,
-                 grad_dtype: str = "fp32", fragments: int = 1):
+                 grad_dtype: str = "fp32", fragments: int = 1, overlap: int = 0,
+                 mix: float = 0.0):
         """``optimizer``: the inner AdamW, whose fp32 master shards the outer step updates;
-        ``mesh``: gives the ``replica`` comm; the rest as the config keys of the same names."""
+        ``mesh``: gives the ``replica`` comms; the rest as the config keys of the same names
+        (``overlap`` = ``parallel.sync_overlap``, ``mix`` = ``train.outer_mix``)."""
         self.optimizer = optimizer
         self.engine = optimizer.engine
         self.shards = optimizer.shards
@@ -86,6 +115,9 @@ class OuterOptimizer:
         """Outer steps taken (one per fragment synced)."""
         self.fragments = fragments
         self._runs = self._fragment_runs(fragments)
+        self.overlap, self.mix = overlap, mix
+        self.sync_comm = mesh.comm("replica_sync")
+        self.in_flight: list[InFlight] = []
         self.quorum = None
         """A :class:`~meshtrain.training.replica_ft.ReplicaQuorum` when the replica groups are
         separate jobs (``parallel.replica_fault_tolerance``), else None (the mesh's comm)."""
@@ -117,6 +149,58 @@ class OuterOptimizer:
                 if step % every == (f + 1) * every // self.fragments % every]
 
     @torch.no_grad()
+    def end_step(self, step: int, last_step: int) -> None:
+        """After inner step ``step``: take the outer steps of the means in flight that are due
+        (all of them at ``last_step``), then end the rounds of the fragments due — in the
+        background with ``sync_overlap``, else at once (:meth:`sync`)."""
+        ready = [p for p in self.in_flight if p.apply_at <= step or step == last_step]
+        if ready:
+            self.in_flight = [p for p in self.in_flight if p not in ready]
+            self.apply([p.fragment for p in ready], [self._finish(p) for p in ready], self.mix)
+        due = self.due(step, last_step)
+        if not due:
+            return
+        if not self.overlap or step == last_step:
+            self.sync(due)
+            return
+        for fragment in due:
+            flat = self.pseudo_gradient(fragment).to(self.grad_dtype)
+            work = self.sync_comm.all_reduce(flat, async_op=True) if flat.numel() else None
+            self.in_flight.append(InFlight(fragment, min(step + self.overlap, last_step), flat,
+                                           work))
+
+    def _finish(self, pending: InFlight) -> torch.Tensor:
+        """Wait for ``pending``'s exchange and return its fp32 mean (kept in ``pending``)."""
+        if pending.work is not None:
+            pending.work.wait()
+            pending.work = None
+            pending.flat = pending.flat.float().div_(self.replicas)
+        return pending.flat
+
+    def pending_buffers(self) -> list[torch.Tensor]:
+        """The means in flight, finished and laid out like the masters (zero elsewhere), for a
+        checkpoint (``outer.pending``)."""
+        buffers = [torch.zeros_like(shard.master) for shard in self.shards]
+        for pending in self.in_flight:
+            self._scatter(pending.fragment, self._finish(pending), buffers)
+        return buffers
+
+    def restore_pending(self, entries: list, buffers: list[torch.Tensor] | None) -> None:
+        """Put back the means in flight of a checkpoint: ``entries`` ``[fragment, apply_at]``,
+        their values in ``buffers`` (laid out like the masters)."""
+        self.in_flight = []
+        for fragment, apply_at in entries:
+            flat = torch.cat([buffers[i][a:a + n] for i, a, n in self._runs[fragment]]
+                             or [torch.zeros(0)])
+            self.in_flight.append(InFlight(int(fragment), int(apply_at), flat, None))
+
+    def _scatter(self, fragment: int, flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+        offset = 0
+        for i, a, n in self._runs[fragment]:
+            buffers[i][a:a + n].copy_(flat[offset:offset + n])
+            offset += n
+
+    @torch.no_grad()
     def sync(self, fragments: list[int] | None = None) -> None:
         """Average the pseudo-gradients of ``fragments`` (default: all) over the replica groups
         in one all-reduce each, take the outer step, and write the new weights into the masters,
@@ -146,9 +230,10 @@ class OuterOptimizer:
         return flat.float().div_(self.replicas)
 
     @torch.no_grad()
-    def apply(self, fragments: list[int], means: list[torch.Tensor]) -> None:
+    def apply(self, fragments: list[int], means: list[torch.Tensor], mix: float = 0.0) -> None:
         """The outer Nesterov step of each of ``fragments`` from its mean pseudo-gradient; the
-        results become the masters, the parameters and the fragments' next round's start."""
+        results become the fragments' next round's start and, mixed with the masters by
+        ``mix`` (0 = replaced), the masters and the parameters."""
         for fragment, flat in zip(fragments, means, strict=True):
             offset = 0
             for i, a, n in self._runs[fragment]:
@@ -160,7 +245,10 @@ class OuterOptimizer:
                     buf.mul_(self.momentum).add_(grad)
                     grad.add_(buf, alpha=self.momentum)  # Nesterov: Δ̄ + μ b
                 start.add_(grad, alpha=-self.lr)
-                master.copy_(start)
+                if mix:
+                    master.mul_(mix).add_(start, alpha=1 - mix)
+                else:
+                    master.copy_(start)
             self.rounds += 1
         self.engine.after_step(self.shards)
 

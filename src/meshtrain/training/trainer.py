@@ -99,7 +99,7 @@ class Trainer:
 
             self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
                                         train.outer_momentum, par.outer_grad_dtype,
-                                        par.sync_fragments)
+                                        par.sync_fragments, par.sync_overlap, train.outer_mix)
             if mesh.group_alone and with_data:  # groups as jobs of their own (torchft)
                 from meshtrain.training.replica_ft import ReplicaQuorum
 
@@ -323,9 +323,8 @@ class Trainer:
             self.optimizer.step(lr)
         moe_summary = self.moe_stats.finish_step() if self.moe_stats.active else None
         self.optimizer.zero_grad()
-        due = self.outer.due(self.step + 1, self.config.train.steps) if self.outer else []
-        if due:  # a DiLoCo round ends: every group continues from the same weights
-            self.outer.sync(due)
+        if self.outer is not None:  # DiLoCo: the rounds that end after this step
+            self.outer.end_step(self.step + 1, self.config.train.steps)
         if moe_summary is not None and self.expert_placer is not None:
             # ep-rank loads; every ep_rebalance_every steps re-place experts (gradients are zero)
             self.expert_placer.end_step(moe_summary, self.moe_stats.last_loads, self.step + 1)
