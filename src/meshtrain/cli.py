@@ -194,6 +194,9 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
 
         nproc = choose_layout(config, nproc, in_job)
     world = validate_config(config, nproc)
+    from meshtrain.replan import validate_replan
+
+    validate_replan(config)
     return config, world
 
 
