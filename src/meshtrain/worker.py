@@ -101,7 +101,9 @@ def run(config: Config, task: str = "train") -> int:
     (:mod:`meshtrain.preemption`); the status is then :data:`~meshtrain.preemption.PREEMPTED_EXIT`,
     or 0 under meshtrain's own launcher, which reads ``RUN_DIR/preempted.json`` and reports
     it (so that torch elastic does not count the stop as a failure to restart from); a launched
-    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1)."""
+    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1). A run that
+    ``parallel.replan_every`` stopped to relaunch at another layout returns
+    :data:`~meshtrain.replan.REPLAN_EXIT` (:mod:`meshtrain.replan`)."""
     # meshtrain's launcher passes its signals on as SIGUSR1: SIGTERM from torch elastic's agent
     # (stopping the workers after another one failed) must stop a launched worker as before.
     launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))

@@ -114,7 +114,7 @@ def test_a_restart_picks_up_the_saved_layout(tmp_path, monkeypatch, capsys):
 
 
 def test_a_checkpoint_older_than_the_decision_keeps_the_config(tmp_path):
-    config = _config(tmp_path, **{})
+    config = _config(tmp_path)
     config.checkpoint.resume = "auto"
     decision = replan.decide(config, 4, 6, SLOW_TP, done=0)
     _checkpoint(tmp_path, 4)  # the decision's own checkpoint (step 6) never got written
