@@ -201,6 +201,13 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
         from meshtrain.planner.auto import choose_layout
 
         nproc = choose_layout(config, nproc, in_job)
+    from meshtrain.replan import apply_saved, validate_replan
+
+    validate_replan(config)
+    if in_job and config.parallel.replan_every:  # torchrun restarted this worker after a replan
+        from meshtrain.launch import job_rank
+
+        apply_saved(config, nproc, verbose=job_rank() == 0)
     world = validate_config(config, nproc)
     return config, world
 

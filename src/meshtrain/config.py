@@ -105,6 +105,16 @@ class ParallelConfig(Layout):
     """Under an elastic launch (torchrun ``--nnodes MIN:MAX``), re-plan the layout when a start's
     world differs from the newest checkpoint's (a node was lost or came back), keeping the global
     batch, and resume from that checkpoint at the new layout. See :mod:`meshtrain.elastic`."""
+    replan_every: int = 0
+    """Re-plan on measurement: after a warm-up step, time this many steps (compute and each
+    axis's communication), re-price every layout with those costs and, when one is predicted
+    faster by more than ``replan_gain``, checkpoint and relaunch with it; 0 = off. See
+    :mod:`meshtrain.replan`."""
+    replan_gain: float = 0.10
+    """The predicted gain (fraction of the measured step time, in (0, 1)) another layout must
+    offer before ``replan_every`` relaunches with it."""
+    replan_max: int = 1
+    """Relaunches ``replan_every`` may make in one run (counted in the checkpoint directory)."""
     auto_profile: str = ""
     """Hardware profile for ``auto``: a ``meshtrain calibrate`` JSON or a profile name; empty =
     ~/.cache/meshtrain/profile.json if present, else a quick measurement of this machine."""

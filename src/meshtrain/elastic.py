@@ -47,27 +47,32 @@ SHAPE_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero")
 
 
 
+def check_restartable(config: Config, option: str) -> None:
+    """Refuse what stops a restarted job from resuming the newest checkpoint at another layout
+    (ConfigError naming ``option``, the setting that restarts it): no periodic checkpoints, a
+    fixed ``checkpoint.resume`` path, replica groups, a fixed ``parallel.pp_split``."""
+    c, par = config.checkpoint, config.parallel
+    if c.every < 1:
+        raise ConfigError(f"{option} needs periodic checkpoints: a restart resumes from the "
+                          f"newest one. Set checkpoint.every (e.g. 50).")
+    if c.resume not in ("auto", "none"):
+        raise ConfigError(f"{option} resumes from the newest checkpoint of checkpoint.dir; "
+                          f"checkpoint.resume = {c.resume!r} would restart from that one "
+                          f"every time. Use \"auto\" (or \"none\").")
+    if par.replicas > 1:
+        raise ConfigError(f"{option} does not re-plan replica groups (a DiLoCo checkpoint "
+                          f"resumes only at the same parallel.replicas); set "
+                          f"parallel.replicas = 1 or turn {option} off.")
+    if par.pp_split:
+        raise ConfigError(f"{option} may change the number of pipeline stages, which a fixed "
+                          f"parallel.pp_split cannot follow; leave pp_split empty.")
+
+
 def validate_elastic(config: Config) -> None:
     """Refuse ``parallel.elastic`` where a restart on another world cannot resume (ConfigError,
     exit 2)."""
-    c, par = config.checkpoint, config.parallel
-    if not par.elastic:
-        return
-    if c.every < 1:
-        raise ConfigError("parallel.elastic = true needs periodic checkpoints: a restart on the "
-                          "remaining nodes resumes from the newest one. Set checkpoint.every "
-                          "(e.g. 50).")
-    if c.resume not in ("auto", "none"):
-        raise ConfigError(f"parallel.elastic = true resumes from the newest checkpoint of "
-                          f"checkpoint.dir; checkpoint.resume = {c.resume!r} would restart "
-                          f"from that one every time. Use \"auto\" (or \"none\").")
-    if par.replicas > 1:
-        raise ConfigError("parallel.elastic = true does not re-plan replica groups (a DiLoCo "
-                          "checkpoint resumes only at the same parallel.replicas); set "
-                          "parallel.replicas = 1 or parallel.elastic = false.")
-    if par.pp_split:
-        raise ConfigError("parallel.elastic = true may change the number of pipeline stages, "
-                          "which a fixed parallel.pp_split cannot follow; leave pp_split empty.")
+    if config.parallel.elastic:
+        check_restartable(config, "parallel.elastic = true")
 
 
 def _config_world(config: Config) -> int | None:
@@ -129,25 +134,11 @@ def reference(config: Config) -> tuple[dict, int | None, str]:
     return shape, _config_world(config), "the config's layout needs"
 
 
-def _predict(config: Config, world: int, cluster) -> dict:
-    """The planner's estimate of ``config``'s (filled-in) layout on ``cluster``."""
-    from meshtrain.planner.commands import _check_shapes
-    from meshtrain.planner.estimate import estimate
-    from meshtrain.planner.workload import Workload
-
-    shaped = copy.deepcopy(config)
-    _check_shapes(shaped)
-    if shaped.parallel.dp == 0:
-        par = shaped.parallel
-        par.dp = world // (par.replicas * par.cp * par.tp * par.pp)
-    return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster)
-
-
 def adapt(config: Config, world: int, in_job: bool, verbose: bool = True) -> None:
     """Set ``config.parallel`` for a start on ``world`` processes (see the module doc); remember
     the change, and print it when ``verbose`` (the job's rank 0), when the layout differs from
     the reference one."""
-    from meshtrain.planner.auto import describe, job_cluster, rank_layouts
+    from meshtrain.planner.auto import describe, job_cluster, predict, rank_layouts
 
     validate_elastic(config)
     if config.checkpoint.resume == "none":  # any start may be a restart on other nodes
@@ -157,7 +148,7 @@ def adapt(config: Config, world: int, in_job: bool, verbose: bool = True) -> Non
         return  # the same world as before, at the config's own layout
     cluster, origin = job_cluster(config, world, in_job)
     if _fits(config, world) and not config.parallel.auto:
-        result = _predict(config, world, cluster)
+        result = predict(config, world, cluster)
         how = "the config's own layout fits"
     else:
         chosen, searched = rank_layouts(config, world, cluster)

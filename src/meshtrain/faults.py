@@ -21,12 +21,16 @@ slow              from ``step`` on (default 1), ``rank``'s compute takes ``facto
 hold              at the start of ``step`` (on ``rank``, or every rank when omitted) the worker
                   waits until the file ``file`` exists (a test holds a running replica group
                   back until a restarted one is joining).
+slow_axis         from ``step`` on (default 1), every collective of ``axis`` (on ``rank``, or
+                  every rank when omitted) waits ``ms`` milliseconds before it is issued, inside
+                  the collective's timing: a slow link on that axis (for
+                  ``parallel.replan_every``).
 ================  ===========================================================================
 
 Every fault fires only in restart ``attempt`` (default 0, the first run; torch elastic counts
 restarts in ``TORCHELASTIC_RESTART_COUNT``), so a restarted job runs clean. Steps are 1-based, as
 in ``metrics.jsonl``. Examples: ``MESHTRAIN_FAULT=skip_collective:rank=1:step=2``,
-``MESHTRAIN_FAULT=slow:rank=3:factor=3``.
+``MESHTRAIN_FAULT=slow:rank=3:factor=3``, ``MESHTRAIN_FAULT=slow_axis:axis=tp:ms=40``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import signal
 import time
 
 ENV_VAR = "MESHTRAIN_FAULT"
-KINDS = ("skip_collective", "nan_loss", "kill", "slow", "hold")
+KINDS = ("skip_collective", "nan_loss", "kill", "slow", "hold", "slow_axis")
 _INT_KEYS = ("rank", "step", "attempt")
 
 
@@ -54,6 +58,7 @@ class Fault:
     attempt: int = 0
     factor: float = 1.0
     file: str = ""
+    ms: float = 0.0
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -67,14 +72,18 @@ def parse(spec: str) -> tuple[Fault, ...]:
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in ("rank", "step", "axis", "then", "attempt", "factor",
-                                      "file"):
+                                      "file", "ms"):
                 raise ValueError(f"{ENV_VAR}: bad field {pair!r} in {item!r}")
             fields[key] = (int(value) if key in _INT_KEYS
-                           else float(value) if key == "factor" else value)
+                           else float(value) if key in ("factor", "ms") else value)
         if kind == "slow":
             fields.setdefault("step", 1)
             if "rank" not in fields or float(fields.get("factor", 0)) < 1:
                 raise ValueError(f"{ENV_VAR}: {item!r} needs rank=N and factor=X (X >= 1)")
+        if kind == "slow_axis":
+            fields.setdefault("step", 1)
+            if "axis" not in fields or float(fields.get("ms", 0)) <= 0:
+                raise ValueError(f"{ENV_VAR}: {item!r} needs axis=NAME and ms=X (X > 0)")
         if "step" not in fields:
             raise ValueError(f"{ENV_VAR}: {item!r} needs step=N")
         if fields.get("then", "stall") not in ("stall", "continue"):
@@ -173,3 +182,15 @@ def slow_down(step: int, compute_s: float) -> None:
     factor = slow_factor(step)
     if factor > 1:
         time.sleep((factor - 1) * compute_s)
+
+
+def delay_collective(step: int, axis: str) -> float:
+    """Called by the comm layer before each collective of ``axis``: sleep as long as the
+    ``slow_axis`` faults due for this rank at ``step`` say; returns the seconds slept."""
+    rank, attempt = current_rank(), restart_attempt()
+    delay = sum(fault.ms for fault in active()
+                if fault.kind == "slow_axis" and fault.axis == axis and step >= fault.step
+                and fault.attempt == attempt and fault.rank in (None, rank)) / 1000
+    if delay > 0:
+        time.sleep(delay)
+    return delay

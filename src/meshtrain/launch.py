@@ -9,6 +9,10 @@
   to ``train.max_restarts`` times after a failure. ``MASTER_PORT``, when set, is the port they
   rendezvous on (refused with exit 2 when it is taken); otherwise a free one is picked.
 
+Workers that stop with :data:`~meshtrain.replan.REPLAN_EXIT` (``parallel.replan_every`` chose
+another layout and saved a checkpoint) are restarted like failed ones, on a budget of
+``train.max_restarts + parallel.replan_max`` (:func:`restart_budget`).
+
 When a worker fails, the launcher prints one message for the whole job
 (:func:`meshtrain.diagnostics.explain_failure`): a killed worker's rank and signal, or for a
 collective timeout which rank(s) did not arrive and where every rank waits.
@@ -33,65 +37,22 @@ import sys
 import uuid
 from pathlib import Path
 
-from meshtrain import diagnostics, preemption
+from meshtrain import diagnostics, preemption, replan
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
 from meshtrain.host_allocator import allocator_env
+from meshtrain.job_env import (  # noqa: F401 (job_rank, job_world_size: used from here too)
+    in_existing_job,
+    in_srun_step,
+    job_rank,
+    job_world_size,
+    slurm_step_tasks,
+    threads_per_worker,
+)
 
 
 class LaunchError(RunFailure):
     """A worker failed; the message says which rank and why."""
-
-
-# Step ids SLURM gives the batch script and the "extern" step: not an srun step.
-_NON_SRUN_STEPS = {"4294967294", "4294967295", "batch", "extern"}
-
-
-def in_srun_step() -> bool:
-    """True when this process is one task of an ``srun`` step (not the ``sbatch`` batch script).
-
-    ``srun`` sets ``SLURM_STEP_NUM_TASKS``/``SLURM_STEP_ID`` for its tasks; the batch script has
-    ``SLURM_PROCID=0`` and the allocation's ``SLURM_NTASKS`` but runs no peers of its own.
-    """
-    if "SLURM_PROCID" not in os.environ:
-        return False
-    if os.environ.get("SLURM_STEP_NUM_TASKS"):
-        return True
-    step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")
-    return bool(step) and step not in _NON_SRUN_STEPS
-
-
-def slurm_step_tasks() -> int:
-    """Tasks in this ``srun`` step (``SLURM_STEP_NUM_TASKS``, else ``SLURM_NTASKS``/``NPROCS``)."""
-    for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return 1
-
-
-def in_existing_job() -> bool:
-    """True when torchrun or a multi-task ``srun`` step already started this process.
-
-    Inside an ``sbatch`` batch script (one task, no ``srun``) this is False, so
-    ``--nproc N`` spawns its N local workers.
-    """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
-    return in_srun_step() and slurm_step_tasks() > 1
-
-
-def job_world_size() -> int:
-    """Processes in the torchrun/SLURM job this process belongs to (1 outside one)."""
-    if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
-    return slurm_step_tasks() if in_srun_step() else 1
-
-
-def job_rank() -> int:
-    """This process's rank in the torchrun/SLURM job (0 outside one)."""
-    if os.environ.get("RANK"):
-        return int(os.environ["RANK"])
-    return int(os.environ["SLURM_PROCID"]) if in_srun_step() else 0
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -161,13 +122,6 @@ def rendezvous_port() -> int:
     return int(text)
 
 
-def threads_per_worker(config: Config, local_workers: int) -> int:
-    """Intra-op threads for each local worker."""
-    if config.train.threads_per_worker > 0:
-        return config.train.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // max(local_workers, 1))
-
-
 def write_run_config(config: Config) -> Path:
     """Write the resolved config to ``RUN_DIR/config.json`` and return its path."""
     run_dir = Path(config.train.run_dir)
@@ -202,7 +156,7 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-        max_restarts=config.train.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=restart_budget(config), monitor_interval=0.1, start_method="spawn",
         local_addr="127.0.0.1",
         # SIGTERM and SIGUSR1 are meshtrain's (forwarded to the workers, below), not torch
         # elastic's, which would stop the workers and kill them after a grace period.
@@ -224,6 +178,11 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
                 "-m", "meshtrain.worker", str(config_path), task)
     except ChildFailedError as error:
         codes = {rank: f.exitcode for rank, f in error.failures.items()}
+        if set(codes.values()) == {replan.REPLAN_EXIT}:  # no restart left to relaunch with
+            print(f"meshtrain {task}: the workers stopped to relaunch at a re-planned layout "
+                  f"but no restart was left (train.max_restarts); run the same command with "
+                  f"--set checkpoint.resume=auto to continue at it", file=sys.stderr, flush=True)
+            return replan.REPLAN_EXIT
         messages = {rank: _failure_text(f.message) for rank, f in error.failures.items()}
         status, message = diagnostics.explain_failure(
             codes, messages, config.train.run_dir, nproc, config.train.collective_timeout_s)
@@ -240,6 +199,14 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         print(f"meshtrain {task}: {preemption.summary(info)}", file=sys.stderr, flush=True)
         return preemption.PREEMPTED_EXIT
     return 0
+
+
+def restart_budget(config: Config) -> int:
+    """Restarts torch elastic may make: ``train.max_restarts`` after failures, plus
+    ``parallel.replan_max`` relaunches at a re-planned layout when ``replan_every`` is on
+    (:mod:`meshtrain.replan`), so that those do not use up the failures' budget."""
+    extra = config.parallel.replan_max if config.parallel.replan_every else 0
+    return config.train.max_restarts + extra
 
 
 def _forward_first(signum: int) -> None:

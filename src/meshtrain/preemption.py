@@ -170,3 +170,20 @@ def summary(info: dict) -> str:
     return (f"preempted by {info['signal']} after step {info['step']}: checkpoint saved to "
             f"{info['checkpoint']}; exit status {PREEMPTED_EXIT}. Run the same command with "
             f"--set checkpoint.resume=auto to continue.")
+
+
+def save_on_signal(trainer) -> dict:
+    """Every rank agreed to stop after this step on a signal: checkpoint it (whatever
+    ``checkpoint.every`` says); returns ``{"step", "signal", "checkpoint"}`` (the trainer's
+    ``preempted``)."""
+    from meshtrain.checkpoint.manager import checkpoint_root
+
+    name = signal_name(trainer.stop_signal)
+    try:
+        path = trainer.save_checkpoint_path()
+    except OSError as error:
+        raise RunFailure(f"{name} received: stopping after step {trainer.step}, but its "
+                         f"checkpoint could not be written to "
+                         f"{checkpoint_root(trainer.config)}: {error}. Nothing was "
+                         f"saved; set checkpoint.dir to a writable directory.") from None
+    return {"step": trainer.step, "signal": name, "checkpoint": str(path)}

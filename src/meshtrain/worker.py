@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from meshtrain import diagnostics, faults, preemption
+from meshtrain import diagnostics, faults, preemption, replan
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
 from meshtrain.mesh import ParallelMesh, init_distributed, shutdown_distributed
@@ -67,8 +67,9 @@ def build_mesh(config: Config, dry_run: tuple[int, int] | None = None) -> Parall
 
 
 def _run_task(config: Config, mesh: ParallelMesh, task: str,
-              signals: preemption.StopSignals) -> dict | None:
-    """Run ``task``; returns where it stopped on a signal (``Trainer.preempted``), else None."""
+              signals: preemption.StopSignals):
+    """Run ``task``; returns the trainer (its ``preempted`` and ``replanned`` say whether and
+    why it stopped early)."""
     if task != "train":
         raise ValueError(f"unknown worker task {task!r}")
     from meshtrain.training.trainer import Trainer
@@ -76,7 +77,23 @@ def _run_task(config: Config, mesh: ParallelMesh, task: str,
     trainer = Trainer(config, mesh)
     trainer.stop_signals = signals
     trainer.fit()
-    return trainer.preempted
+    return trainer
+
+
+def _stop_for_replan(config: Config, mesh: ParallelMesh, decision: dict) -> int:
+    """Every rank saved the checkpoint of the decision's step: rank 0 writes ``replan.json``,
+    then all wait for each other (nobody leaves before it is written) and leave with
+    :data:`~meshtrain.replan.REPLAN_EXIT`, on which the launcher or torchrun restarts them."""
+    if mesh.rank == 0:
+        replan.write_decision(config, decision)
+        print(f"meshtrain: replan: checkpoint of step {decision['step']} saved to "
+              f"{decision['checkpoint']}; stopping with exit status {replan.REPLAN_EXIT} to "
+              f"relaunch at {decision['best']['layout']} (meshtrain's launcher and torchrun "
+              f"restart on it; elsewhere run the same command again with "
+              f"checkpoint.resume=auto)", file=sys.stderr, flush=True)
+    done = torch.zeros(1, device=mesh.device)
+    mesh.comm("world").all_reduce(done)
+    return replan.REPLAN_EXIT
 
 
 def run(config: Config, task: str = "train") -> int:
@@ -86,7 +103,9 @@ def run(config: Config, task: str = "train") -> int:
     (:mod:`meshtrain.preemption`); the status is then :data:`~meshtrain.preemption.PREEMPTED_EXIT`,
     or 0 under meshtrain's own launcher, which reads ``RUN_DIR/preempted.json`` and reports
     it (so that torch elastic does not count the stop as a failure to restart from); a launched
-    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1)."""
+    worker stops on SIGUSR1 only (the launcher forwards SIGTERM as SIGUSR1). A run that
+    ``parallel.replan_every`` stopped to relaunch at another layout returns
+    :data:`~meshtrain.replan.REPLAN_EXIT` (:mod:`meshtrain.replan`)."""
     # meshtrain's launcher passes its signals on as SIGUSR1: SIGTERM from torch elastic's agent
     # (stopping the workers after another one failed) must stop a launched worker as before.
     launched = bool(os.environ.get(diagnostics.LAUNCHED_ENV))
@@ -108,6 +127,9 @@ def _run(config: Config, task: str, signals: preemption.StopSignals) -> int:
     attempt = faults.restart_attempt()
     if attempt and config.checkpoint.resume == "none":
         config.checkpoint.resume = "auto"  # a restarted worker continues from the newest one
+    from meshtrain.job_env import job_rank, job_world_size
+
+    replan.apply_saved(config, job_world_size(), verbose=job_rank() == 0)
     mesh = build_mesh(config)
     if attempt and mesh.is_logging_rank:
         limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS") or config.train.max_restarts
@@ -120,7 +142,14 @@ def _run(config: Config, task: str, signals: preemption.StopSignals) -> int:
     if mesh.world_size > 1:
         monitor = diagnostics.RankMonitor(mesh, config.train.run_dir, interval).start()
     try:
-        preempted = _run_task(config, mesh, task, signals)
+        trainer = _run_task(config, mesh, task, signals)
+        preempted = trainer.preempted
+        if trainer.replanned is not None:
+            status = _stop_for_replan(config, mesh, trainer.replanned)
+            if monitor is not None:
+                monitor.finish()
+            shutdown_distributed()
+            return status
     except Exception as error:
         if monitor is None:
             raise

@@ -121,6 +121,8 @@ class CommLog:
         self.wait_s = 0.0
         """Seconds this rank spent inside blocking collectives and waiting on async ones since
         the last reset (host clock): its time waiting for the others, plus the transfers."""
+        self.wait_by_axis: dict[str, float] = collections.defaultdict(float)
+        """:attr:`wait_s` split by the axis whose collective it was spent in."""
 
     def record(self, axis: str, op: str, tensor_shape: Sequence[int], dtype: torch.dtype,
                full_bytes: int, group_size: int, peer: int | None = None) -> CollectiveRecord:
@@ -145,6 +147,12 @@ class CommLog:
         self.bytes.clear()
         self.calls.clear()
         self.wait_s = 0.0
+        self.wait_by_axis.clear()
+
+    def add_wait(self, axis: str, seconds: float) -> None:
+        """Count ``seconds`` spent in a collective of ``axis`` (blocking, or waiting on one)."""
+        self.wait_s += seconds
+        self.wait_by_axis[axis] += seconds
 
     def snapshot(self) -> dict[str, int]:
         """Bytes per axis since the last reset, as a plain dict (for metrics)."""
@@ -169,12 +177,13 @@ class _Works:
 
 
 class _TimedWork:
-    """An async work handle whose ``wait()`` adds its time to the log's ``wait_s``."""
+    """An async work handle whose ``wait()`` adds its time to the log's ``wait_s`` (and to its
+    axis's share)."""
 
-    __slots__ = ("work", "log")
+    __slots__ = ("work", "log", "axis")
 
-    def __init__(self, work, log: CommLog):
-        self.work, self.log = work, log
+    def __init__(self, work, log: CommLog, axis: str):
+        self.work, self.log, self.axis = work, log, axis
 
     def wait(self, *args, **kwargs):
         """Wait for the work, timed."""
@@ -182,7 +191,7 @@ class _TimedWork:
         try:
             return self.work.wait(*args, **kwargs)
         finally:
-            self.log.wait_s += time.perf_counter() - start
+            self.log.add_wait(self.axis, time.perf_counter() - start)
 
     def __getattr__(self, name: str):
         return getattr(self.work, name)
@@ -200,6 +209,7 @@ class CountedComm:
         self.size = size
         self.log = log
         self._started = 0.0
+        self._delayed = 0.0
         self.shared_memory = None
         """A :class:`~meshtrain.parallel.shared_memory.SharedMemoryReducer` attached by
         :meth:`~meshtrain.parallel.shared_memory.SharedMemoryReducer.connect`, or None."""
@@ -219,10 +229,13 @@ class CountedComm:
         a shared-memory reduction (``shared``), shared-memory reductions in flight finish first.
         A blocking call's time from here until :meth:`_issued` counts as waiting (``wait_s``)."""
         self._started = time.perf_counter()
+        self._delayed = 0.0
         if self.shared_memory is not None and (not shared or self.log.debug):
             self.shared_memory.wait_all()
-        if faults.active() and faults.skip_collective(self.log.step, self.axis):
-            return None
+        if faults.active():
+            if faults.skip_collective(self.log.step, self.axis):
+                return None
+            self._delayed = faults.delay_collective(self.log.step, self.axis)
         if self.log.debug:
             self._check_same_call(op, tuple(shape), str(dtype))
         return self.log.record(self.axis, op, shape, dtype, full_bytes, self.size)
@@ -232,9 +245,11 @@ class CountedComm:
         comes back wrapped so that its ``wait()`` is counted (its completion is not tracked)."""
         if async_op:
             entry.done = None
-            return None if work is None else _TimedWork(work, self.log)
+            if self._delayed:  # an injected slow link held this rank before it issued the call
+                self.log.add_wait(self.axis, self._delayed)
+            return None if work is None else _TimedWork(work, self.log, self.axis)
         entry.done = True
-        self.log.wait_s += time.perf_counter() - self._started
+        self.log.add_wait(self.axis, time.perf_counter() - self._started)
         return work
 
     def shares(self, tensor: torch.Tensor) -> bool:
@@ -397,4 +412,5 @@ class CountedComm:
             entry.done = None
             p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
                                   group=self.group, tag=tag))
-        return [_TimedWork(work, self.log) for work in dist.batch_isend_irecv(p2p)] if p2p else []
+        return ([_TimedWork(work, self.log, self.axis) for work in dist.batch_isend_irecv(p2p)]
+                if p2p else [])

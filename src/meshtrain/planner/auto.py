@@ -209,6 +209,20 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     return chosen, len(layouts)
 
 
+def predict(config: Config, world: int, cluster: Cluster) -> dict:
+    """The planner's estimate of ``config``'s own layout on ``world`` processes of ``cluster``
+    (``parallel.dp = 0`` filled in)."""
+    from meshtrain.planner.commands import _check_shapes
+    from meshtrain.planner.estimate import estimate
+
+    shaped = copy.deepcopy(config)
+    _check_shapes(shaped)
+    if shaped.parallel.dp == 0:
+        par = shaped.parallel
+        par.dp = world // (par.replicas * par.cp * par.tp * par.pp)
+    return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster)
+
+
 def describe(result: dict) -> str:
     """``dp=2 tp=1 pp=1 zero=0 microbatches=1 (1f1b, checkpointing none)``."""
     lay = result["layout"]
@@ -231,7 +245,7 @@ def describe(result: dict) -> str:
 def job_cluster(config: Config, nproc: int, in_job: bool) -> tuple[Cluster, str]:
     """The machine ``parallel.auto`` (and ``parallel.elastic``) prices layouts of ``nproc``
     processes on, and where its profile came from (:func:`resolve_profile`)."""
-    from meshtrain.launch import threads_per_worker
+    from meshtrain.job_env import threads_per_worker
 
     profile, origin = resolve_profile(config, nproc, in_job)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if in_job else nproc
@@ -242,7 +256,7 @@ def job_cluster(config: Config, nproc: int, in_job: bool) -> tuple[Cluster, str]
 def choose_layout(config: Config, nproc: int | None, in_job: bool = False) -> int:
     """Set ``config.parallel`` to the best valid layout for ``nproc`` processes (default:
     :func:`default_processes`), print why on stderr, and return the process count."""
-    from meshtrain.launch import job_rank
+    from meshtrain.job_env import job_rank
 
     nproc = default_processes(config) if nproc is None else nproc
     if nproc < 1:

@@ -68,7 +68,7 @@ def layer_comm_time(workload: Workload, layout: Layout, cluster: Cluster) -> flo
     if layout.cp == 1:
         return 0.0
     one = cluster.collective_time("all_gather", gathered_kv_bytes(workload, layout), layout.cp,
-                                  layout.tp)
+                                  layout.tp, "cp")
     return collectives_per_layer(layout) * one
 
 

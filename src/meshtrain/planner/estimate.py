@@ -107,7 +107,7 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
         weights = params * workload.act_bytes
 
         def t(op, nbytes, size=size, stride=stride):
-            return cluster.collective_time(op, nbytes, size, stride)
+            return cluster.collective_time(op, nbytes, size, stride, "dp")
 
         def reduce(op, nbytes, size=size, stride=stride):  # ZeRO 0-1: maybe shared memory
             return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
@@ -140,7 +140,8 @@ def _tied_embedding_time(workload: Workload, layout: Layout, cluster: Cluster,
     if not model.tie_embeddings or lay.pp <= 1:
         return 0.0
     grads = model.vocab_size * model.dim / lay.tp / zero_share * workload.traits.grad_reduce_bytes
-    return cluster.collective_time("all_reduce", grads, 2, (lay.pp - 1) * lay.tp * lay.cp * lay.dp)
+    return cluster.collective_time("all_reduce", grads, 2, (lay.pp - 1) * lay.tp * lay.cp * lay.dp,
+                                   "pp")
 
 
 def estimate(workload: Workload, layout: Layout, cluster: Cluster,
@@ -197,9 +198,11 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     shard = sp.dense / zero_share + sp.expert / max(zero_share // lay.ep, 1)
     optimizer = (shard * workload.traits.optimizer_bytes_per_param
                  / (cluster.process_rates()[1] * 1e9))
-    syncs = sum(STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size, stride)
-                for size, stride in (reduction_group(lay), (lay.tp, 1),
-                                     (lay.pp, lay.tp * lay.cp * lay.dp)))
+    sync_by_axis = {axis: STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size,
+                                                                         stride, axis)
+                    for axis, (size, stride) in (("dp", reduction_group(lay)), ("tp", (lay.tp, 1)),
+                                                 ("pp", (lay.pp, lay.tp * lay.cp * lay.dp)))}
+    syncs = sum(sync_by_axis.values())
     tied = _tied_embedding_time(workload, lay, cluster, zero_share)
     step = pipelined + dp_exposed + optimizer + syncs + tied
     total_params, active_params, per_token = _model_totals(workload)
@@ -253,6 +256,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "bubble_fraction": bubble / step if step else 0.0,
         "pipeline_model": pipe.source,
         "breakdown": breakdown,
+        "step_sync_by_axis_s": sync_by_axis,
         "bound": _bound(breakdown),
         "stage_times_s": stage_times,
     }

@@ -258,6 +258,10 @@ class Cluster:
     """Processes computing at once on the machine(s) when more than ``gpus`` do (one DiLoCo
     replica group's share of a job, see :func:`meshtrain.planner.diloco_cost.inner_cluster`);
     0 = ``gpus``. Only calibrated CPU profiles' rates depend on it."""
+    axis_scale: tuple[tuple[str, float], ...] = ()
+    """``(axis, factor)`` pairs: each collective of that parallel axis (``dp``, ``tp``, ``pp``,
+    ``ep``, ``cp``) takes ``factor`` times its priced time; what ``parallel.replan_every``
+    measured (:mod:`meshtrain.planner.measured`). Empty = the profile's figures alone."""
 
     def __post_init__(self):
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -275,6 +279,10 @@ class Cluster:
     def sites(self) -> int:
         """Sites the cluster spans (1 without a wide-area link)."""
         return self.wan.sites if self.wan else 1
+
+    def axis_factor(self, axis: str) -> float:
+        """How many times its priced time a collective of ``axis`` takes (1 unless measured)."""
+        return dict(self.axis_scale).get(axis, 1.0)
 
     def process_rates(self) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) of one rank while all ``gpus`` ranks compute
@@ -306,19 +314,22 @@ class Cluster:
             return min(bandwidth, wide), max(latency, wide_latency)
         return bandwidth, latency
 
-    def collective_time(self, op: str, full_bytes: float, size: int, stride: int = 1) -> float:
+    def collective_time(self, op: str, full_bytes: float, size: int, stride: int = 1,
+                        axis: str = "") -> float:
         """Seconds for one collective over ``size`` ranks on a tensor of ``full_bytes``.
 
         Bus bytes follow :func:`meshtrain.parallel.comm.bus_bytes`; the latency term counts
         ``2 log2(n)`` steps (NCCL's tree / ring hybrid at scale, simplified), and at least the
         ring's ``n - 1`` for all-gather and reduce-scatter, which NCCL has no tree for (so a
-        gather over thousands of ranks is latency-bound).
+        gather over thousands of ranks is latency-bound). ``axis`` names the parallel axis the
+        group belongs to, for :attr:`axis_scale`.
         """
         if size <= 1 or full_bytes <= 0:
             return 0.0
+        scale = self.axis_factor(axis) if self.axis_scale else 1.0
         bandwidth, latency = self.group_bandwidth(size, stride)
         if op == "all_to_all":
-            return self._all_to_all_time(full_bytes, size, stride)
+            return scale * self._all_to_all_time(full_bytes, size, stride)
         if op == "send":
             bus = full_bytes
             steps = 1
@@ -328,10 +339,10 @@ class Cluster:
             steps = 2 * math.ceil(math.log2(size))
             if op in ("all_gather", "reduce_scatter"):  # NCCL runs these as rings only
                 steps = max(steps, size - 1)
-        return bus / bandwidth + steps * latency
+        return scale * (bus / bandwidth + steps * latency)
 
     def dp_gradient_reduce_time(self, op: str, full_bytes: float, size: int, stride: int,
-                                fp32_buckets: bool) -> float:
+                                fp32_buckets: bool, axis: str = "dp") -> float:
         """Seconds for a data-parallel gradient ``all_reduce`` / ``reduce_scatter``: through
         shared memory when the profile measured it, the group sits on one node and the buckets
         are fp32 (what the runtime does, see :mod:`meshtrain.parallel.shared_memory`), else as
@@ -344,9 +355,9 @@ class Cluster:
             # reduce-scatter: half the bus bytes, as for gloo.
             factor = 2.0 if op == "all_reduce" else 1.0
             bus = factor * (size - 1) / size * full_bytes
-            return bus / (p.shared_memory_reduce_gbps * 1e9) + (
-                p.shared_memory_reduce_latency_us * 1e-6)
-        return self.collective_time(op, full_bytes, size, stride)
+            return self.axis_factor(axis) * (bus / (p.shared_memory_reduce_gbps * 1e9) + (
+                p.shared_memory_reduce_latency_us * 1e-6))
+        return self.collective_time(op, full_bytes, size, stride, axis)
 
     def _all_to_all_time(self, full_bytes: float, size: int, stride: int) -> float:
         """All-to-all: the off-node share goes through this GPU's NIC, the rest over NVLink."""
@@ -370,17 +381,22 @@ class Cluster:
         time += on_node / (p.intra_node_gbps * 1e9) + off_node / (p.inter_node_gbps * 1e9)
         return time + (size - 1) * latency / 4  # peers are addressed concurrently
 
-    def p2p_time(self, nbytes: float, stride: int, group_size: int = 2) -> float:
+    def p2p_time(self, nbytes: float, stride: int, group_size: int = 2,
+                 axis: str = "pp") -> float:
         """One point-to-point send between ranks ``stride`` apart, in a chain of
         ``group_size`` such ranks (pipeline stages): when the chain spans sites its slowest
-        hop crosses the wide-area link, shared by the ``stride`` chains sending at once."""
+        hop crosses the wide-area link, shared by the ``stride`` chains sending at once.
+        ``axis``: for :attr:`axis_scale`."""
         if nbytes <= 0:
             return 0.0
         p = self.profile
         if spans_sites(self.wan, self.gpus, group_size, stride):
             senders = min(stride, gpus_per_site(self.wan, self.gpus))
-            return (nbytes * senders / self.wan.bytes_per_s
-                    + max(self.wan.wan_latency_ms * 1e-3, p.inter_node_latency_us * 1e-6))
+            return self.axis_factor(axis) * (
+                nbytes * senders / self.wan.bytes_per_s
+                + max(self.wan.wan_latency_ms * 1e-3, p.inter_node_latency_us * 1e-6))
         if stride < self.gpus_per_node:
-            return nbytes / (p.intra_node_gbps * 1e9) + p.intra_node_latency_us * 1e-6
-        return nbytes / (p.inter_node_gbps * 1e9) + p.inter_node_latency_us * 1e-6
+            one = nbytes / (p.intra_node_gbps * 1e9) + p.intra_node_latency_us * 1e-6
+        else:
+            one = nbytes / (p.inter_node_gbps * 1e9) + p.inter_node_latency_us * 1e-6
+        return self.axis_factor(axis) * one

@@ -176,17 +176,17 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         if lay.sequence_parallel:
             # Each all-reduce becomes an all-gather and a reduce-scatter: the same bus bytes,
             # twice the collectives' fixed costs (the ring's steps, twice).
-            one = (cluster.collective_time("all_gather", message, lay.tp, 1)
-                   + cluster.collective_time("reduce_scatter", message, lay.tp, 1))
+            one = (cluster.collective_time("all_gather", message, lay.tp, 1, "tp")
+                   + cluster.collective_time("reduce_scatter", message, lay.tp, 1, "tp"))
         else:
-            one = cluster.collective_time("all_reduce", message, lay.tp, 1)
+            one = cluster.collective_time("all_reduce", message, lay.tp, 1, "tp")
         cost.tp_comm = collectives * one
     if lay.ep > 1 and model.is_moe_layer(layer):
         # Every tp rank routes the whole micro-batch (the MoE layer is replicated over tp).
         routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
         collectives = 4 + (2 if mode == "full" else 0)
         cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
-                                                            lay.tp * lay.cp)
+                                                            lay.tp * lay.cp, "ep")
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
     return cost
 
@@ -206,9 +206,9 @@ def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost
         # the vocab-parallel loss all-reduces the token max, then sum-exp with target logit.
         # (With sequence parallelism an all-gather and a reduce-scatter: the same bus bytes.)
         hidden = tokens * model.dim * workload.act_bytes
-        cost.tp_comm = (cluster.collective_time("all_reduce", hidden, layout.tp, 1)
-                        + cluster.collective_time("all_reduce", tokens * 4, layout.tp, 1)
-                        + cluster.collective_time("all_reduce", tokens * 8, layout.tp, 1))
+        cost.tp_comm = (cluster.collective_time("all_reduce", hidden, layout.tp, 1, "tp")
+                        + cluster.collective_time("all_reduce", tokens * 4, layout.tp, 1, "tp")
+                        + cluster.collective_time("all_reduce", tokens * 8, layout.tp, 1, "tp"))
     return cost
 
 
@@ -219,4 +219,4 @@ def embedding_tp_cost(workload: Workload, layout: Layout, cluster: Cluster) -> f
         return 0.0
     tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len / layout.cp
     return cluster.collective_time("all_reduce", tokens * workload.model.dim
-                                   * workload.act_bytes, layout.tp, 1)
+                                   * workload.act_bytes, layout.tp, 1, "tp")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
-from meshtrain.errors import NonFiniteError, RunFailure
+from meshtrain.errors import NonFiniteError
 from meshtrain.layout_change import take_change
 from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
@@ -37,6 +37,7 @@ from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_sum
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
+from meshtrain.preemption import save_on_signal
 from meshtrain.training import straggler, timing
 from meshtrain.training.diloco import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
@@ -51,6 +52,7 @@ from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.prefetch import BatchPrefetcher
+from meshtrain.training.replan_monitor import ReplanMonitor
 from meshtrain.training.straggler import StragglerDetector
 from meshtrain.training.tokenizer import load_tokenizer
 from meshtrain.training.train_data import trainer_data
@@ -129,6 +131,9 @@ class Trainer:
         """Set when :meth:`fit` stopped on a signal: ``{"step", "signal", "checkpoint"}``."""
         self.stragglers = StragglerDetector(train.straggler_factor, train.straggler_steps,
                                             verbose=mesh.is_logging_rank)
+        self.replan = ReplanMonitor.build(config, mesh) if with_data else None
+        self.replanned: dict | None = None
+        """Set when :meth:`fit` stopped to relaunch at a re-planned layout (``replan_every``)."""
 
     def _build_pipeline(self) -> PipelineExecutor | None:
         stages = pipeline_stages(self.model)
@@ -439,16 +444,22 @@ class Trainer:
             while self.step < train.steps:
                 record = self.train_step()
                 history.append(record)
+                replan = self.replan.observe(record) if self.replan is not None else None
+                if replan is not None:
+                    record["replan"] = replan
                 stopping = bool(self.stop_signal) and self.step < train.steps
-                if writer is not None and (record["step"] % train.log_every == 0
-                                           or record["step"] == train.steps or stopping):
+                if writer is not None and (record["step"] % train.log_every == 0 or stopping
+                                           or record["step"] == train.steps or replan):
                     if layout_change is not None:
                         record["layout"], layout_change = layout_change, None
                     writer.log(record)
+                saved = None
                 if every and (self.step % every == 0 or self.step == train.steps):
-                    self.save_checkpoint()
-                if stopping:
-                    self._save_on_signal()
+                    saved = self.save_checkpoint_path()
+                if stopping:  # every rank stops after this step, with a checkpoint of it
+                    self.preempted = save_on_signal(self)
+                    return history
+                if replan is not None and self.replan.relaunch_after(self, replan, saved):
                     return history
         finally:
             if writer is not None:
@@ -467,22 +478,6 @@ class Trainer:
                           "the default clocks", flush=True)
         self.save_final()
         return history
-
-    def _save_on_signal(self) -> None:
-        """Every rank agreed to stop after this step on a signal: checkpoint it (whatever
-        ``checkpoint.every`` says) and record it in :attr:`preempted`."""
-        from meshtrain.checkpoint.manager import checkpoint_root
-        from meshtrain.preemption import signal_name
-
-        name = signal_name(self.stop_signal)
-        try:
-            path = self.save_checkpoint_path()
-        except OSError as error:
-            raise RunFailure(f"{name} received: stopping after step {self.step}, but its "
-                             f"checkpoint could not be written to "
-                             f"{checkpoint_root(self.config)}: {error}. Nothing was "
-                             f"saved; set checkpoint.dir to a writable directory.") from None
-        self.preempted = {"step": self.step, "signal": name, "checkpoint": str(path)}
 
     def save_final(self) -> Path | None:
         """Write the final weights to ``RUN_DIR/final`` (a collective: every rank takes part):
