@@ -47,7 +47,8 @@ from collections.abc import Callable
 
 import torch
 
-from meshtrain.parallel.data.buckets import FlatBucket, ParamSlot, bucket_by_size_and_axis
+from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis
+from meshtrain.parallel.data.grad_accounting import GradientAccounting
 from meshtrain.parallel.data.mapped import (
     MappedBuffer,
     mapped_buffers_supported,
@@ -69,7 +70,7 @@ class OptimizerShard:
     bucket: FlatBucket
 
 
-class DataParallelEngine:
+class DataParallelEngine(GradientAccounting):
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
@@ -148,30 +149,6 @@ class DataParallelEngine:
         self._partial_runs = [self._runs(b, self._has_partial_grad) for b in self.buckets]
         self._tied_buckets = [b.index for b in self.buckets
                               if any(self.shardings[s.name].tied for s in b.slots)]
-
-    # ------------------------------------------------------------------ other axes
-    def _counts_in_norm(self, slot: ParamSlot) -> bool:
-        """Each parameter counts once in the gradient norm: a copy replicated over tp counts on
-        tp rank 0 only (a tp-split parameter counts on every rank: each holds another piece), a
-        tied embedding on the first stage only."""
-        record = self.shardings[slot.name]
-        return (self.tp_rank == 0 or not record.tp_replicated) and not record.tied_copy
-
-    def _has_partial_grad(self, slot: ParamSlot) -> bool:
-        return self.shardings[slot.name].tp_partial_grad
-
-    def _runs(self, b: FlatBucket, keep) -> list[tuple[int, int]]:
-        """Contiguous ``(start, length)`` runs of this rank's optimizer gradient of bucket ``b``
-        (full buffer at stage 0, shard otherwise) covering the parameters ``keep`` accepts."""
-        runs: list[tuple[int, int]] = []
-        for slot, start, length in b.segments(sharded=self.stage >= 1):
-            if not keep(slot):
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], runs[-1][1] + length)
-            else:
-                runs.append((start, length))
-        return runs
 
     # ------------------------------------------------------------------ buffers
     def _connect_shared_memory(self, timeout_s: float | None) -> dict[str, SharedMemoryReducer]:
@@ -422,63 +399,6 @@ class DataParallelEngine:
             post()
 
     # ------------------------------------------------------------------ optimizer glue
-    @torch.no_grad()
-    def reduce_partial_grads(self, shards: list[OptimizerShard]) -> None:
-        """Sum the gradients that this rank holds only a share of, once the step's gradients are
-        reduced over dp: a tied embedding's over the first and last pipeline stage (the optimizer
-        gradient of its own bucket, laid out and ZeRO-sharded alike on both, so the two copies
-        take the same step), and over tp those of sequence-parallel norms and replicated kv
-        heads (one all-reduce for all of them)."""
-        if self.tied_comm.active:
-            for index in self._tied_buckets:
-                self.tied_comm.all_reduce(shards[index].grad())
-        if not self.tp_comm.active:
-            return
-        views = [shard.grad()[start:start + length]
-                 for shard, runs in zip(shards, self._partial_runs, strict=True)
-                 for start, length in runs]
-        if not views:
-            return
-        flat = torch.cat([v.float() for v in views])
-        self.tp_comm.all_reduce(flat)
-        offset = 0
-        for view in views:
-            view.copy_(flat[offset:offset + view.numel()])
-            offset += view.numel()
-
-    def grad_sq_norm(self, shards: list[OptimizerShard]) -> torch.Tensor:
-        """Sum of squared gradient entries, each parameter counted exactly once across every
-        rank (dp shards under ZeRO, tp pieces, tp-replicated copies once, each expert once).
-
-        Under ZeRO (stage >= 1) the dp ranks' shards are all distinct, expert buckets included
-        (edp shards of different experts on each ep rank), so one sum over dp counts everything
-        once. At stage 0 dense gradients are replicated over dp and expert gradients over edp:
-        with expert buckets, dense terms count on dp rank 0 and expert terms on edp rank 0 of
-        each expert group before the sum over dp."""
-        dense, expert = [], []
-        for shard, runs in zip(shards, self._norm_runs, strict=True):
-            target = expert if shard.bucket.axis == "edp" else dense
-            target += [shard.grad()[start:start + length] for start, length in runs]
-        device = shards[0].master.device if shards else None
-
-        def sum_sq(views):
-            if not views:
-                return torch.zeros((), device=device)
-            return torch.stack(torch._foreach_norm([v.float() for v in views])).square().sum()
-
-        sq_dense, sq_expert = sum_sq(dense), sum_sq(expert)
-        if self.stage >= 1:
-            sq = sq_dense + sq_expert
-            self.comm.all_reduce(sq)
-        elif self.has_expert_buckets:
-            sq = sq_dense * float(self.dp_rank == 0) + sq_expert * float(self.edp_rank == 0)
-            self.comm.all_reduce(sq)
-        else:
-            sq = sq_dense
-        self.tp_comm.all_reduce(sq)
-        self.pp_comm.all_reduce(sq)  # each pipeline stage holds different parameters
-        return sq
-
     @torch.no_grad()
     def after_step(self, shards: list[OptimizerShard]) -> None:
         """Write updated masters back into the parameters and re-assemble them where sharded."""
