@@ -23,7 +23,11 @@ class RuntimeTraits:
     flash_attention: bool = True
     """Fused attention (SDPA / FlashAttention): no s×s scores in memory, causal half the work."""
     overlap_dp: bool = True
-    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute."""
+    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute, bucket by
+    bucket (:mod:`meshtrain.planner.overlap` says which micro-batches' compute hides them)."""
+    dp_bucket_bytes: float = 25 * 2**20
+    """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
+    PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
     grad_reduce_bytes: int = 4
@@ -95,6 +99,8 @@ class Workload:
     @classmethod
     def from_config(cls, config: Config, traits: RuntimeTraits = MESHTRAIN) -> Workload:
         """The workload a run config describes."""
+        traits = dataclasses.replace(traits,
+                                     dp_bucket_bytes=config.parallel.dp_bucket_mb * 2**20)
         if config.parallel.grad_reduce_dtype == "bf16":
             traits = dataclasses.replace(traits, grad_reduce_bytes=2)
         if (config.train.device == "cpu" and config.parallel.dp_shared_memory
