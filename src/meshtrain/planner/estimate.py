@@ -53,6 +53,11 @@ partial sums, and the loss (one over pp, one over dp; tp's grad-norm and replica
 reductions). Seen in :meth:`meshtrain.training.trainer.Trainer.train_step`."""
 
 
+ZERO3_MAX_UNITS_PER_BLOCK = 7
+"""ZeRO-3 units one block splits into at most when it exceeds a bucket: its single projections
+(q, k, v, o; the MLP's up, gate and down), :func:`meshtrain.parallel.data._zero3_units`."""
+
+
 def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: list[int],
                 last: bool, cache: dict[int, BlockCost], first: bool = False) -> BlockCost:
     total = BlockCost()
@@ -134,7 +139,9 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             hidden, tail = m * one, t("all_gather", weights)
             hidden_exposed = m * bucketed_exposed(one, backward, buckets)
         else:  # gathered and reduce-scattered unit by unit, every micro-batch
-            units = max(blocks, buckets)
+            per_block = (min(math.ceil(buckets / max(blocks, 1)), ZERO3_MAX_UNITS_PER_BLOCK)
+                         if traits.zero3_split_blocks else 1)
+            units = max(blocks, 1) * per_block
             gather = units * t("all_gather", weights / units)
             scatter = units * t("reduce_scatter", grads / units)
             hidden, tail = m * (2 * gather + scatter), 0.0

@@ -28,6 +28,9 @@ class RuntimeTraits:
     dp_bucket_bytes: float = 25 * 2**20
     """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
     PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
+    zero3_split_blocks: bool = True
+    """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
+    unit per block (FSDP2 wrapping each block, as torchtitan does)."""
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
     grad_reduce_bytes: int = 4
@@ -66,7 +69,8 @@ MESHTRAIN = RuntimeTraits()
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0)
-TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0)
+TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
+                                zero3_split_blocks=False)
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
 eager fp32 cross-entropy."""
