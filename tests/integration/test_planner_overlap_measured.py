@@ -14,11 +14,11 @@ step's small syncs, over its step time) on a profile calibrated just before:
 - ZeRO-2 and ZeRO-3 (asynchronous reduce-scatters behind every micro-batch's backward,
   prefetched gathers): the CPU profile prices them fully exposed (gloo's work takes the cores
   compute would use), an upper bound: the measurement must not exceed it by more than 0.2.
-  It is well below it, below even the GPU model's exposure (``comm_overlaps_compute = True``,
-  same rates; printed beside): measured 2026-12-02, ZeRO-2 0.29 against 0.42 priced, ZeRO-3
-  0.09-0.11 against 0.55 (0.33-0.36 with the GPU model) — gloo's worker thread progresses the
-  async collectives while compute runs, and their per-call latency, most of which is a waiting
-  process's wake-up, is not paid by the compute thread. The CPU profile does not model that.
+  It is below it: in five runs on 2026-12-02 ZeRO-3 measured 0.09-0.38 against 0.50-0.62
+  priced (0.27-0.36 with the GPU model, ``comm_overlaps_compute = True``, printed beside) —
+  gloo's worker thread progresses async collectives while compute runs, and much of a
+  collective's calibrated per-call latency is a waiting process's wake-up, which the compute
+  thread does not pay. The CPU profile does not model that.
 
 Tolerance 0.2 absolute on the fraction: on this shared 2-core machine other jobs change the CPU
 share a process gets by several times within a minute, and a rank that is descheduled makes its
