@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshtrain.config import ModelConfig
@@ -112,3 +114,21 @@ def test_plans_on_a100_never_promise_more_than_the_best_published_mfu():
                                  activation_checkpointing="selective"),
                     Cluster(PROFILES["a100-80g"], 64, 8))
     assert best["mfu"] <= cap + 1e-9 and best["breakdown"]["mfu_cap_s"] >= 0
+
+
+@pytest.mark.parametrize("profile", ["h100-80g", "h100-96g", "h800", "h200"])
+def test_h100_family_plans_never_promise_more_than_the_best_published_h100_mfu(profile):
+    from meshtrain.planner.hardware import PUBLISHED_MFU_CAPS
+    from meshtrain.planner.search import plan
+
+    cap = PUBLISHED_MFU_CAPS["h100"][0]
+    assert PROFILES[profile].max_mfu == cap == pytest.approx(0.47)  # Megatron-LM README
+    # Kernels far better than any published H100 run: the uncapped model would promise more.
+    optimistic = dataclasses.replace(PROFILES[profile], matmul_efficiency=0.95,
+                                     attention_efficiency=0.95)
+    work = Workload.from_config(preset_config("llama3-8b"))
+    uncapped = plan(work, Cluster(dataclasses.replace(optimistic, max_mfu=0.0), 8, 8), top=3)
+    assert uncapped.candidates[0]["mfu"] > cap
+    result = plan(work, Cluster(optimistic, 8, 8), top=3)
+    assert result.candidates
+    assert all(c["mfu"] <= cap + 1e-9 for c in result.candidates)

@@ -136,6 +136,12 @@ PUBLISHED_MFU_CAPS = {
     "a100": (0.563, "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5: 1T GPT, 512 A100, "
                     "tp 8 x pp 64, sequence parallelism + selective recompute, 56.3 % MFU, the "
                     "highest published A100 figure (MegaScale 2024 reports 55.2 % at 175B)"),
+    "h100": (0.47, "Megatron-LM README (NVIDIA/Megatron-LM), 'Performance Benchmarking': GPT "
+                   "models of 2B to 462B parameters, seq 4096, vocab 131,072, on up to 6,144 "
+                   "H100 with dp/tp/pp communication overlapped, up to 47 % MFU, the highest "
+                   "published H100 figure recorded here (Llama 3 405B: 38-43 %, Llama Team 2024 "
+                   "Table 4). Applied to every profile with the H100's compute (h100-80g, "
+                   "h100-96g, h800, h200): none has a higher published figure of its own"),
 }
 """Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
 
@@ -165,14 +171,14 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
         HardwareProfile(
@@ -180,7 +186,7 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
@@ -189,7 +195,8 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0, source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
