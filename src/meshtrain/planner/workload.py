@@ -28,6 +28,13 @@ class RuntimeTraits:
     dp_bucket_bytes: float = 25 * 2**20
     """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
     PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the runtime offers (what ``plan`` searches): Megatron-LM in 2021 had no
+    distributed optimizer, only plain data parallelism."""
+    context_parallel: bool = True
+    """Whether the runtime offers context parallelism (Megatron-LM 2021 did not)."""
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    """Pipeline schedules the runtime offers (Megatron-LM 2021: 1F1B and interleaved 1F1B)."""
     zero3_split_blocks: bool = True
     """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
     unit per block (FSDP2 wrapping each block, as torchtitan does)."""
@@ -68,7 +75,9 @@ class RuntimeTraits:
 MESHTRAIN = RuntimeTraits()
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
-                              optimizer_bytes_per_param=30.0)
+                              optimizer_bytes_per_param=30.0, zero_stages=(0,),
+                              context_parallel=False,
+                              pp_schedules=("1f1b", "interleaved-1f1b"))
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
                                 zero3_split_blocks=False)
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
