@@ -103,17 +103,24 @@ def test_plans_on_a100_never_promise_more_than_the_best_published_mfu():
     from meshtrain.planner.search import plan
 
     cap = PUBLISHED_MFU_CAPS["a100"][0]
-    assert cap == pytest.approx(0.563)  # Korthikanti et al. 2022, Table 5 (1T)
+    assert cap == pytest.approx(0.611)  # torchtitan docs/performance.md, Llama 2 13B on A100
+    # Kernels better than any published A100 run: the uncapped model would promise more.
+    optimistic = dataclasses.replace(PROFILES["a100-80g"], matmul_efficiency=0.95)
+    uncapped = dataclasses.replace(optimistic, max_mfu=0.0)
     work = Workload.from_config(preset_config("llama3-70b"))
-    result = plan(work, Cluster(PROFILES["a100-80g"], 64, 8), top=5)
+    assert plan(work, Cluster(uncapped, 64, 8), top=1).candidates[0]["mfu"] > cap
+    result = plan(work, Cluster(optimistic, 64, 8), top=5)
     assert result.candidates
     for c in result.candidates:
         assert c["mfu"] <= cap + 1e-9
     # The cap shows as lost time, not as a silently shorter step.
-    best = estimate(work, Layout(dp=16, tp=4, zero=3, sequence_parallel=True,
-                                 activation_checkpointing="selective"),
-                    Cluster(PROFILES["a100-80g"], 64, 8))
-    assert best["mfu"] <= cap + 1e-9 and best["breakdown"]["mfu_cap_s"] >= 0
+    layout = Layout(dp=16, tp=4, zero=3, sequence_parallel=True,
+                    activation_checkpointing="selective")
+    free = estimate(work, layout, Cluster(uncapped, 64, 8))
+    capped = estimate(work, layout, Cluster(optimistic, 64, 8))
+    assert free["mfu"] > cap >= capped["mfu"] - 1e-9
+    assert capped["breakdown"]["mfu_cap_s"] == pytest.approx(
+        capped["step_time_s"] - free["step_time_s"])
 
 
 @pytest.mark.parametrize("profile", ["h100-80g", "h100-96g", "h800", "h200"])
