@@ -81,7 +81,7 @@ def test_torchtitan_llama31_8b_fsdp_selective_fits_where_it_ran():
     # torchtitan docs/performance.md, Table 1: Llama 3.1 8B, FSDP on 8 H100 (96 GB HBM2e),
     # local batch 2, seq 8192, selective (per-op) activation checkpointing: 82.4 GiB reserved.
     work = Workload(preset_config("llama3-8b").model, 8192, 16, "bf16", TORCHTITAN_2024)
-    cluster = Cluster(PROFILES["h100-96g"], 8, 8)
+    cluster = Cluster(PROFILES["h100-96g-hbm2e-500w"], 8, 8)
     measured_gb = 82.4 * 2**30 / 1e9
     result = {ck: estimate(work, Layout(dp=8, zero=3, activation_checkpointing=ck), cluster)
               for ck in ("none", "selective", "full")}
@@ -123,7 +123,8 @@ def test_plans_on_a100_never_promise_more_than_the_best_published_mfu():
         capped["step_time_s"] - free["step_time_s"])
 
 
-@pytest.mark.parametrize("profile", ["h100-80g", "h100-96g", "h800", "h200"])
+@pytest.mark.parametrize("profile", ["h100-80g", "h100-96g", "h100-96g-hbm2e-500w", "h800",
+                                     "h200"])
 def test_h100_family_plans_never_promise_more_than_the_best_published_h100_mfu(profile):
     from meshtrain.planner.hardware import PUBLISHED_MFU_CAPS
     from meshtrain.planner.search import plan
@@ -163,4 +164,17 @@ def test_korthikanti_and_torchtitan_layouts_rank_in_plans_top_10():
     limits)."""
     rows = [r for r in published_rows() if not r.source.startswith("Narayanan")]
     ranks = {row.name: _rank_among_searched(row) for row in rows}
-    assert len(ranks) == 9 and all(rank <= 10 for rank in ranks.values()), ranks
+    assert len(ranks) == 10 and all(rank <= 10 for rank in ranks.values()), ranks
+
+
+def test_a_power_limit_below_tdp_slows_compute_on_the_energy_models_curve():
+    from meshtrain.planner.energy_schedule import power_curve
+
+    grand_teton = PROFILES["h100-96g-hbm2e-500w"]
+    # The clock it computes at draws the 500 W limit on the energy schedule's power curve.
+    clock = grand_teton.clock_ratio() * grand_teton.max_clock_mhz
+    assert power_curve(grand_teton).busy_power(clock) == pytest.approx(500.0)
+    assert 0.5 < grand_teton.clock_ratio() < 1.0
+    assert PROFILES["h100-80g"].clock_ratio() == 1.0
+    assert Cluster(grand_teton, 8, 8).process_rates()[0] == pytest.approx(
+        989.0 * grand_teton.clock_ratio())

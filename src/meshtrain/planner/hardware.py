@@ -97,6 +97,10 @@ class HardwareProfile:
     static_power_fraction: float = 0.3
     """Share of ``gpu_tdp_w`` that does not scale with the clock (leakage, memory, fans): what a
     waiting accelerator draws, the floor under the cubic dynamic part."""
+    power_limit_w: float = 0.0
+    """Board power limit the GPUs run at when below ``gpu_tdp_w`` (0 = the TDP): compute runs at
+    the clock whose power, on the energy model's curve (``static_power_fraction`` of the TDP
+    plus a dynamic part cubic in the clock), meets the limit (:meth:`clock_ratio`)."""
     max_mfu: float = 0.0
     """Highest model-FLOPs utilisation a training step is known to reach on this accelerator
     (the best published figure, see :data:`PUBLISHED_MFU_CAPS`); the estimate never promises
@@ -117,6 +121,17 @@ class HardwareProfile:
         efficiency, ratio = self.attention_by_head_dim[nearest]
         return efficiency, ratio
 
+    def clock_ratio(self) -> float:
+        """Sustained compute clock over the maximum under ``power_limit_w``: ``r`` with
+        ``static + (tdp - static) r^3 = limit``, never below ``min_clock_mhz``; 1 without a
+        limit below the TDP."""
+        if not self.power_limit_w or not self.gpu_tdp_w or self.power_limit_w >= self.gpu_tdp_w:
+            return 1.0
+        static = self.static_power_fraction * self.gpu_tdp_w
+        ratio = max((self.power_limit_w - static) / (self.gpu_tdp_w - static), 0.0) ** (1 / 3)
+        floor = self.min_clock_mhz / self.max_clock_mhz if self.max_clock_mhz else 0.0
+        return max(ratio, floor)
+
     def per_process(self, processes: int, threads: int = 1) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) one of ``processes`` processes with ``threads`` threads
         each gets. GPUs: the profile's figures. Calibrated CPUs: the machine's throughput with
@@ -124,7 +139,7 @@ class HardwareProfile:
         concurrent per-thread figure up to the calibrated count, and flat beyond it (the cores
         are full); each process gets its share."""
         if not self.solo_tflops or not self.calibrated_processes:
-            return self.peak_tflops, self.hbm_gbps
+            return self.peak_tflops * self.clock_ratio(), self.hbm_gbps
         busy = max(processes, 1) * max(threads, 1)
         if busy == 1:
             return self.solo_tflops, self.solo_hbm_gbps or self.hbm_gbps
@@ -143,7 +158,8 @@ PUBLISHED_MFU_CAPS = {
                    "H100 with dp/tp/pp communication overlapped, up to 47 % MFU, the highest "
                    "published H100 figure recorded here (Llama 3 405B: 38-43 %, Llama Team 2024 "
                    "Table 4). Applied to every profile with the H100's compute (h100-80g, "
-                   "h100-96g, h800, h200): none has a higher published figure of its own"),
+                   "h100-96g, h100-96g-hbm2e-500w, h800, h200): none has a higher published figure "
+                   "of its own"),
 }
 """Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
 
@@ -183,6 +199,16 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
+        HardwareProfile(
+            "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0,
+            hbm_gbps=2400.0, matmul_efficiency=0.62, kernel_overhead_us=5.0,
+            intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
+            inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
+            min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
+            max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
+                   "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
+                   "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
         HardwareProfile(
             "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
