@@ -27,6 +27,11 @@ docs/planner.md quotes). Each row names its source, table, layout and which figu
   checkpointing, no torch.compile: 82.4 GiB of memory and 5,762 tokens/s per GPU (compared as
   the 8 GPUs' ``tokens_per_s``). Priced on ``h100-96g-hbm2e-500w``. **Report** (memory and
   throughput).
+- torchtitan, docs/performance.md as of its 2024 A100 tables ("Llama 3 performance numbers",
+  "Llama 2 performance numbers"): FSDP2 (ZeRO-3) on 64 A100 80 GB, tokens/s per GPU ("WPS"),
+  Llama 3 at seq 8192, Llama 2 at 4096, per-op selective ("selective op"), full or no
+  checkpointing, local batch as listed. The Llama 2 13B run without checkpointing (61.1 % MFU)
+  sets the A100 MFU cap (``hardware.PUBLISHED_MFU_CAPS``): **fit**; the other five **report**.
 """
 
 from __future__ import annotations
@@ -90,6 +95,26 @@ KORTHIKANTI_TABLE_5 = (
 )
 
 
+_LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         ffn_dim=14336, mlp="swiglu", rope_theta=500000.0)
+_LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                          ffn_dim=28672, mlp="swiglu", rope_theta=500000.0)
+_LLAMA2_13B = ModelConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824,
+                          mlp="swiglu")
+_LLAMA2_70B = ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                          ffn_dim=28672, mlp="swiglu")
+
+# (model, shape, seq, local batch, checkpointing, tokens/s per GPU): FSDP2 on 64 A100 80 GB
+TORCHTITAN_A100 = (
+    ("Llama 3 8B", _LLAMA3_8B, 8192, 1, "selective", 2973),
+    ("Llama 3 70B", _LLAMA3_70B, 8192, 1, "full", 331),
+    ("Llama 2 13B", _LLAMA2_13B, 4096, 2, "none", 2162),
+    ("Llama 2 13B", _LLAMA2_13B, 4096, 2, "selective", 1904),
+    ("Llama 2 70B", _LLAMA2_70B, 4096, 1, "selective", 355),
+    ("Llama 2 70B", _LLAMA2_70B, 4096, 2, "full", 353),
+)
+
+
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set."""
     rows = []
@@ -130,6 +155,12 @@ def published_rows() -> list[PublishedRow]:
     rows.append(dataclasses.replace(
         rows[-1], name="Llama 3.1 8B FSDP 8 selective TPS", metric="tokens_per_s",
         published=5762 * 8))
+    for name, model, seq, local, mode, per_gpu in TORCHTITAN_A100:
+        rows.append(PublishedRow(
+            f"{name} FSDP 64 A100 {mode}", "torchtitan docs/performance.md (A100)",
+            "fit" if name == "Llama 2 13B" and mode == "none" else "report",
+            "tokens_per_s", per_gpu * 64, Workload(model, seq, 64 * local, "bf16", TORCHTITAN_2024),
+            Layout(dp=64, zero=3, activation_checkpointing=mode), "a100-80g"))
     return rows
 
 
