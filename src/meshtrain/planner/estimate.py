@@ -12,11 +12,13 @@ on the wire at ``RuntimeTraits.grad_reduce_bytes`` per element, parameters in th
 ZeRO-0 one all-reduce; ZeRO-1 a reduce-scatter and a parameter all-gather; ZeRO-2 a reduce-scatter
 per micro-batch (meshtrain keeps no full gradient buffer) and an all-gather; ZeRO-3 per micro-batch
 and block (each collective paying its latency) an all-gather in forward, one in backward and a
-reduce-scatter. Where the runtime overlaps them,
-only what exceeds the compute they hide behind is exposed (reductions behind the backward of the
-micro-batch that produces them, ZeRO-3 gathers behind the previous block's compute) — unless the
-profile says communication cannot run beside compute (CPUs, ``comm_overlaps_compute``); the
-ZeRO-1/2 parameter all-gather after the update is exposed. With context parallelism the
+reduce-scatter. Where the runtime overlaps them, only what outlasts the compute they hide behind
+is exposed, bucket by bucket (:mod:`meshtrain.planner.overlap`: ZeRO 0-1 behind the last
+micro-batch's backward, ZeRO-2 behind every micro-batch's, ZeRO-3 gathers prefetched behind the
+previous unit's compute) — unless the profile says communication cannot run beside compute
+(CPUs, ``comm_overlaps_compute``); the ZeRO-1/2 parameter all-gather after the update is
+exposed. The estimate's ``overlap`` table gives, per axis (dp, tp, cp, ep, pp), ``total_s``,
+``overlapped_s`` and ``exposed_s`` per step. With context parallelism the
 reduction (and ZeRO's sharding) spans the ``dp × cp`` ranks, expert parameters' the
 ``dp / ep × cp``; without it, ``dp`` and ``dp / ep``. The cp K/V all-gathers and reduce-scatters
 (:mod:`meshtrain.planner.context_parallel`) sit in the micro-batch's forward and backward, not
@@ -29,11 +31,18 @@ FLOPs add what activation checkpointing recomputes.
 
 from __future__ import annotations
 
+import math
+
 from meshtrain.layout import Layout
 from meshtrain.model.init import count_parameters, flops_per_token
 from meshtrain.planner.context_parallel import forward_share, reduction_group, step_bus_bytes
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, rank_memory, stage_params
+from meshtrain.planner.overlap import (
+    bucketed_exposed,
+    overlap_entry,
+    zero3_exposed,
+)
 from meshtrain.planner.pipeline_model import pipeline_estimate
 from meshtrain.planner.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
 from meshtrain.planner.workload import Workload, check_layout, layout_to_json, stage_layers
@@ -42,6 +51,11 @@ STEP_SYNCS_PER_AXIS = 3
 """Small latency-bound all-reduces per step on every axis of size > 1: the gradient norm's
 partial sums, and the loss (one over pp, one over dp; tp's grad-norm and replicated-gradient
 reductions). Seen in :meth:`meshtrain.training.trainer.Trainer.train_step`."""
+
+
+ZERO3_MAX_UNITS_PER_BLOCK = 7
+"""ZeRO-3 units one block splits into at most when it exceeds a bucket: its single projections
+(q, k, v, o; the MLP's up, gate and down), :func:`meshtrain.parallel.data._zero3_units`."""
 
 
 def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: list[int],
@@ -91,8 +105,9 @@ def _fill_drain_speedup(layout: Layout, cluster: Cluster) -> float:
 
 def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float, expert: float,
              backward: float, forward: float, blocks: int = 1) -> tuple[float, float]:
-    """(total, exposed) seconds of data-parallel communication per step on one rank; ZeRO-3
-    gathers and reduces block by block (``blocks`` collectives of each kind per micro-batch)."""
+    """(total, exposed) seconds of data-parallel communication per step on one rank, overlapped
+    as the runtime schedules it (:mod:`meshtrain.planner.overlap`); ``backward`` and
+    ``forward`` are one micro-batch's, ``blocks`` the stage's blocks (ZeRO-3's units)."""
     lay, traits = layout, workload.traits
     size, stride = reduction_group(lay)
     groups = [(dense, size, stride)]
@@ -100,11 +115,13 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
         groups.append((expert, size // lay.ep, lay.tp * lay.ep if lay.cp == 1 else lay.tp))
     total = exposed = 0.0
     m = lay.microbatches
+    overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
     for params, size, stride in groups:
         if size <= 1 or params <= 0:
             continue
         grads = params * traits.grad_reduce_bytes
         weights = params * workload.act_bytes
+        buckets = max(math.ceil(weights / traits.dp_bucket_bytes), 1)
 
         def t(op, nbytes, size=size, stride=stride):
             return cluster.collective_time(op, nbytes, size, stride, "dp")
@@ -113,22 +130,24 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
                                                    traits.grad_reduce_bytes == 4)
 
-        if lay.zero == 0:
-            hidden, tail = reduce("all_reduce", grads), 0.0
-            window = backward
-        elif lay.zero == 1:
-            hidden, tail = reduce("reduce_scatter", grads), t("all_gather", weights)
-            window = backward
-        elif lay.zero == 2:
-            hidden, tail = m * t("reduce_scatter", grads), t("all_gather", weights)
-            window = m * backward
-        else:
-            n = max(blocks, 1)
-            hidden = m * n * (2 * t("all_gather", weights / n) + t("reduce_scatter", grads / n))
-            tail, window = 0.0, m * (backward + forward)
+        if lay.zero in (0, 1):  # reduced during the last micro-batch's backward only
+            hidden = reduce("all_reduce" if lay.zero == 0 else "reduce_scatter", grads)
+            tail = t("all_gather", weights) if lay.zero == 1 else 0.0
+            hidden_exposed = bucketed_exposed(hidden, backward, buckets)
+        elif lay.zero == 2:  # reduce-scattered during every micro-batch's backward
+            one = t("reduce_scatter", grads)
+            hidden, tail = m * one, t("all_gather", weights)
+            hidden_exposed = m * bucketed_exposed(one, backward, buckets)
+        else:  # gathered and reduce-scattered unit by unit, every micro-batch
+            per_block = (min(math.ceil(buckets / max(blocks, 1)), ZERO3_MAX_UNITS_PER_BLOCK)
+                         if traits.zero3_split_blocks else 1)
+            units = max(blocks, 1) * per_block
+            gather = units * t("all_gather", weights / units)
+            scatter = units * t("reduce_scatter", grads / units)
+            hidden, tail = m * (2 * gather + scatter), 0.0
+            hidden_exposed = m * zero3_exposed(gather, scatter, forward, backward, units)
         total += hidden + tail
-        overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
-        exposed += tail + (max(hidden - window, 0.0) if overlap else hidden)
+        exposed += tail + (hidden_exposed if overlap else hidden)
     return total, exposed
 
 
@@ -236,6 +255,13 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "step_sync_s": syncs,
         "mfu_cap_s": mfu_cap,
     }
+    # What each axis's communication hides behind (meshtrain.planner.overlap): only dp's
+    # reductions and gathers overlap compute; tp, cp and ep collectives block, pp transfers sit
+    # on the stages' dependency chain.
+    overlap = {"dp": overlap_entry(dp_total, dp_exposed)}
+    for axis in ("tp", "cp", "ep", "pp"):
+        seconds = breakdown[f"{axis}_comm_s"]
+        overlap[axis] = overlap_entry(seconds, seconds)
     result = {
         "params": total_params,
         "active_params": active_params,
@@ -257,6 +283,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "pipeline_model": pipe.source,
         "breakdown": breakdown,
         "step_sync_by_axis_s": sync_by_axis,
+        "overlap": overlap,
         "bound": _bound(breakdown),
         "stage_times_s": stage_times,
     }

@@ -99,6 +99,10 @@ class HardwareProfile:
     static_power_fraction: float = 0.3
     """Share of ``gpu_tdp_w`` that does not scale with the clock (leakage, memory, fans): what a
     waiting accelerator draws, the floor under the cubic dynamic part."""
+    power_limit_w: float = 0.0
+    """Board power limit the GPUs run at when below ``gpu_tdp_w`` (0 = the TDP): compute runs at
+    the clock whose power, on the energy model's curve (``static_power_fraction`` of the TDP
+    plus a dynamic part cubic in the clock), meets the limit (:meth:`clock_ratio`)."""
     max_mfu: float = 0.0
     """Highest model-FLOPs utilisation a training step is known to reach on this accelerator
     (the best published figure, see :data:`PUBLISHED_MFU_CAPS`); the estimate never promises
@@ -119,6 +123,17 @@ class HardwareProfile:
         efficiency, ratio = self.attention_by_head_dim[nearest]
         return efficiency, ratio
 
+    def clock_ratio(self) -> float:
+        """Sustained compute clock over the maximum under ``power_limit_w``: ``r`` with
+        ``static + (tdp - static) r^3 = limit``, never below ``min_clock_mhz``; 1 without a
+        limit below the TDP."""
+        if not self.power_limit_w or not self.gpu_tdp_w or self.power_limit_w >= self.gpu_tdp_w:
+            return 1.0
+        static = self.static_power_fraction * self.gpu_tdp_w
+        ratio = max((self.power_limit_w - static) / (self.gpu_tdp_w - static), 0.0) ** (1 / 3)
+        floor = self.min_clock_mhz / self.max_clock_mhz if self.max_clock_mhz else 0.0
+        return max(ratio, floor)
+
     def per_process(self, processes: int, threads: int = 1) -> tuple[float, float]:
         """(peak TFLOP/s, memory GB/s) one of ``processes`` processes with ``threads`` threads
         each gets. GPUs: the profile's figures. Calibrated CPUs: the machine's throughput with
@@ -126,7 +141,7 @@ class HardwareProfile:
         concurrent per-thread figure up to the calibrated count, and flat beyond it (the cores
         are full); each process gets its share."""
         if not self.solo_tflops or not self.calibrated_processes:
-            return self.peak_tflops, self.hbm_gbps
+            return self.peak_tflops * self.clock_ratio(), self.hbm_gbps
         busy = max(processes, 1) * max(threads, 1)
         if busy == 1:
             return self.solo_tflops, self.solo_hbm_gbps or self.hbm_gbps
@@ -135,9 +150,18 @@ class HardwareProfile:
 
 
 PUBLISHED_MFU_CAPS = {
-    "a100": (0.563, "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5: 1T GPT, 512 A100, "
-                    "tp 8 x pp 64, sequence parallelism + selective recompute, 56.3 % MFU, the "
-                    "highest published A100 figure (MegaScale 2024 reports 55.2 % at 175B)"),
+    "a100": (0.611, "torchtitan docs/performance.md (its 2024 A100 tables): Llama 2 13B, FSDP2 "
+                    "on 64 A100 80 GB, local batch 2, seq 4096, no activation checkpointing, "
+                    "61.1 % MFU (6N + 12 L h s FLOPs per token, 312 TFLOP/s peak), the highest "
+                    "published A100 figure recorded here; Megatron-LM's best, Korthikanti et al. "
+                    "2022 Table 5's 1T GPT on 512 A100, is 56.3 %"),
+    "h100": (0.47, "Megatron-LM README (NVIDIA/Megatron-LM), 'Performance Benchmarking': GPT "
+                   "models of 2B to 462B parameters, seq 4096, vocab 131,072, on up to 6,144 "
+                   "H100 with dp/tp/pp communication overlapped, up to 47 % MFU, the highest "
+                   "published H100 figure recorded here (Llama 3 405B: 38-43 %, Llama Team 2024 "
+                   "Table 4). Applied to every profile with the H100's compute (h100-80g, "
+                   "h100-96g, h100-96g-hbm2e-500w, h800, h200): none has a higher published figure "
+                   "of its own"),
 }
 """Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
 
@@ -167,22 +191,32 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
+        HardwareProfile(
+            "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0,
+            hbm_gbps=2400.0, matmul_efficiency=0.62, kernel_overhead_us=5.0,
+            intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
+            inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
+            min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
+            max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
+                   "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
+                   "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
         HardwareProfile(
             "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
@@ -191,7 +225,8 @@ PROFILES: dict[str, HardwareProfile] = {
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
-            power_w=1275.0, source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,

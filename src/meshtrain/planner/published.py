@@ -9,13 +9,29 @@ docs/planner.md quotes). Each row names its source, table, layout and which figu
   recomputation (the paper's ``96 B s l h^2 (1 + s/6h + V/16lh)``: our hardware FLOPs), A100
   80 GB. Micro-batch size and schedule are not in the table: micro-batch 1, 1F1B. **Fit**: the
   A100 profile's ``matmul_efficiency`` (0.75) was chosen on these rows.
+- Narayanan et al. 2021, Table 2 (§5.2), the PTD-P rows: 174.6B GPT (96 layers, hidden 12288,
+  96 heads) at model-parallel size 96 and 529.6B (105 layers, hidden 20480, 128 heads) at 280,
+  i.e. tp 8 within a node × pp 12 and × pp 35, micro-batch 1, global batch 1536 and 2240 on 384 to
+  2240 GPUs; the same FLOPs definition as Table 1. The table gives no schedule: priced as 1F1B
+  like the Table 1 rows (with 96 to 384 micro-batches per pipeline the interleaved schedule's
+  smaller bubble moves the prediction up by 1-7 %). **Report**. Table 2's ZeRO-3 rows ran
+  DeepSpeed's ZeRO-3 without model parallelism, a stack with no profile here; they are not in
+  the set (priced with Megatron-LM 2021's kernels and no overlap they come out -2 % to +34 %).
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198), Table 5: seconds per iteration with full recomputation and with sequence
   parallelism + selective recomputation, layouts of its Table 3 (22B: one micro-batch of 4;
   175B and 530B: interleaved 1F1B, 3 chunks per rank; 1T: 1F1B; micro-batch 1 elsewhere).
   **Report**: nothing was fitted on them.
-- torchtitan, docs/performance.md, Table 1: Llama 3.1 8B, FSDP on 8 H100 96 GB, seq 8192, local
-  batch 2, per-op selective checkpointing: 82.4 GiB of memory. **Report** (memory).
+- torchtitan, docs/performance.md, Table 1: Llama 3.1 8B, FSDP on 8 H100 96 GB (Grand Teton:
+  HBM2e at 2.4 TB/s, the default 500 W power limit), seq 8192, local batch 2, per-op selective
+  checkpointing, no torch.compile: 82.4 GiB of memory and 5,762 tokens/s per GPU (compared as
+  the 8 GPUs' ``tokens_per_s``). Priced on ``h100-96g-hbm2e-500w``. **Report** (memory and
+  throughput).
+- torchtitan, docs/performance.md as of its 2024 A100 tables ("Llama 3 performance numbers",
+  "Llama 2 performance numbers"): FSDP2 (ZeRO-3) on 64 A100 80 GB, tokens/s per GPU ("WPS"),
+  Llama 3 at seq 8192, Llama 2 at 4096, per-op selective ("selective op"), full or no
+  checkpointing, local batch as listed. The Llama 2 13B run without checkpointing (61.1 % MFU)
+  sets the A100 MFU cap (``hardware.PUBLISHED_MFU_CAPS``): **fit**; the other five **report**.
 """
 
 from __future__ import annotations
@@ -61,12 +77,41 @@ NARAYANAN_TABLE_1 = (
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 
+# (params B, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU); micro-batch 1
+NARAYANAN_TABLE_2_PTDP = (
+    (174.6, 96, 12288, 96, 8, 12, 384, 1536, 153), (174.6, 96, 12288, 96, 8, 12, 768, 1536, 149),
+    (174.6, 96, 12288, 96, 8, 12, 1536, 1536, 141),
+    (529.6, 128, 20480, 105, 8, 35, 560, 2240, 171),
+    (529.6, 128, 20480, 105, 8, 35, 1120, 2240, 167),
+    (529.6, 128, 20480, 105, 8, 35, 2240, 2240, 159),
+)
+
 # (name, heads, hidden, layers, tp, pp, GPUs, batch, micro-batch, chunks, full s, selective s)
 KORTHIKANTI_TABLE_5 = (
     ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10),
     ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75),
     ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83),
     ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49),
+)
+
+
+_LLAMA3_8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         ffn_dim=14336, mlp="swiglu", rope_theta=500000.0)
+_LLAMA3_70B = ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                          ffn_dim=28672, mlp="swiglu", rope_theta=500000.0)
+_LLAMA2_13B = ModelConfig(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824,
+                          mlp="swiglu")
+_LLAMA2_70B = ModelConfig(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                          ffn_dim=28672, mlp="swiglu")
+
+# (model, shape, seq, local batch, checkpointing, tokens/s per GPU): FSDP2 on 64 A100 80 GB
+TORCHTITAN_A100 = (
+    ("Llama 3 8B", _LLAMA3_8B, 8192, 1, "selective", 2973),
+    ("Llama 3 70B", _LLAMA3_70B, 8192, 1, "full", 331),
+    ("Llama 2 13B", _LLAMA2_13B, 4096, 2, "none", 2162),
+    ("Llama 2 13B", _LLAMA2_13B, 4096, 2, "selective", 1904),
+    ("Llama 2 70B", _LLAMA2_70B, 4096, 1, "selective", 355),
+    ("Llama 2 70B", _LLAMA2_70B, 4096, 2, "full", 353),
 )
 
 
@@ -77,6 +122,14 @@ def published_rows() -> list[PublishedRow]:
         dp = gpus // (tp * pp)
         rows.append(PublishedRow(
             f"GPT {size}B tp{tp} pp{pp} dp{dp}", "Narayanan 2021 Table 1", "fit",
+            "hardware_tflops_per_gpu", tflops,
+            Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
+            Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
+                   activation_checkpointing="full"), "a100-80g"))
+    for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_2_PTDP:
+        dp = gpus // (tp * pp)
+        rows.append(PublishedRow(
+            f"GPT {size}B tp{tp} pp{pp} dp{dp}", "Narayanan 2021 Table 2", "report",
             "hardware_tflops_per_gpu", tflops,
             Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
             Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
@@ -98,7 +151,16 @@ def published_rows() -> list[PublishedRow]:
         "Llama 3.1 8B FSDP 8 selective", "torchtitan docs/performance.md Table 1", "report",
         "memory_gb_per_gpu", 82.4 * 2**30 / 1e9,
         Workload(llama, 8192, 16, "bf16", TORCHTITAN_2024),
-        Layout(dp=8, zero=3, activation_checkpointing="selective"), "h100-96g"))
+        Layout(dp=8, zero=3, activation_checkpointing="selective"), "h100-96g-hbm2e-500w"))
+    rows.append(dataclasses.replace(
+        rows[-1], name="Llama 3.1 8B FSDP 8 selective TPS", metric="tokens_per_s",
+        published=5762 * 8))
+    for name, model, seq, local, mode, per_gpu in TORCHTITAN_A100:
+        rows.append(PublishedRow(
+            f"{name} FSDP 64 A100 {mode}", "torchtitan docs/performance.md (A100)",
+            "fit" if name == "Llama 2 13B" and mode == "none" else "report",
+            "tokens_per_s", per_gpu * 64, Workload(model, seq, 64 * local, "bf16", TORCHTITAN_2024),
+            Layout(dp=64, zero=3, activation_checkpointing=mode), "a100-80g"))
     return rows
 
 

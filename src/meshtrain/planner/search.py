@@ -8,8 +8,10 @@ DeepSpeed pair them); with tp > 1 sequence parallelism on and off (the same comm
 volume, less activation memory, but more, smaller kernels); schedules 1f1b, interleaved-1f1b
 (2, 4 and 8 chunks), zb-h1 and zb-v with pipelining
 (gpipe only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
-checkpointing none, selective, full. When nothing fits, :func:`explain_nothing_fits` says what
-dominates memory and how many GPUs the smallest feasible layout would need.
+checkpointing none, selective, full — of these, only what the priced stack offers
+(``RuntimeTraits.zero_stages``, ``context_parallel``, ``pp_schedules``). When nothing fits,
+:func:`explain_nothing_fits` says what dominates memory and how many GPUs the smallest
+feasible layout would need.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _schedules(pp: int, n_layers: int, microbatches: int) -> list[tuple[str, int]]:
+def _schedules(pp: int, n_layers: int, microbatches: int,
+               offered: tuple[str, ...]) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     options = [("1f1b", 1), ("zb-h1", 1)]
@@ -42,7 +45,7 @@ def _schedules(pp: int, n_layers: int, microbatches: int) -> list[tuple[str, int
         options.append(("zb-v", 1))
     if microbatches % pp == 0:
         options += [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if n_layers >= v * pp]
-    return options
+    return [(name, v) for name, v in options if name in offered]
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster, *,
@@ -57,6 +60,9 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and gpus % t == 0
            and model.n_heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
            and model.ffn_dim % t == 0]
+    traits = workload.traits  # only what the priced runtime offers
+    cps = cps if traits.context_parallel else (1,)
+    zero_stages = tuple(z for z in zero_stages if z in traits.zero_stages)
     shapes = [(t, c) for t in tps for c in _divisors(gpus // t)
               if (cps is None or c in cps) and context_parallel_fits(workload, c, t, t > 1)]
     for tp, cp in shapes:
@@ -76,7 +82,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                     for zero in zero_stages:
                         if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
                             continue
-                        for schedule, v in _schedules(pp, model.n_layers, m):
+                        for schedule, v in _schedules(pp, model.n_layers, m,
+                                                      traits.pp_schedules):
                             for sp, ckpt in itertools.product(
                                     (True, False) if tp > 1 else (False,), checkpointing):
                                 layouts.append(Layout(

@@ -23,7 +23,21 @@ class RuntimeTraits:
     flash_attention: bool = True
     """Fused attention (SDPA / FlashAttention): no s×s scores in memory, causal half the work."""
     overlap_dp: bool = True
-    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute."""
+    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute, bucket by
+    bucket (:mod:`meshtrain.planner.overlap` says which micro-batches' compute hides them)."""
+    dp_bucket_bytes: float = 25 * 2**20
+    """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
+    PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the runtime offers (what ``plan`` searches): Megatron-LM in 2021 had no
+    distributed optimizer, only plain data parallelism."""
+    context_parallel: bool = True
+    """Whether the runtime offers context parallelism (Megatron-LM 2021 did not)."""
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    """Pipeline schedules the runtime offers (Megatron-LM 2021: 1F1B and interleaved 1F1B)."""
+    zero3_split_blocks: bool = True
+    """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
+    unit per block (FSDP2 wrapping each block, as torchtitan does)."""
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
     grad_reduce_bytes: int = 4
@@ -61,8 +75,11 @@ class RuntimeTraits:
 MESHTRAIN = RuntimeTraits()
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
-                              optimizer_bytes_per_param=30.0)
-TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0)
+                              optimizer_bytes_per_param=30.0, zero_stages=(0,),
+                              context_parallel=False,
+                              pp_schedules=("1f1b", "interleaved-1f1b"))
+TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
+                                zero3_split_blocks=False)
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
 eager fp32 cross-entropy."""
@@ -95,6 +112,8 @@ class Workload:
     @classmethod
     def from_config(cls, config: Config, traits: RuntimeTraits = MESHTRAIN) -> Workload:
         """The workload a run config describes."""
+        traits = dataclasses.replace(traits,
+                                     dp_bucket_bytes=config.parallel.dp_bucket_mb * 2**20)
         if config.parallel.grad_reduce_dtype == "bf16":
             traits = dataclasses.replace(traits, grad_reduce_bytes=2)
         if (config.train.device == "cpu" and config.parallel.dp_shared_memory
