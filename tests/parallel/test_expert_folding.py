@@ -29,6 +29,10 @@ STEPS = 2
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
        "model.moe_balance=aux-loss", "model.moe_aux_coef=0.5")
 FOLDED = ("parallel.tp=2", "parallel.ep=4")
+BIAS = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
+        "model.moe_balance=bias", "model.moe_bias_rate=0.01")
+"""Balancing from the global batch's loads: the same numbers whatever the dp × micro-batch split
+(the aux loss is per micro-batch, so its one-process reference must split alike)."""
 
 
 def _trainer(config_dict: dict):
@@ -128,10 +132,10 @@ def test_checkpoint_round_trip_across_folded_and_plain_layouts(tmp_path):
     """Save at dp2 × tp2 × ep4, resume on one process, then at dp2 × ep2, then back at
     dp2 × tp2 × ep4: the experts land where they belong (the losses are one process's)."""
     def cfg(*overrides, nproc):
-        return tiny_config(*MOE, "train.steps=5", "checkpoint.resume=auto", *overrides,
+        return tiny_config(*BIAS, "train.steps=5", "checkpoint.resume=auto", *overrides,
                            run_dir=str(tmp_path / "run"), nproc=nproc).to_dict()
 
-    reference = train_and_save(tiny_config(*MOE, "train.steps=5", run_dir=str(tmp_path / "ref"),
+    reference = train_and_save(tiny_config(*BIAS, "train.steps=5", run_dir=str(tmp_path / "ref"),
                                            nproc=1).to_dict(), 5)
     losses = run_distributed(4, train_and_save, cfg(*FOLDED, "parallel.zero=1", nproc=4), 2)[0]
     losses += train_and_save(cfg(nproc=1), 1)
