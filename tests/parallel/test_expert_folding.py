@@ -171,3 +171,44 @@ def test_folded_degrees_are_validated(overrides, fragment):
     config = load_config(None, base + list(overrides))
     with pytest.raises(ConfigError, match=fragment):
         validate_config(config, None)
+
+
+@pytest.mark.parametrize("total, size", [(0, 2), (1, 2), (7, 2), (8, 4), (10, 3)])
+def test_tp_shares_cover_the_sorted_rows_once(total, size):
+    """The tp ranks' shares of the sorted rows are disjoint and cover them, and the per-expert
+    counts of the shares add up to the experts' counts."""
+    import torch
+
+    from meshtrain.parallel.expert.fold import row_range, share_counts
+
+    counts = torch.tensor([total // 2, 0, total - total // 2])
+    ranges = [row_range(total, size, r) for r in range(size)]
+    rows = [i for start, stop in ranges for i in range(start, stop)]
+    assert rows == list(range(total))
+    shares = [share_counts(counts, start, stop) for start, stop in ranges]
+    assert torch.equal(sum(shares), counts)
+    assert [int(s.sum()) for s in shares] == [stop - start for start, stop in ranges]
+
+
+def test_expert_groups_fold_over_tp_and_keep_the_dp_split_at_tp1():
+    from meshtrain.mesh import ParallelMesh
+
+    def groups(axis, **degrees):
+        world = degrees.get("dp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1)
+        return sorted({tuple(ParallelMesh(rank=r, **degrees).group_ranks(axis))
+                       for r in range(world)})
+
+    # dp2 × tp2, ep 4: one expert group of all four ranks, each its own edp group.
+    assert groups("ep", dp=2, tp=2, ep=4) == [(0, 1, 2, 3)]
+    assert groups("edp", dp=2, tp=2, ep=4) == [(0,), (1,), (2,), (3,)]
+    # dp2 × tp2, ep 2: the tp pairs hold the experts; the dp ranks replicate them.
+    assert groups("ep", dp=2, tp=2, ep=2) == groups("tp", dp=2, tp=2, ep=2) == [(0, 1), (2, 3)]
+    assert groups("edp", dp=2, tp=2, ep=2) == [(0, 2), (1, 3)]
+    # pp2 × tp2, ep 2: each stage folds its own ranks.
+    assert groups("ep", tp=2, pp=2, ep=2) == [(0, 1), (2, 3)]
+    assert groups("dp_tp", tp=2, pp=2, ep=2) == [(0, 1), (2, 3)]
+    # tp 1: ep consecutive data-parallel ranks, as before folding.
+    assert groups("ep", dp=4, ep=2) == [(0, 1), (2, 3)]
+    assert groups("edp", dp=4, ep=2) == [(0, 2), (1, 3)]
+    with pytest.raises(ValueError, match="divide tp"):
+        ParallelMesh(dp=3, tp=4, ep=6)
