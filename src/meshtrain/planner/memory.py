@@ -64,7 +64,7 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
 @dataclasses.dataclass
 class StageParams:
     """Parameters one rank of a pipeline stage holds: dense (replicated over dp) and expert
-    (replicated over dp / ep)."""
+    (replicated over the dp × tp / ep ranks holding the same experts)."""
 
     dense: float
     expert: float
