@@ -15,10 +15,17 @@ ranks: ``dp_cp`` is the group of all ``dp × cp`` ranks with the same (pp, tp) c
 torchtitan's ``dp_shard_cp``), over which gradients are reduced and ZeRO shards its states; its
 collectives are counted as ``dp`` traffic. It equals ``dp`` when ``cp = 1``.
 
-Expert parallelism is a second factorisation of the data-parallel ranks: the ``ep`` consecutive
-dp ranks form an expert group, and the ``dp / ep`` ranks holding the same experts form the
-``edp`` group (expert-data-parallel); expert gradients are reduced over ``edp_cp``
-(``edp`` × ``cp``).
+Expert parallelism is its own factorisation of the ``dp × tp`` ranks of one pipeline stage (and
+one cp rank), independent of attention's (Megatron's "parallel folding"). Those ranks are numbered
+``dp_tp_rank = dp_rank · tp + tp_rank`` (tp innermost, as the global order); ``ep`` consecutive
+ones form an expert group (``ep_rank = dp_tp_rank mod ep``), and the ``dp · tp / ep`` ranks
+holding the same experts form the ``edp`` group (expert-data-parallel, ``edp_rank = dp_tp_rank //
+ep``); expert gradients are reduced over ``edp_cp`` (``edp`` × ``cp``). ``ep`` must divide
+``dp · tp`` and either divide ``tp`` or be a multiple of it, so an expert group is a slice of one
+tp group or a run of whole tp groups. With ``tp = 1`` this is the plain split of the dp ranks;
+with ``tp > 1`` an expert group spans tp ranks, each tp rank holding other experts and computing
+its own share of the tokens (:mod:`meshtrain.parallel.expert.apply`). The ``dp_tp`` group (every
+``dp × tp`` rank of a stage and cp rank) is the one expert re-placement moves state over.
 
 A tied embedding (``model.tie_embeddings``) under pipeline parallelism is held by the pipeline
 ranks of the first and of the last stage (``tied_pp_ranks``, from the schedule): the ``tied``
@@ -47,11 +54,13 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 
-COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp", "replica_sync": "replica"}
+COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp", "dp_tp": "dp",
+              "replica_sync": "replica"}
 """Groups whose collectives are counted under another axis's name in ``comm_bytes``: gradient
 reduction over dp × cp is data-parallel traffic (``cp`` counts only the key/value exchange); the
-tied embedding's gradient sum between the first and last stage is pipeline traffic; DiLoCo's
-background exchange (``replica_sync``) is replica traffic."""
+tied embedding's gradient sum between the first and last stage is pipeline traffic; expert
+re-placement's moves over ``dp_tp`` are data-parallel traffic; DiLoCo's background exchange
+(``replica_sync``) is replica traffic."""
 
 OWN_GROUPS = ("replica_sync",)
 """Axes whose process groups are never shared with another axis of the same members: DiLoCo's
@@ -75,8 +84,7 @@ class ParallelMesh:
         the last stage; empty = none), which form the ``tied`` groups. ``replica_group``: this
         world is that one of the ``replicas`` groups alone (a separate job; ``rank`` is then
         the rank inside the group); None = the world holds every group."""
-        if ep < 1 or dp % ep:
-            raise ValueError(f"ep = {ep} must divide dp = {dp}")
+        check_expert_degree(ep, dp, tp)
         if cp < 1:
             raise ValueError(f"cp = {cp} must be at least 1")
         if replicas < 1:
@@ -105,8 +113,13 @@ class ParallelMesh:
         self.cp_rank = (inner // tp) % cp
         self.dp_rank = (inner // (tp * cp)) % dp
         self.pp_rank = inner // (tp * cp * dp)
-        self.ep_rank = self.dp_rank % ep
-        self.edp_rank = self.dp_rank // ep
+        self.dp_tp_rank = self.dp_rank * tp + self.tp_rank
+        """This rank's place among the ``dp × tp`` ranks of its stage (the expert factorisation's
+        numbering, and its place in the ``dp_tp`` group)."""
+        self.ep_rank = self.dp_tp_rank % ep
+        self.edp_rank = self.dp_tp_rank // ep
+        self.edp = dp * tp // ep
+        """Ranks of the ``edp`` group: the ``dp × tp`` ranks of a stage holding the same experts."""
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
         """This rank's place in its ``dp_cp`` group (gradient reduction, ZeRO shard index)."""
         self.edp_cp_rank = self.edp_rank * cp + self.cp_rank
@@ -177,7 +190,7 @@ class ParallelMesh:
         def r(p, d, t, c):
             return self.coords_to_rank(p, d, t, c, replica)
 
-        pp, dp, tp, ep, cp = self.pp, self.dp, self.tp, self.ep, self.cp
+        pp, dp, tp, ep, cp, edp = self.pp, self.dp, self.tp, self.ep, self.cp, self.edp
         outer = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
         groups: dict[str, list[list[int]]] = {
             "tp": [[r(p, d, t, c) for t in range(tp)]
@@ -189,12 +202,15 @@ class ParallelMesh:
                       for p in range(pp) for t in range(tp)],
             "pp": [[r(p, d, t, c) for p in range(pp)]
                    for d in range(dp) for c in range(cp) for t in range(tp)],
-            "ep": [[r(p, e0 + e, t, c) for e in range(ep)]
-                   for p, c, t in outer for e0 in range(0, dp, ep)],
-            "edp": [[r(p, e + k * ep, t, c) for k in range(dp // ep)]
-                    for p, c, t in outer for e in range(ep)],
-            "edp_cp": [[r(p, e + k * ep, t, c) for k in range(dp // ep) for c in range(cp)]
-                       for p in range(pp) for t in range(tp) for e in range(ep)],
+            "dp_tp": [[r(p, x // tp, x % tp, c) for x in range(dp * tp)]
+                      for p in range(pp) for c in range(cp)],
+            "ep": [[r(p, (x0 + e) // tp, (x0 + e) % tp, c) for e in range(ep)]
+                   for p in range(pp) for c in range(cp) for x0 in range(0, dp * tp, ep)],
+            "edp": [[r(p, (e + k * ep) // tp, (e + k * ep) % tp, c) for k in range(edp)]
+                    for p in range(pp) for c in range(cp) for e in range(ep)],
+            "edp_cp": [[r(p, (e + k * ep) // tp, (e + k * ep) % tp, c)
+                        for k in range(edp) for c in range(cp)]
+                       for p in range(pp) for e in range(ep)],
         }
         tied = self.tied_pp_ranks
         groups["tied"] = [[r(p, d, t, c) for p in tied]
@@ -280,6 +296,16 @@ class ParallelMesh:
             entry = self.comm_log.record("world", "barrier", (), torch.uint8, 0, self.world_size)
             dist.barrier()
             entry.done = True
+
+
+def check_expert_degree(ep: int, dp: int, tp: int) -> None:
+    """Refuse an expert-parallel degree the folded layout cannot place: ``ep`` must divide
+    ``dp · tp`` and either divide ``tp`` or be a multiple of it (ValueError otherwise)."""
+    if ep < 1 or (dp * tp) % ep:
+        raise ValueError(f"ep = {ep} must divide dp × tp = {dp} × {tp} = {dp * tp}")
+    if tp % ep and ep % tp:
+        raise ValueError(f"ep = {ep} must divide tp = {tp} or be a multiple of it (an expert "
+                         f"group is a slice of one tp group or a run of whole tp groups)")
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0,

@@ -248,22 +248,32 @@ def validate_context_parallel(config: Config) -> None:
             f"model.moe_capacity_factor = 0 (dropless) or parallel.cp = 1.")
 
 
+def valid_expert_degrees(dp: int, tp: int, experts: int) -> list[int]:
+    """The ``parallel.ep`` the folded expert layout can place: divisors of ``dp × tp`` that
+    divide ``tp`` or are a multiple of it, and divide ``experts``."""
+    return [e for e in divisors(dp * tp) if (tp % e == 0 or e % tp == 0) and experts % e == 0]
+
+
 def validate_expert_parallel(config: Config, dp: int) -> None:
-    """ep splits the experts of an MoE model over groups of data-parallel ranks."""
+    """ep splits the experts of an MoE model over groups of a stage's dp × tp ranks."""
     par, m = config.parallel, config.model
+    tp = par.tp
     if not m.moe_experts:
         raise ConfigError(f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
                           f"(model.moe_experts > 0); use parallel.ep = 1 for a dense model.")
-    if dp % par.ep:
-        valid = [e for e in divisors(dp) if m.moe_experts % e == 0]
-        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp = {dp} (expert "
-                          f"parallelism splits the data-parallel ranks); valid ep: "
-                          f"{', '.join(map(str, valid))}.")
+    valid = ", ".join(map(str, valid_expert_degrees(dp, tp, m.moe_experts)))
+    if (dp * tp) % par.ep:
+        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp × parallel.tp = "
+                          f"{dp} × {tp} = {dp * tp} (expert parallelism splits the data- and "
+                          f"tensor-parallel ranks of a stage); valid ep: {valid}.")
+    if tp % par.ep and par.ep % tp:
+        raise ConfigError(f"parallel.ep = {par.ep} neither divides parallel.tp = {tp} nor is a "
+                          f"multiple of it (an expert group is a slice of one tp group or a run "
+                          f"of whole tp groups); valid ep: {valid}.")
     if m.moe_experts % par.ep:
-        valid = [e for e in divisors(dp) if m.moe_experts % e == 0]
         raise ConfigError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = "
                           f"{par.ep}; every expert-parallel rank must hold the same number of "
-                          f"experts. Valid ep: {', '.join(map(str, valid))}.")
+                          f"experts. Valid ep: {valid}.")
     if par.zero == 3:
         raise ConfigError("parallel.zero = 3 with parallel.ep > 1 is not implemented; use "
                           "parallel.zero <= 2 (expert parameters are then sharded over the "

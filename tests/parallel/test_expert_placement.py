@@ -201,7 +201,7 @@ def test_skewed_router_rebalance_lowers_busiest_rank_and_matches_one_process():
                              "parallel.check_replicas_every=1", nproc=4)  # replicas agree
     forced = {1: {0: [1, 3, 0, 2], 1: [2, 3, 0, 1]}, 2: {0: [3, 2, 1, 0]}}
     tensor = tiny_config(*MOE, *SKEW, *every2, "parallel.ep=2", "parallel.tp=2",
-                         "parallel.zero=1", nproc=4)  # ep=2 over dp=2, experts tp-replicated
+                         "parallel.zero=1", nproc=4)  # ep=2 folded over the tp ranks
     layouts = [(skewed, True), (piped, True), (forced_cfg, False), (tensor, True)]
     cases = [(skewed.to_dict(), 4, True, {}), (piped.to_dict(), 4, True, {}),
              (forced_cfg.to_dict(), 4, False, forced), (tensor.to_dict(), 4, True, {})]
@@ -210,12 +210,13 @@ def test_skewed_router_rebalance_lowers_busiest_rank_and_matches_one_process():
     for index, (config, skew) in enumerate(layouts):
         records = by_rank[0][index]["records"]
         _assert_parity(config, records, skew)
-        # The metric is what the ep ranks' experts really computed, summed over expert groups.
+        # The metric is what the ep ranks' experts really computed, summed over every rank
+        # (expert groups, and tp ranks: folded over tp, no assignment is computed twice).
         for step, record in enumerate(records):
             for layer, stats in record["moe"]["layers"].items():
                 measured = [0, 0]
                 for rank in by_rank:
-                    if rank[index]["tp_rank"] == 0 and layer in rank[index]["rows"][step]:
+                    if layer in rank[index]["rows"][step]:
                         measured[rank[index]["ep_rank"]] += rank[index]["rows"][step][layer]
                 assert stats["ep_rank_tokens"] == measured, (index, step, layer)
 

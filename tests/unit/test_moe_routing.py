@@ -132,7 +132,7 @@ def test_bias_balancing_does_not_depend_on_micro_batching():
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["parallel.ep=3"], "does not divide parallel.dp = 4"),
+    (["parallel.ep=3"], "does not divide parallel.dp × parallel.tp = 4 × 1 = 4"),
     (["model.moe_experts=6", "parallel.ep=4"], "not divisible by parallel.ep"),
     (["model.moe_top_k=5"], "moe_top_k = 5 must be between 1"),
     (["parallel.ep=2", "model.moe_experts=0"], "needs a Mixture-of-Experts model"),

@@ -48,7 +48,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     if plan.ep > 1:
         from meshtrain.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, mesh.comm("ep"), mesh.ep_rank, state.shardings)
+        apply_expert_parallel(model, mesh.comm("ep"), mesh.ep_rank, state.shardings,
+                              mesh.comm("tp"), mesh.tp_rank)
     if plan.pp > 1:
         from meshtrain.parallel.pipeline import build_schedule, check_schedule
         from meshtrain.parallel.pipeline.stage import split_model, stage_layers

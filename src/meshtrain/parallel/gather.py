@@ -8,7 +8,8 @@ together with the stage's other ranks: each step is a collective for one tensor,
    piece sent point to point; only ranks whose shard overlaps the tensor send); otherwise every
    rank uses its own copy (a view of its parameter buffer, or the persistent buffer itself);
 2. if expert-parallel (its sharding record's ``ep_dim``), is gathered over ``ep`` by the expert
-   group that contains dp rank 0 (edp rank 0), each slot's rows going to their expert's rows, so
+   groups that contain dp rank 0 (edp rank 0, and with experts folded over tp every expert group
+   of the dp-rank-0 tp ranks), each slot's rows going to their expert's rows, so
    re-placed experts (the record's ``expert_placement``) come out in canonical expert order;
 3. if tensor-parallel (the record's ``tp_dim``), is gathered over ``tp`` by the dp-rank-0 ranks and
    concatenated along that dim (tp-replicated tensors are taken as they are).
@@ -127,7 +128,7 @@ class StageTensors:
         value = self._local(name)
         record = self.shardings[name]
         ep_dim = record.ep_dim
-        if ep_dim is not None and mesh.edp_cp_rank == 0:
+        if ep_dim is not None and (mesh.edp_cp_rank == 0 or mesh.dp_cp_rank == 0):
             placement = record.expert_placement
             moved = placement is not None and not placement.identity
             # Gathered in slot order; slot s holds expert placement.slots[s]: its row.

@@ -20,10 +20,12 @@ previous unit's compute) — unless the profile says communication cannot run be
 exposed. The estimate's ``overlap`` table gives, per axis (dp, tp, cp, ep, pp), ``total_s``,
 ``overlapped_s`` and ``exposed_s`` per step. With context parallelism the
 reduction (and ZeRO's sharding) spans the ``dp × cp`` ranks, expert parameters' the
-``dp / ep × cp``; without it, ``dp`` and ``dp / ep``. The cp K/V all-gathers and reduce-scatters
+``dp × tp / ep × cp`` (experts are folded over tp, :mod:`meshtrain.planner.expert_parallel`);
+without it, ``dp`` and ``dp × tp / ep``. The cp K/V all-gathers and reduce-scatters
 (:mod:`meshtrain.planner.context_parallel`) sit in the micro-batch's forward and backward, not
 overlapped; ``cp_comm_bytes`` is their bus bytes per rank and step (the runtime's
-``comm_bytes.cp``).
+``comm_bytes.cp``), ``ep_comm_bytes`` the expert all-to-alls' of a rank of the slowest stage (the
+runtime's ``comm_bytes.ep``, dropless).
 
 Model FLOPs are :func:`meshtrain.model.init.flops_per_token` × tokens (the MFU basis); hardware
 FLOPs add what activation checkpointing recomputes.
@@ -36,6 +38,11 @@ import math
 from meshtrain.layout import Layout
 from meshtrain.model.init import count_parameters, flops_per_token
 from meshtrain.planner.context_parallel import forward_share, reduction_group, step_bus_bytes
+from meshtrain.planner.expert_parallel import (
+    ep_step_bus_bytes,
+    expert_reduction_size,
+    expert_reduction_stride,
+)
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, rank_memory, stage_params
 from meshtrain.planner.overlap import (
@@ -112,7 +119,7 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
     size, stride = reduction_group(lay)
     groups = [(dense, size, stride)]
     if expert:  # with cp, the cp ranks (tp apart) set how many share a node: approximate
-        groups.append((expert, size // lay.ep, lay.tp * lay.ep if lay.cp == 1 else lay.tp))
+        groups.append((expert, expert_reduction_size(lay), expert_reduction_stride(lay)))
     total = exposed = 0.0
     m = lay.microbatches
     overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
@@ -214,7 +221,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                                     c.backward_input + c.backward_weight + c.recompute, c.forward,
                                     len(placement[slowest]))
     zero_share = reduction_group(lay)[0] if lay.zero >= 1 else 1
-    shard = sp.dense / zero_share + sp.expert / max(zero_share // lay.ep, 1)
+    expert_share = expert_reduction_size(lay) if lay.zero >= 1 else 1
+    shard = sp.dense / zero_share + sp.expert / expert_share
     optimizer = (shard * workload.traits.optimizer_bytes_per_param
                  / (cluster.process_rates()[1] * 1e9))
     sync_by_axis = {axis: STEP_SYNCS_PER_AXIS * cluster.collective_time("all_reduce", 8, size,
@@ -270,6 +278,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "micro_batch_size": b,
         "tokens_per_step": tokens,
         "cp_comm_bytes": int(step_bus_bytes(workload, lay, len(placement[slowest]))),
+        "ep_comm_bytes": int(ep_step_bus_bytes(workload, lay, placement[slowest])),
         "per_rank": [mem.to_dict() for mem in memory],
         "memory_gb_per_gpu": max(mem.total_bytes for mem in memory) / GB,
         "memory_limit_gb": cluster.profile.memory_gb - cluster.profile.reserved_gb,

@@ -42,6 +42,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.model.init import _attention_params, _mlp_params, _norm_params
 from meshtrain.planner.context_parallel import saved_kv_bytes
+from meshtrain.planner.expert_parallel import expert_reduction_size
 from meshtrain.planner.workload import Workload
 
 GB = 1e9
@@ -63,7 +64,7 @@ def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16"
 @dataclasses.dataclass
 class StageParams:
     """Parameters one rank of a pipeline stage holds: dense (replicated over dp) and expert
-    (replicated over dp / ep)."""
+    (replicated over the dp × tp / ep ranks holding the same experts)."""
 
     dense: float
     expert: float
@@ -75,8 +76,8 @@ def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[flo
     attention = _attention_params(model) / tp + _norm_params(model)
     if not model.is_moe_layer(layer):
         return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
-    # The MoE layer is replicated over tp at run time (meshtrain.parallel.tensor.apply, style
-    # ``replicated``): router, shared and routed experts are whole on every tp rank.
+    # Router and shared experts are whole on every tp rank (meshtrain.parallel.tensor.apply,
+    # style ``replicated``); the routed experts are split over ep (folded over tp when ep > 1).
     expert = _mlp_params(model, model.expert_ffn_dim)
     shared = _mlp_params(model, model.shared_ffn_dim) + (model.dim if model.moe_shared_gate else 0)
     dense = attention + model.dim * model.moe_experts + shared
@@ -204,7 +205,8 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     grad_bytes = workload.traits.grad_reduce_bytes
     shards = lay.dp * lay.cp  # gradients reduce, and ZeRO shards, over dp × cp
     dense = model_state_bytes(params.dense, lay.zero, shards, workload.precision, grad_bytes)
-    expert = model_state_bytes(params.expert, lay.zero, shards // lay.ep, workload.precision,
+    expert_shards = expert_reduction_size(lay)
+    expert = model_state_bytes(params.expert, lay.zero, expert_shards, workload.precision,
                                grad_bytes)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
@@ -230,7 +232,7 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
                                         bucket_mb)
     else:
         buffers = sum(grad_reduce_transient_bytes(workload, lay.zero, n, count, bucket_mb)
-                      for count, n in ((params.dense, shards), (params.expert, shards // lay.ep)))
+                      for count, n in ((params.dense, shards), (params.expert, expert_shards)))
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
 
 

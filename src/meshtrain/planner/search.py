@@ -3,7 +3,8 @@
 The space: tp over the powers of two that fit in a node and divide the heads; cp over divisors of
 what is left that split the sequence into ``2 cp`` equal chunks (the runtime's check); pp over
 divisors of what is left after both (at most the layer count); dp the rest; ep over divisors of
-dp and the expert count (MoE only); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and
+dp × tp that divide tp or are multiples of it, and divide the expert count (MoE only, experts
+folded over tp); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and
 DeepSpeed pair them); with tp > 1 sequence parallelism on and off (the same communication
 volume, less activation memory, but more, smaller kernels); schedules 1f1b, interleaved-1f1b
 (2, 4 and 8 chunks), zb-h1 and zb-v with pipelining
@@ -70,7 +71,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
             if pp > model.n_layers:
                 continue
             dp = gpus // (tp * cp * pp)
-            eps = ([e for e in _divisors(dp) if model.moe_experts % e == 0]
+            eps = ([e for e in _divisors(dp * tp)
+                    if model.moe_experts % e == 0 and (tp % e == 0 or e % tp == 0)]
                    if model.moe_experts else [1])
             for b in micro_batch_sizes:
                 if workload.global_batch % (dp * b):

@@ -28,6 +28,7 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.planner.context_parallel import layer_comm_time
+from meshtrain.planner.expert_parallel import routed_rows, row_split
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import layer_activation_bytes
 from meshtrain.planner.workload import Workload
@@ -98,9 +99,11 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
     if not model.is_moe_layer(layer):
         f = model.ffn_dim / t
         return shapes + [(tokens, up * f, h, 1), (tokens, h, f, 1)]
-    f = model.expert_ffn_dim  # the MoE layer is replicated over tp (see memory._layer_params)
+    # Router and shared experts are replicated over tp; with ep > 1 the routed experts are
+    # folded over the tp ranks, each computing its 1/tp share (planner.expert_parallel).
+    f = model.expert_ffn_dim
     local = model.moe_experts / layout.ep
-    per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts
+    per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts / row_split(layout)
     shapes += [(tokens, model.moe_experts, h, 1), (per_expert, up * f, h, local),
                (per_expert, h, f, local)]
     if model.moe_shared_experts:
@@ -181,12 +184,19 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         else:
             one = cluster.collective_time("all_reduce", message, lay.tp, 1, "tp")
         cost.tp_comm = collectives * one
+        if lay.ep > 1 and model.is_moe_layer(layer):
+            # Folded experts: the tp ranks' shares of the expert outputs are all-gathered
+            # forward, the shares' input gradients backward (parallel.expert.fold).
+            rows = tokens * model.moe_top_k * model.dim * workload.act_bytes
+            gathers = 2 + (1 if mode == "full" else 0)
+            cost.tp_comm += gathers * cluster.collective_time("all_gather", rows, lay.tp, 1, "tp")
     if lay.ep > 1 and model.is_moe_layer(layer):
-        # Every tp rank routes the whole micro-batch (the MoE layer is replicated over tp).
-        routed = tokens * model.moe_top_k * model.dim * workload.act_bytes
+        # Each rank dispatches its share of the micro-batch's assignments (1/tp of them).
+        routed = routed_rows(workload, lay) * model.dim * workload.act_bytes
         collectives = 4 + (2 if mode == "full" else 0)
+        stride = 1 if lay.cp == 1 else lay.cp
         cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
-                                                            lay.tp * lay.cp, "ep")
+                                                            stride, "ep")
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
     return cost
 

@@ -207,9 +207,11 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     if lay.ep > 1:
         if not m.moe_experts:
             raise ConfigError("parallel.ep > 1 needs an MoE model (model.moe_experts > 0).")
-        if lay.dp % lay.ep or m.moe_experts % lay.ep:
-            raise ConfigError(f"parallel.ep = {lay.ep} must divide parallel.dp = {lay.dp} and "
-                              f"model.moe_experts = {m.moe_experts}.")
+        if ((lay.dp * lay.tp) % lay.ep or m.moe_experts % lay.ep
+                or (lay.tp % lay.ep and lay.ep % lay.tp)):
+            raise ConfigError(f"parallel.ep = {lay.ep} must divide parallel.dp × parallel.tp = "
+                              f"{lay.dp} × {lay.tp} and model.moe_experts = {m.moe_experts}, "
+                              f"and divide tp or be a multiple of it.")
     per_step = lay.dp * lay.microbatches
     if workload.global_batch % per_step:
         raise ConfigError(f"train.global_batch = {workload.global_batch} is not divisible by "

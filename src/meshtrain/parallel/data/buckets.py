@@ -9,8 +9,8 @@ do not), so any rank's shard intersects the decayed region in one contiguous ran
 
 A bucket belongs to one reduction axis (``axis``): ``"dp"`` for parameters replicated over every
 data-parallel rank, ``"edp"`` for expert parameters under expert parallelism, which only the
-``dp / ep`` ranks holding the same experts share. Buckets never mix axes, so each is reduced (and,
-under ZeRO, sharded) over exactly the ranks that hold its parameters.
+``dp × tp / ep`` ranks holding the same experts share. Buckets never mix axes, so each is
+reduced (and, under ZeRO, sharded) over exactly the ranks that hold its parameters.
 """
 
 from __future__ import annotations

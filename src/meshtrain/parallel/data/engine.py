@@ -34,7 +34,7 @@ rank of the group maps, and are reduced there instead of through gloo's loopback
 
 Expert parallelism: expert weights (recorded ``dp_axis = "edp"`` in the model's sharding table by
 :mod:`meshtrain.parallel.expert`) are held only by
-the ``dp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
+the ``dp × tp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
 :func:`~meshtrain.parallel.data.buckets.bucket_by_size_and_axis`) that are reduced, and under
 ZeRO sharded, over ``edp``; every other parameter reduces over ``dp``. ZeRO-3 is not combined with
 expert parallelism.

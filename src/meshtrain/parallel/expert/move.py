@@ -2,11 +2,12 @@
 
 Under expert parallelism the ``E/ep`` local experts of a layer are rows of its 3-D expert
 parameters (``w1``, ``w2``, ``w3`` ``[E/ep, ...]``), which the data-parallel engine flattens into
-``edp`` buckets. Every rank of one dp group (one pipeline stage, one tp rank) builds the same bucket
-layout for these parameters, since all ep ranks hold the same shapes. What an optimizer shard holds
-(fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
+``edp`` buckets. Every rank of one ``dp_tp`` group (the ``dp × tp`` ranks of one pipeline stage,
+which the expert groups factor, :mod:`meshtrain.mesh`) builds the same bucket layout for these
+parameters, since all ep ranks hold the same shapes; "dp rank" below is the place in that group.
+What an optimizer shard holds (fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
 
-* ZeRO stage 0: the whole bucket, replicated over the ``dp/ep`` edp ranks of each ep rank;
+* ZeRO stage 0: the whole bucket, replicated over the ``dp·tp/ep`` edp ranks of each ep rank;
 * ZeRO stages 1 and 2: the flat range ``[e·S, (e+1)·S)`` of the bucket for edp rank ``e``.
 
 A new placement says, for every slot ``(ep rank b, local index k)``, which expert sits there; the
@@ -114,7 +115,8 @@ def plan_moves(shards, shardings, changes: dict[int, list[int]], ep: int, edp: i
 def move_expert_state(engine, optimizer, comm: CountedComm, dp_rank: int, ep: int,
                       changes: dict[int, list[int]]) -> int:
     """Move the fp32 masters and Adam moments of the changed experts to their new slots (a
-    collective over ``comm`` = the dp group; every rank of it calls with the same ``changes``),
+    collective over ``comm`` = the ``dp_tp`` group, ``dp_rank`` = this rank's place in it; every
+    rank of it calls with the same ``changes``),
     then refresh the parameters of the touched buckets. Returns the elements this rank received.
     """
     dp = max(comm.size, 1)

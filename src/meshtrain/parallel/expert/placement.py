@@ -161,7 +161,7 @@ class ExpertPlacer:
     def end_step(self, summary: dict, loads: torch.Tensor, step: int) -> None:
         """Account step ``step``'s global per-expert ``loads`` ([MoE layers, E]) and add the
         step's ``ep_*`` metrics to the ``moe`` ``summary`` (in place); after every K-th step
-        re-place the experts (a collective over dp)."""
+        re-place the experts (a collective over ``dp_tp``)."""
         loads = loads.detach().to("cpu", torch.float64)
         per_rank = self.rank_tokens(loads)
         flat = [x for values in per_rank.values() for x in values]
@@ -179,7 +179,8 @@ class ExpertPlacer:
 
     def place(self, placements: dict[int, list[int]]) -> int:
         """Adopt ``placements`` (layer id -> slot -> expert; layers left out keep theirs),
-        moving this rank's expert parameters and optimizer state. A collective over dp: every
+        moving this rank's expert parameters and optimizer state. A collective over the stage's
+        dp × tp ranks (the ``dp_tp`` group, which the expert groups factor): every
         rank must call it with the same placements. Returns the experts (over all layers) that
         changed ep rank."""
         local = self.num_experts // self.ep
@@ -194,8 +195,8 @@ class ExpertPlacer:
             if i in self.local:
                 changes[i] = slots
         by_object = {id(self.local[i]): slots for i, slots in changes.items()}
-        move_expert_state(self.engine, self.optimizer, self.mesh.comm("dp"), self.mesh.dp_rank,
-                          self.ep, by_object)
+        move_expert_state(self.engine, self.optimizer, self.mesh.comm("dp_tp"),
+                          self.mesh.dp_tp_rank, self.ep, by_object)
         for i, slots in placements.items():
             self.placements[i] = [int(e) for e in slots]
             if i in self.local:
@@ -211,7 +212,7 @@ class ExpertPlacer:
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore the window and, when saved at this ``ep``, move to the saved placements (a
-        collective over dp). A checkpoint without placement state leaves the identity."""
+        collective over ``dp_tp``). A checkpoint without placement state leaves the identity."""
         if not state or state.get("experts") != self.num_experts:
             return
         window = state.get("window", {})

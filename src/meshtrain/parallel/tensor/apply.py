@@ -15,10 +15,12 @@ plain model's module names). Styles:
 ``heads``          a module applied alike to every attention head (the QK-norm): whole on every
                    tp rank, but each rank runs it on its own heads only, so its gradient is
                    partial and summed over tp
-``replicated``     the module runs whole on every tp rank (the MoE layer: router and experts are
-                   replicated over tp, each rank computes the complete output, which is therefore
-                   *not* reduced). Without sequence parallelism nothing changes (its input is the
-                   full hidden state already, and its input gradient is complete on every rank);
+``replicated``     the module runs whole on every tp rank (the MoE layer: every rank routes the
+                   same tokens and ends with the complete output, which is therefore *not*
+                   reduced; with ep > 1 its experts are folded over tp inside it,
+                   :mod:`meshtrain.parallel.expert.fold`). Without sequence parallelism nothing
+                   changes (its input is the full hidden state already, and its input gradient
+                   is complete on every rank);
                    with it, the input's sequence is all-gathered (backward: keep this rank's chunk)
                    and the output cut back to this rank's chunk (backward: all-gather)
 =================  ==========================================================================

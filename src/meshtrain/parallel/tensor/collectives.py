@@ -12,7 +12,7 @@ and the sequence-parallel pair (Korthikanti et al. 2022), along the sequence dim
 - :func:`reduce_scatter_to_sequence_region`: reduce-scatter forward, all-gather backward.
 
 and, for a module computed redundantly (replicated) on every tp rank under sequence parallelism
-(the MoE layer: experts are replicated over tp):
+(the MoE layer, whose output is complete on every tp rank):
 
 - :func:`gather_sequence_for_replicated`: all-gather forward, keep this rank's chunk backward
   (every rank's gradient is already the full one, so nothing is summed);
