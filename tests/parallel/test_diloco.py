@@ -198,23 +198,24 @@ def test_checkpoint_mid_round_resumes_bitwise(tmp_path):
 
 def test_streaming_fragments_spread_the_traffic():
     """sync_fragments = F: each step moves at most about 1/F of a full sync's pseudo-gradient
-    bytes (the tiny model's embedding and head are each as large as a block, so with 4 blocks
-    and F = 4 the largest fragment holds a block and the head: ~3 ×), the total per H steps is
-    unchanged, and the groups still end equal."""
-    def peaks(fragments: int, layers: int) -> tuple[int, int]:
+    bytes (at dim 32 the embedding and head are each as large as a block, so with 4 blocks and
+    F = 4 the largest fragment holds a block and the head: ~3 ×; at dim 128 ~4 ×), the total
+    per H steps is unchanged, and the groups still end equal."""
+    def peaks(fragments: int, layers: int, dim: int = 32) -> tuple[int, int]:
         config = tiny_config("parallel.replicas=2", "parallel.sync_every=4", "train.steps=8",
                              f"parallel.sync_fragments={fragments}", f"model.n_layers={layers}",
-                             nproc=2)
+                             f"model.dim={dim}", f"model.ffn_dim={2 * dim}", nproc=2)
         results = run_distributed(2, _train_and_fingerprint, config.to_dict(), 8)
         assert results[0][1] == results[1][1]  # every fragment syncs at the last step
         traffic = [r["comm_bytes"]["replica"] for r in results[0][0]]
         return max(traffic[:7]), sum(traffic[:4])  # before the last step's sync of them all
 
-    for fragments, layers, least in ((2, 2, 1.8), (4, 4, 2.8)):
-        whole, whole_total = peaks(1, layers)
-        streamed, streamed_total = peaks(fragments, layers)
+    # At dim 128 a block (~12 dim²) is ~6 × the byte-vocabulary embedding: F = 4 gives ~4 ×.
+    for fragments, layers, dim, least in ((2, 2, 32, 1.8), (4, 4, 32, 2.8), (4, 4, 128, 3.5)):
+        whole, whole_total = peaks(1, layers, dim)
+        streamed, streamed_total = peaks(fragments, layers, dim)
         assert whole / streamed >= least, (fragments, whole, streamed)
-        print(f"F={fragments}: largest per-step replica bytes {whole} -> {streamed} "
+        print(f"F={fragments}, dim {dim}: largest per-step replica bytes {whole} -> {streamed} "
               f"({whole / streamed:.2f}x)")
         assert streamed_total == pytest.approx(whole_total, rel=0.01)
 
