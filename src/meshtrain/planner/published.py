@@ -42,7 +42,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster
-from meshtrain.planner.workload import MEGATRON_2021, TORCHTITAN_2024, Workload
+from meshtrain.planner.workload import MEGATRON_2021, MEGATRON_2022, TORCHTITAN_2024, Workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ def published_rows() -> list[PublishedRow]:
             rows.append(PublishedRow(
                 f"GPT {name} tp{tp} pp{pp} {mode}", "Korthikanti 2022 Table 5", "report",
                 "step_time_s", seconds,
-                Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
+                Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2022),
                 Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, microbatches=batch // mb,
                        sequence_parallel=True, pp_schedule=schedule, virtual_stages=chunks,
                        activation_checkpointing=mode), "a100-80g"))
