@@ -72,3 +72,38 @@ def test_bad_inputs_raise_config_errors():
     work = Workload.from_config(preset_config("llama3-8b"))
     with pytest.raises(ConfigError, match="tp"):
         estimate(work, Layout(dp=1, tp=3), Cluster(PROFILES["h100-80g"], 3, 8))
+
+
+def test_megatron_2021_search_offers_only_what_megatron_lm_2021_ran():
+    # Megatron-LM's checks: num_layers divisible by pp (megatron/model/transformer.py), the
+    # interleaved schedule only with pp > 2 and a stage's layers divisible by the chunk count
+    # (megatron/arguments.py); no sequence parallelism or selective recompute before 2022.
+    from meshtrain.planner.search import enumerate_layouts
+    from meshtrain.planner.workload import MEGATRON_2022
+
+    model = ModelConfig(vocab_size=51200, dim=6144, n_layers=40, n_heads=48, ffn_dim=4 * 6144,
+                        mlp="gelu")
+    cluster = Cluster(PROFILES["a100-80g"], 64, 8)
+    layouts = enumerate_layouts(Workload(model, 2048, 512, "bf16", MEGATRON_2021), cluster)
+    assert layouts
+    assert not any(lay.sequence_parallel for lay in layouts)
+    assert {lay.activation_checkpointing for lay in layouts} == {"none", "full"}
+    assert {lay.pp for lay in layouts} == {1, 2, 4, 8}  # 16, 32, 64 do not divide 40 layers
+    interleaved = {(lay.pp, lay.virtual_stages) for lay in layouts
+                   if lay.pp_schedule == "interleaved-1f1b"}
+    assert interleaved == {(4, 2), (4, 5), (8, 5)}  # 10 and 5 layers per stage; pp 2 none
+    # Korthikanti et al. 2022's stack adds both of that paper's contributions.
+    later = enumerate_layouts(Workload(model, 2048, 512, "bf16", MEGATRON_2022), cluster)
+    assert any(lay.sequence_parallel for lay in later)
+    assert "selective" in {lay.activation_checkpointing for lay in later}
+    # Equal layers per stage, the LM head riding on the last; meshtrain balances by cost.
+    from meshtrain.planner.workload import MESHTRAIN, stack_split, stage_layers
+
+    small = ModelConfig(vocab_size=51200, dim=2304, n_layers=24, n_heads=24, ffn_dim=4 * 2304,
+                        mlp="gelu")
+    lay = Layout(pp=4, microbatches=8)
+    counts = {name: [len(layers) for layers in stage_layers(
+        small, stack_split(Workload(small, 2048, 8, "bf16", traits), lay))]
+        for name, traits in (("megatron", MEGATRON_2021), ("meshtrain", MESHTRAIN))}
+    assert counts["megatron"] == [6, 6, 6, 6]
+    assert counts["meshtrain"][-1] < 6 and sum(counts["meshtrain"]) == 24

@@ -159,13 +159,33 @@ def _rank_among_searched(row) -> int:
     return faster + 1
 
 
-def test_korthikanti_and_torchtitan_layouts_rank_in_plans_top_10():
-    """Narayanan 2021 Tables 1 and 2 do not all rank there yet (docs/planner.md, Known
-    limits)."""
-    rows = [r for r in published_rows()
-            if r.source.startswith("Korthikanti") or r.profile == "h100-96g-hbm2e-500w"]
+OUTSIDE_TOP_10 = {
+    "GPT 7.5B tp4 pp1 dp32", "GPT 18.4B tp8 pp1 dp32", "GPT 39.1B tp8 pp2 dp32",
+    "GPT 145.6B tp8 pp8 dp24", "GPT 174.6B tp8 pp12 dp4", "GPT 174.6B tp8 pp12 dp8",
+    "GPT 174.6B tp8 pp12 dp16", "GPT 175B tp8 pp8 full",
+}
+"""Published Megatron-LM layouts the cost model still ranks below 10th (docs/planner.md, Known
+limits): it prices tp 8 without sequence parallelism above tp 2-4 with a deeper interleaved
+pipeline, where the papers ran tp 8."""
+
+_MEGATRON_ROWS = [r for r in published_rows() if r.source.startswith(("Narayanan", "Korthikanti"))]
+
+
+@pytest.mark.parametrize(
+    "row", [pytest.param(r, id=r.name, marks=pytest.mark.xfail(
+        strict=True, reason="ranks below 10th (docs/planner.md, Known limits)"))
+        if r.name in OUTSIDE_TOP_10 else pytest.param(r, id=r.name) for r in _MEGATRON_ROWS])
+def test_megatron_layouts_rank_in_plans_top_10(row):
+    """Narayanan 2021 Tables 1-2 and Korthikanti 2022 Table 5, each searched with its own stack
+    (megatron-2021, megatron-2022) on its cluster and batch: 30 to 540 layouts each. A row listed
+    in OUTSIDE_TOP_10 must still rank below 10th (strict xfail), so the list stays true."""
+    assert _rank_among_searched(row) <= 10
+
+
+def test_torchtitan_h100_layout_ranks_in_plans_top_10():
+    rows = [r for r in published_rows() if r.profile == "h100-96g-hbm2e-500w"]
     ranks = {row.name: _rank_among_searched(row) for row in rows}
-    assert len(ranks) == 10 and all(rank <= 10 for rank in ranks.values()), ranks
+    assert len(ranks) == 2 and all(rank <= 10 for rank in ranks.values()), ranks
 
 
 def test_a_power_limit_below_tdp_slows_compute_on_the_energy_models_curve():

@@ -30,7 +30,7 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
 
     add_site_options(parser)
     parser.add_argument("--stack", default="meshtrain",
-                        choices=("meshtrain", "megatron-2021", "torchtitan-2024"),
+                        choices=("meshtrain", "megatron-2021", "megatron-2022", "torchtitan-2024"),
                         help="software stack to price (what it fuses, overlaps, saves for "
                              "backward; meshtrain.planner.workload.STACKS); default meshtrain")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")

@@ -52,7 +52,13 @@ from meshtrain.planner.overlap import (
 )
 from meshtrain.planner.pipeline_model import pipeline_estimate
 from meshtrain.planner.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
-from meshtrain.planner.workload import Workload, check_layout, layout_to_json, stage_layers
+from meshtrain.planner.workload import (
+    Workload,
+    check_layout,
+    layout_to_json,
+    stack_split,
+    stage_layers,
+)
 
 STEP_SYNCS_PER_AXIS = 3
 """Small latency-bound all-reduces per step on every axis of size > 1: the gradient norm's
@@ -179,7 +185,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     """
     check_layout(workload, layout)
     model, lay = workload.model, layout
-    placement = stage_layers(model, lay)
+    placement = stage_layers(model, stack_split(workload, lay))
     cache: dict[int, BlockCost] = {}
     costs = [_stage_cost(workload, lay, cluster, layers, r == lay.pp - 1, cache, r == 0)
              for r, layers in enumerate(placement)]
@@ -189,10 +195,17 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
 
     b = lay.micro_batch_size(workload.global_batch)
     boundary = b * workload.seq_len / lay.cp * model.dim * workload.act_bytes
-    if lay.sequence_parallel or (workload.traits.pp_scatter_gather and lay.tp > 1):
+    # Scatter/gather (Narayanan et al. 2021, §4.1): each tp rank sends 1/t of the replicated
+    # boundary and the receiver all-gathers it over NVLink, once per received activation or
+    # gradient. Under sequence parallelism the boundary is already split: nothing to gather.
+    gather = 0.0
+    if lay.sequence_parallel:
+        boundary /= lay.tp
+    elif workload.traits.pp_scatter_gather and lay.tp > 1:
+        gather = cluster.collective_time("all_gather", boundary, lay.tp, 1, "tp")
         boundary /= lay.tp
     sends = 2 * lay.chunks_per_rank if lay.pp > 1 else 0
-    pp_comm = sends * cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp, lay.pp)
+    pp_comm = sends * (cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp, lay.pp) + gather)
 
     cp_f = c.cp_comm * forward_share(lay)
     comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2 + cp_f

@@ -25,12 +25,21 @@ from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import GB, model_state_bytes
-from meshtrain.planner.workload import Workload, context_parallel_fits, layout_from_json
+from meshtrain.planner.workload import (
+    RuntimeTraits,
+    Workload,
+    context_parallel_fits,
+    layout_from_json,
+)
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
 VIRTUAL_STAGES = (2, 4, 8)
 """Chunks per rank tried for interleaved 1F1B."""
+MAX_VIRTUAL_STAGES = 8
+"""With equal layer counts per stage (``RuntimeTraits.uniform_pipeline_stages``): every chunk
+count from 2 to this that divides a stage's layers (Megatron-LM's ``--num-layers-per-virtual-
+pipeline-stage``)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,15 +47,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def _schedules(pp: int, n_layers: int, microbatches: int,
-               offered: tuple[str, ...]) -> list[tuple[str, int]]:
+               traits: RuntimeTraits) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     options = [("1f1b", 1), ("zb-h1", 1)]
     if n_layers >= 2 * pp:
         options.append(("zb-v", 1))
     if microbatches % pp == 0:
-        options += [("interleaved-1f1b", v) for v in VIRTUAL_STAGES if n_layers >= v * pp]
-    return [(name, v) for name, v in options if name in offered]
+        if traits.uniform_pipeline_stages:  # Megatron-LM: v divides the stage's layers, pp > 2
+            per_stage = n_layers // pp
+            chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per_stage % v == 0
+                      ] if pp > 2 else []
+        else:
+            chunks = [v for v in VIRTUAL_STAGES if n_layers >= v * pp]
+        options += [("interleaved-1f1b", v) for v in chunks]
+    return [(name, v) for name, v in options if name in traits.pp_schedules]
 
 
 def enumerate_layouts(workload: Workload, cluster: Cluster, *,
@@ -64,11 +79,13 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     traits = workload.traits  # only what the priced runtime offers
     cps = cps if traits.context_parallel else (1,)
     zero_stages = tuple(z for z in zero_stages if z in traits.zero_stages)
+    checkpointing = tuple(c for c in checkpointing if c in traits.checkpointing)
+    sp_options = (True, False) if traits.sequence_parallel else (False,)
     shapes = [(t, c) for t in tps for c in _divisors(gpus // t)
               if (cps is None or c in cps) and context_parallel_fits(workload, c, t, t > 1)]
     for tp, cp in shapes:
         for pp in _divisors(gpus // (tp * cp)):
-            if pp > model.n_layers:
+            if pp > model.n_layers or (traits.uniform_pipeline_stages and model.n_layers % pp):
                 continue
             dp = gpus // (tp * cp * pp)
             eps = ([e for e in _divisors(dp * tp)
@@ -84,10 +101,9 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                     for zero in zero_stages:
                         if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
                             continue
-                        for schedule, v in _schedules(pp, model.n_layers, m,
-                                                      traits.pp_schedules):
+                        for schedule, v in _schedules(pp, model.n_layers, m, traits):
                             for sp, ckpt in itertools.product(
-                                    (True, False) if tp > 1 else (False,), checkpointing):
+                                    sp_options if tp > 1 else (False,), checkpointing):
                                 layouts.append(Layout(
                                     dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                     sequence_parallel=sp, pp_schedule=schedule,

@@ -35,6 +35,19 @@ class RuntimeTraits:
     """Whether the runtime offers context parallelism (Megatron-LM 2021 did not)."""
     pp_schedules: tuple[str, ...] = PP_SCHEDULES
     """Pipeline schedules the runtime offers (Megatron-LM 2021: 1F1B and interleaved 1F1B)."""
+    sequence_parallel: bool = True
+    """Whether the runtime offers sequence parallelism (Megatron-LM gained it with Korthikanti
+    et al. 2022; the 2021 release of Narayanan et al. had none)."""
+    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    """Activation checkpointing modes the runtime offers (Megatron-LM 2021: none or full,
+    ``--checkpoint-activations``; selective recompute is Korthikanti et al. 2022's)."""
+    uniform_pipeline_stages: bool = False
+    """Pipeline stages hold equal layer counts, as Megatron-LM requires: ``num_layers`` divisible
+    by pp (``megatron/model/transformer.py``, "num_layers must be divisible by
+    pipeline_model_parallel_size"), each stage's layers divisible by the virtual stages, and
+    interleaving only with pp > 2 (``megatron/arguments.py``, "pipeline-model-parallel size
+    should be greater than 2 with interleaved schedule"). False: meshtrain's cost-balanced
+    split of any layer count."""
     zero3_split_blocks: bool = True
     """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
     unit per block (FSDP2 wrapping each block, as torchtitan does)."""
@@ -77,13 +90,22 @@ MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatte
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0, zero_stages=(0,),
                               context_parallel=False,
-                              pp_schedules=("1f1b", "interleaved-1f1b"))
+                              pp_schedules=("1f1b", "interleaved-1f1b"),
+                              sequence_parallel=False, checkpointing=("none", "full"),
+                              uniform_pipeline_stages=True)
+"""Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
+data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
+recompute only, equal layer counts per stage."""
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
+                                    checkpointing=("none", "selective", "full"))
+"""Megatron-LM as Korthikanti et al. 2022 ran it: the 2021 stack plus sequence parallelism and
+selective recompute (the paper's two contributions)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
                                 zero3_split_blocks=False)
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
 eager fp32 cross-entropy."""
-STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
+STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021, "megatron-2022": MEGATRON_2022,
           "torchtitan-2024": TORCHTITAN_2024}
 """Software stacks the cost model can price, by name."""
 
@@ -155,6 +177,19 @@ def stage_layers(model: ModelConfig, layout: Layout) -> list[list[int]]:
     return [list(layers) for layers in _stage_layers(
         repr(model), layout.pp, layout.chunks_per_rank, layout.pp_schedule == "zb-v",
         layout.pp_split, model)]
+
+
+def stack_split(workload: Workload, layout: Layout) -> Layout:
+    """``layout`` with the layer split the priced runtime makes: with
+    ``RuntimeTraits.uniform_pipeline_stages`` and no ``pp_split`` of its own, equal layer counts
+    per stage (Megatron-LM: the embedding and the LM head ride on the first and last stages on
+    top of their layers); otherwise unchanged (meshtrain balances stages by cost)."""
+    stages = layout.pp * layout.chunks_per_rank
+    if layout.pp == 1 or layout.pp_split or not workload.traits.uniform_pipeline_stages:
+        return layout
+    n = workload.model.n_layers
+    counts = [n // stages + (1 if i < n % stages else 0) for i in range(stages)]
+    return dataclasses.replace(layout, pp_split=",".join(map(str, counts)))
 
 
 _SPLITS: dict[tuple, tuple[tuple[int, ...], ...]] = {}
