@@ -198,6 +198,30 @@ def test_diloco_suite_json_and_plot(tmp_path):
     assert "diloco" in format_table([result])
 
 
+def test_diloco_warm_start_sides_continue_from_the_same_trained_weights():
+    """With ``diloco.warm_start_steps = W`` dp trains W steps first; both sides then run steps
+    W+1.. from its weights on the same batch (equal first loss), which is not the cold start's
+    first loss, and only their own steps' tokens and bytes are counted."""
+    warm, steps = 4, 4
+    common = ["--suite", "diloco", "--json", *TINY, "--set", f"train.steps={steps}",
+              "--set", "train.eval_every=0", "--set", "parallel.replicas=2",
+              "--set", "parallel.sync_every=2"]
+    [result] = _bench_json(*common, "--set", f"diloco.warm_start_steps={warm}")
+    [cold] = _bench_json(*common)
+    assert result["warm_start_steps"] == warm and cold["warm_start"] is None
+    assert result["warm_start"]["curve"]["step"] == list(range(1, warm + 1))
+    sync, diloco = result["synchronous"], result["diloco"]
+    for run in (sync, diloco):
+        assert run["curve"]["step"] == list(range(warm + 1, warm + steps + 1))
+        assert run["tokens"] == steps * 4 * 32
+    assert diloco["curve"]["loss"][0] == pytest.approx(sync["curve"]["loss"][0], rel=1e-5)
+    # the warm start's step 1 is the cold start's step 1 (same fresh weights, same batch)
+    assert result["warm_start"]["curve"]["loss"][0] == pytest.approx(
+        cold["synchronous"]["curve"]["loss"][0], rel=1e-6)
+    assert abs(sync["curve"]["loss"][0] - cold["synchronous"]["curve"]["loss"][0]) > 1e-3
+    assert 0.4 < result["bytes_ratio"] < 0.6 and result["bytes_ratio"] == cold["bytes_ratio"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "singel"], 'Did you mean "single"'),
     (["--steps", "0"], "--steps = 0"),
@@ -209,6 +233,9 @@ def test_diloco_suite_json_and_plot(tmp_path):
     (["--suite", "dp", "--plot", "x.png"], "--suite scaling"),
     (["--suite", "diloco", "--set", "parallel.replicas=1"], "replicas = 1"),
     (["--suite", "diloco", "--plot", "no/such/dir/x.png"], "does not exist"),
+    (["--suite", "diloco", "--set", "diloco.warm_start=5"], "diloco.warm_start_steps"),
+    (["--suite", "diloco", "--set", "diloco.warm_start_steps=-1"], "whole number"),
+    (["--suite", "diloco", "--set", "diloco.warm_start_steps=30"], "e.g. 40"),
     (["--suite", "scaling", "--plot", "no/such/dir/x.png"], "does not exist"),
     (["--suite", "scaling", "--procs", "0,2"], "--procs"),
     (["--suite", "scaling", "--procs", "two"], "--procs"),

@@ -8,9 +8,11 @@ bus bytes. ``--plot`` draws loss against tokens and against those bytes.
 
 The shape is :data:`DILOCO_DEFAULTS` (what ``docs/diloco.md`` measures), changed by ``--set``;
 ``train.steps`` is the length of both runs, ``parallel.replicas`` (default 4) the number of groups
-and ``parallel.sync_every`` (default 20) the rounds' length. The final training loss is the mean
-of the last :data:`FINAL_WINDOW` steps' losses (a single step's is one noisy batch); the held-out
-loss is the last ``eval_loss``.
+and ``parallel.sync_every`` (default 20) the rounds' length. ``--set diloco.warm_start_steps=W``
+(:mod:`meshtrain.bench.diloco_warm_start`) first trains dp alone for ``W`` steps and starts both
+runs from its weights; their tokens and bytes are counted from there. The final training loss
+is the mean of the last :data:`FINAL_WINDOW` steps' losses (a single step's is one noisy batch);
+the held-out loss is the last ``eval_loss``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshtrain.bench.base import BenchOptions, Suite, check_requirements
+from meshtrain.bench.diloco_warm_start import side_steps, split_settings
 from meshtrain.config import Config, ConfigError, parse_override, set_key
 from meshtrain.validation import validate_config
 
@@ -38,9 +41,13 @@ FINAL_WINDOW = 20
 """Steps whose mean training loss is a run's final training loss."""
 
 
-def diloco_configs(overrides: list[str]) -> tuple[Config, Config]:
-    """The validated ``(synchronous dp, DiLoCo)`` configs: the same shape and data, dp over
-    ``replicas`` ranks against ``replicas`` groups of one rank each (raises ConfigError)."""
+def diloco_configs(overrides: list[str]) -> tuple[Config, Config, int]:
+    """The validated ``(synchronous dp, DiLoCo)`` configs and the warm start's steps ``W``
+    (``--set diloco.warm_start_steps``): the same shape and data, dp over ``replicas`` ranks
+    against ``replicas`` groups of one rank each; both configs' ``train.steps`` is ``W`` plus the
+    sides' own steps, the schedule's length (raises ConfigError)."""
+    settings, overrides = split_settings(overrides)
+    warm = settings["diloco.warm_start_steps"]
     configs = []
     for synchronous in (True, False):
         config = Config()
@@ -48,6 +55,12 @@ def diloco_configs(overrides: list[str]) -> tuple[Config, Config]:
             set_key(config, key, value, origin="diloco bench defaults")
         for text in overrides:
             set_key(config, *parse_override(text))
+        every = config.parallel.sync_every
+        if warm % every:
+            raise ConfigError(f"--set diloco.warm_start_steps={warm}: a multiple of "
+                              f"parallel.sync_every = {every}, so every round has {every} "
+                              f"steps; e.g. {(warm // every + 1) * every}.")
+        config.train.steps += warm
         par = config.parallel
         if par.replicas < 2:
             raise ConfigError(f"parallel.replicas = {par.replicas}: the diloco suite compares "
@@ -58,12 +71,12 @@ def diloco_configs(overrides: list[str]) -> tuple[Config, Config]:
             par.replicas, par.sync_fragments = 1, 1
         validate_config(config, groups)
         configs.append(config)
-    return configs[0], configs[1]
+    return configs[0], configs[1], warm
 
 
 def check_diloco(suite: Suite, options: BenchOptions) -> None:
     """Refuse a bad ``--set`` and an unwritable ``--plot`` before anything runs."""
-    diloco_configs(options.overrides)
+    diloco_configs(options.overrides)  # raises on a bad --set
     if options.plot:
         folder = os.path.dirname(os.path.abspath(diloco_plot_path(options)))
         if not os.path.isdir(folder):
@@ -109,19 +122,40 @@ def _summary(run: dict[str, list]) -> dict[str, Any]:
             "tokens": run["tokens"][-1], "bytes": run["bytes"][-1]}
 
 
+def _train(config: Config, steps: int, start: int, init_from: str, timeout: float,
+           save_final: bool = False) -> list[dict]:
+    from meshtrain.distributed_run import run_distributed
+
+    world = config.parallel.replicas * config.parallel.dp
+    return run_distributed(world, side_steps, config.to_dict(), steps, start, init_from,
+                           save_final, timeout=timeout,
+                           threads=max(config.train.threads_per_worker, 1))[0]
+
+
 def run_diloco(suite: Suite, options: BenchOptions, log: Callable[[str], None]) -> dict:
-    """Train both runs once (they are deterministic) and return the suite's document."""
+    """Train both runs once (they are deterministic), after the shared warm start if asked,
+    and return the suite's document."""
+    import tempfile
+
     import torch
 
-    from meshtrain.verify import run_layout
-
-    sync, diloco = diloco_configs(options.overrides)
-    groups, steps = diloco.parallel.replicas, diloco.train.steps
-    log(f"bench diloco: dp {groups} (synchronous), {steps} steps")
-    sync_run = curve(run_layout(sync, groups, steps, timeout=options.timeout_s), "dp")
-    log(f"bench diloco: replicas {groups} x dp 1, H = {diloco.parallel.sync_every}, "
-        f"{steps} steps")
-    diloco_run = curve(run_layout(diloco, groups, steps, timeout=options.timeout_s), "replica")
+    sync, diloco, warm = diloco_configs(options.overrides)
+    groups, steps = diloco.parallel.replicas, diloco.train.steps - warm
+    with tempfile.TemporaryDirectory(prefix="meshtrain-diloco-") as scratch:
+        for config in (sync, diloco):
+            config.train.run_dir = scratch
+        init_from, warm_run = "", None
+        if warm:
+            log(f"bench diloco: warm start, dp {groups} (synchronous), {warm} steps")
+            warm_run = curve(_train(sync, warm, 0, "", options.timeout_s, save_final=True),
+                             "dp")
+            init_from = os.path.join(scratch, "final")
+        log(f"bench diloco: dp {groups} (synchronous), {steps} steps")
+        sync_run = curve(_train(sync, steps, warm, init_from, options.timeout_s), "dp")
+        log(f"bench diloco: replicas {groups} x dp 1, H = {diloco.parallel.sync_every}, "
+            f"{steps} steps")
+        diloco_run = curve(_train(diloco, steps, warm, init_from, options.timeout_s),
+                           "replica")
     a, b = _summary(sync_run), _summary(diloco_run)
     result: dict[str, Any] = {
         "suite": "diloco", "world_size": groups,
@@ -130,6 +164,8 @@ def run_diloco(suite: Suite, options: BenchOptions, log: Callable[[str], None]) 
         "sync_fragments": diloco.parallel.sync_fragments,
         "outer_lr": diloco.train.outer_lr, "outer_momentum": diloco.train.outer_momentum,
         "outer_grad_dtype": diloco.parallel.outer_grad_dtype, "steps": steps,
+        "warm_start_steps": warm,
+        "warm_start": None if warm_run is None else {**_summary(warm_run), "curve": warm_run},
         "synchronous": {**a, "curve": sync_run}, "diloco": {**b, "curve": diloco_run},
         "train_loss_gap": b["final_train_loss"] / a["final_train_loss"] - 1,
         "eval_loss_gap": (b["final_eval_loss"] / a["final_eval_loss"] - 1
@@ -151,7 +187,9 @@ def format_diloco(result: dict) -> str:
     lines = [f"diloco: replicas {result['replicas']} x dp 1, H = {result['sync_every']}, "
              f"F = {result['sync_fragments']}, outer lr {result['outer_lr']} / momentum "
              f"{result['outer_momentum']}, {result['outer_grad_dtype']} pseudo-gradients; "
-             f"{result['steps']} steps",
+             f"{result['steps']} steps"
+             + (f" after a warm start of {result['warm_start_steps']} dp steps"
+                if result.get("warm_start_steps") else ""),
              f"{'run':<12} {'train loss':>10} {'eval loss':>10} {'MB moved':>10}"]
     for name in ("synchronous", "diloco"):
         r = result[name]
@@ -175,18 +213,27 @@ def plot_diloco(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    offset = 0
+    if result.get("warm_start"):
+        warm = result["warm_start"]["curve"]
+        offset = warm["tokens"][-1]
+        by_tokens.plot(warm["tokens"], warm["loss"], lw=0.8, color="grey",
+                       label=f"warm start: dp {result['replicas']}, "
+                             f"{result['warm_start_steps']} steps")
     labels = {"synchronous": f"dp {result['replicas']} (synchronous)",
               "diloco": f"DiLoCo {result['replicas']} groups, H = {result['sync_every']}"}
     for name, label in labels.items():
         run = result[name]["curve"]
-        by_tokens.plot(run["tokens"], run["loss"], lw=0.8, label=f"{label}, train")
+        tokens = [t + offset for t in run["tokens"]]
+        by_tokens.plot(tokens, run["loss"], lw=0.8, label=f"{label}, train")
         by_bytes.plot([max(b, 1) for b in run["bytes"]], run["loss"], lw=0.8, label=label)
         if run["eval"]:
             steps = {s: i for i, s in enumerate(run["step"])}
-            by_tokens.plot([run["tokens"][steps[s]] for s, _ in run["eval"]],
+            by_tokens.plot([tokens[steps[s]] for s, _ in run["eval"]],
                            [v for _, v in run["eval"]], "o--", ms=3, label=f"{label}, held-out")
     by_tokens.set_xlabel("tokens trained")
-    by_bytes.set_xlabel("bytes moved between groups / dp ranks (per rank, cumulative)")
+    by_bytes.set_xlabel("bytes moved between groups / dp ranks (per rank, cumulative"
+                        + (", after the warm start)" if offset else ")"))
     by_bytes.set_xscale("log")
     for ax in (by_tokens, by_bytes):
         ax.set_ylabel("loss")
