@@ -28,14 +28,15 @@ from meshtrain.validation import validate_config
 
 DILOCO_DEFAULTS: dict[str, Any] = {
     "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-    "model.ffn_dim": 176, "train.seq_len": 64, "train.global_batch": 32, "train.steps": 1000,
+    "model.ffn_dim": 176, "train.seq_len": 64, "train.global_batch": 32, "train.steps": 500,
     "train.lr": 3e-3, "train.warmup_steps": 10, "train.eval_every": 100, "train.eval_batches": 4,
     "data.valid_fraction": 0.05, "data.max_bytes": 1_000_000, "train.threads_per_worker": 1,
     "train.device": "cpu", "train.log_every": 100, "parallel.replicas": 4,
     "parallel.sync_every": 20,
 }
 """The suite's shape unless ``--set`` changes it: a 2-layer dim-64 model, 32 × 64 tokens a step,
-1000 steps, 4 groups of H = 20."""
+500 steps of each side (after the warm start's 500,
+:data:`~meshtrain.bench.diloco_warm_start.SUITE_SETTINGS`), 4 groups of H = 20."""
 
 FINAL_WINDOW = 20
 """Steps whose mean training loss is a run's final training loss."""
@@ -57,7 +58,8 @@ def diloco_configs(overrides: list[str]) -> tuple[Config, Config, int]:
             set_key(config, *parse_override(text))
         every = config.parallel.sync_every
         if warm % every:
-            raise ConfigError(f"--set diloco.warm_start_steps={warm}: a multiple of "
+            raise ConfigError(f"diloco.warm_start_steps = {warm} (--set "
+                              "diloco.warm_start_steps=N; 0 = none): a multiple of "
                               f"parallel.sync_every = {every}, so every round has {every} "
                               f"steps; e.g. {(warm // every + 1) * every}.")
         config.train.steps += warm
