@@ -28,14 +28,14 @@ from meshtrain.validation import validate_config
 
 DILOCO_DEFAULTS: dict[str, Any] = {
     "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.n_kv_heads": 2,
-    "model.ffn_dim": 176, "train.seq_len": 64, "train.global_batch": 32, "train.steps": 500,
+    "model.ffn_dim": 176, "train.seq_len": 64, "train.global_batch": 32, "train.steps": 800,
     "train.lr": 3e-3, "train.warmup_steps": 10, "train.eval_every": 100, "train.eval_batches": 4,
     "data.valid_fraction": 0.05, "data.max_bytes": 1_000_000, "train.threads_per_worker": 1,
     "train.device": "cpu", "train.log_every": 100, "parallel.replicas": 4,
     "parallel.sync_every": 20,
 }
 """The suite's shape unless ``--set`` changes it: a 2-layer dim-64 model, 32 × 64 tokens a step,
-500 steps of each side (after the warm start's 500,
+800 steps of each side (after the warm start's 200,
 :data:`~meshtrain.bench.diloco_warm_start.SUITE_SETTINGS`), 4 groups of H = 20."""
 
 FINAL_WINDOW = 20

@@ -14,9 +14,9 @@ import os
 
 from meshtrain.config import Config, ConfigError, parse_override
 
-SUITE_SETTINGS: dict[str, int] = {"diloco.warm_start_steps": 500}
-"""The suite's settings (``--set diloco.KEY=VALUE``) and their defaults: 500 warm-start steps,
-as long as the sides' own 500 (``train.steps``), so the cosine spans 1000 steps."""
+SUITE_SETTINGS: dict[str, int] = {"diloco.warm_start_steps": 200}
+"""The suite's settings (``--set diloco.KEY=VALUE``) and their defaults: 200 warm-start steps
+before the sides' own 800 (``train.steps``), so the cosine spans 1000 steps."""
 
 
 def split_settings(overrides: list[str]) -> tuple[dict[str, int], list[str]]:
