@@ -207,39 +207,60 @@ def format_diloco(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _trailing_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_diloco(result: dict, path: str) -> None:
-    """Write loss against tokens and against bytes moved, both runs, as a PNG."""
+    """Write loss against tokens and against bytes moved, both runs, as a PNG: each step's
+    training loss faint, its mean over the last :data:`FINAL_WINDOW` steps solid, held-out
+    evaluations as dots; after a warm start, the warm start in grey and the loss axis cut to the
+    sides' range."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    offset = 0
+    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    offset, top = 0, None
     if result.get("warm_start"):
         warm = result["warm_start"]["curve"]
         offset = warm["tokens"][-1]
-        by_tokens.plot(warm["tokens"], warm["loss"], lw=0.8, color="grey",
-                       label=f"warm start: dp {result['replicas']}, "
-                             f"{result['warm_start_steps']} steps")
-    labels = {"synchronous": f"dp {result['replicas']} (synchronous)",
-              "diloco": f"DiLoCo {result['replicas']} groups, H = {result['sync_every']}"}
-    for name, label in labels.items():
+        by_tokens.plot(warm["tokens"], _trailing_mean(warm["loss"], FINAL_WINDOW), lw=1,
+                       color="grey", label=f"warm start: dp {result['replicas']}, "
+                                           f"{result['warm_start_steps']} steps")
+        top = 1.1 * max(max(result[n]["curve"]["loss"][:FINAL_WINDOW])
+                        for n in ("synchronous", "diloco"))
+    labels = {"synchronous": (f"dp {result['replicas']} (synchronous)", "tab:blue"),
+              "diloco": (f"DiLoCo {result['replicas']} groups, H = {result['sync_every']}",
+                         "tab:orange")}
+    for name, (label, color) in labels.items():
         run = result[name]["curve"]
         tokens = [t + offset for t in run["tokens"]]
-        by_tokens.plot(tokens, run["loss"], lw=0.8, label=f"{label}, train")
-        by_bytes.plot([max(b, 1) for b in run["bytes"]], run["loss"], lw=0.8, label=label)
+        smooth = _trailing_mean(run["loss"], FINAL_WINDOW)
+        moved = [max(b, 1) for b in run["bytes"]]
+        for ax, xs in ((by_tokens, tokens), (by_bytes, moved)):
+            ax.plot(xs, run["loss"], lw=0.5, alpha=0.25, color=color)
+            ax.plot(xs, smooth, lw=1.2, color=color,
+                    label=f"{label}, train (mean of {FINAL_WINDOW} steps)")
         if run["eval"]:
             steps = {s: i for i, s in enumerate(run["step"])}
             by_tokens.plot([tokens[steps[s]] for s, _ in run["eval"]],
-                           [v for _, v in run["eval"]], "o--", ms=3, label=f"{label}, held-out")
-    by_tokens.set_xlabel("tokens trained")
-    by_bytes.set_xlabel("bytes moved between groups / dp ranks (per rank, cumulative"
-                        + (", after the warm start)" if offset else ")"))
+                           [v for _, v in run["eval"]], "o--", ms=3, lw=0.8, color=color,
+                           label=f"{label}, held-out")
+    by_tokens.set_xlabel("tokens trained" + (" (the warm start's included)" if offset else ""))
+    by_bytes.set_xlabel("bytes moved between groups or dp ranks, per rank"
+                        + (" (after the warm start)" if offset else ""))
     by_bytes.set_xscale("log")
     for ax in (by_tokens, by_bytes):
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
+        if top is not None:
+            ax.set_ylim(top=top)
     fig.suptitle("meshtrain: DiLoCo replica groups vs synchronous data parallelism",
                  fontsize=10)
     fig.tight_layout()
