@@ -241,6 +241,7 @@ def test_diloco_warm_start_sides_continue_from_the_same_trained_weights(tmp_path
     (["--suite", "diloco", "--set", "diloco.warm_start_steps=-1"], "whole number"),
     (["--suite", "diloco", "--set", "diloco.warm_start_steps=30"], "e.g. 40"),
     (["--suite", "diloco", "--set", "parallel.sync_every=30"], "diloco.warm_start_steps=N"),
+    (["--suite", "single", "--set", "diloco.warm_start_steps=0"], "--suite diloco alone"),
     (["--suite", "scaling", "--plot", "no/such/dir/x.png"], "does not exist"),
     (["--suite", "scaling", "--procs", "0,2"], "--procs"),
     (["--suite", "scaling", "--procs", "two"], "--procs"),
