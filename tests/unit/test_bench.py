@@ -183,7 +183,8 @@ def test_diloco_suite_json_and_plot(tmp_path):
     steps = 6
     [result] = _bench_json("--suite", "diloco", "--plot", str(plot), "--json", *TINY,
                            "--set", f"train.steps={steps}", "--set", "train.eval_every=3",
-                           "--set", "parallel.replicas=2", "--set", "parallel.sync_every=3")
+                           "--set", "parallel.replicas=2", "--set", "parallel.sync_every=3",
+                           "--set", "diloco.warm_start_steps=0")
     assert result["suite"] == "diloco" and result["replicas"] == 2
     sync, diloco = result["synchronous"], result["diloco"]
     for run in (sync, diloco):
@@ -198,6 +199,33 @@ def test_diloco_suite_json_and_plot(tmp_path):
     assert "diloco" in format_table([result])
 
 
+def test_diloco_warm_start_sides_continue_from_the_same_trained_weights(tmp_path):
+    """With ``diloco.warm_start_steps = W`` dp trains W steps first; both sides then start from
+    its weights at step W + 1 on batch W + 1: their first loss is step W + 1's loss of one cold
+    dp run of W + N steps (the same weights after W steps, the same schedule and data), only
+    their own steps' tokens and bytes are counted, and the plot draws."""
+    warm, steps = 4, 4
+    common = ["--suite", "diloco", "--json", *TINY, "--set", "train.eval_every=0",
+              "--set", "parallel.replicas=2", "--set", "parallel.sync_every=2"]
+    plot = tmp_path / "warm.png"
+    [result] = _bench_json(*common, "--set", f"train.steps={steps}",
+                           "--set", f"diloco.warm_start_steps={warm}", "--plot", str(plot))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [cold] = _bench_json(*common, "--set", f"train.steps={warm + steps}",
+                         "--set", "diloco.warm_start_steps=0")
+    assert result["warm_start_steps"] == warm and cold["warm_start"] is None
+    warm_curve, cold_curve = result["warm_start"]["curve"], cold["synchronous"]["curve"]
+    assert warm_curve["step"] == list(range(1, warm + 1))
+    # the same fp32 arithmetic on the same ranks: equal up to summation-order noise
+    assert warm_curve["loss"] == pytest.approx(cold_curve["loss"][:warm], rel=1e-5)
+    sync, diloco = result["synchronous"], result["diloco"]
+    for run in (sync, diloco):
+        assert run["curve"]["step"] == list(range(warm + 1, warm + steps + 1))
+        assert run["tokens"] == steps * 4 * 32
+        assert run["curve"]["loss"][0] == pytest.approx(cold_curve["loss"][warm], rel=1e-5)
+    assert 0.4 < result["bytes_ratio"] < 0.6
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "singel"], 'Did you mean "single"'),
     (["--steps", "0"], "--steps = 0"),
@@ -209,6 +237,11 @@ def test_diloco_suite_json_and_plot(tmp_path):
     (["--suite", "dp", "--plot", "x.png"], "--suite scaling"),
     (["--suite", "diloco", "--set", "parallel.replicas=1"], "replicas = 1"),
     (["--suite", "diloco", "--plot", "no/such/dir/x.png"], "does not exist"),
+    (["--suite", "diloco", "--set", "diloco.warm_start=5"], "diloco.warm_start_steps"),
+    (["--suite", "diloco", "--set", "diloco.warm_start_steps=-1"], "whole number"),
+    (["--suite", "diloco", "--set", "diloco.warm_start_steps=30"], "e.g. 40"),
+    (["--suite", "diloco", "--set", "parallel.sync_every=30"], "diloco.warm_start_steps=N"),
+    (["--suite", "single", "--set", "diloco.warm_start_steps=0"], "--suite diloco alone"),
     (["--suite", "scaling", "--plot", "no/such/dir/x.png"], "does not exist"),
     (["--suite", "scaling", "--procs", "0,2"], "--procs"),
     (["--suite", "scaling", "--procs", "two"], "--procs"),

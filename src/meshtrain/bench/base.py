@@ -122,7 +122,11 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
     for key, value in BENCH_DEFAULTS.items():
         set_key(config, key, value, origin="bench defaults")
     for text in overrides:
-        set_key(config, *parse_override(text))
+        key, value = parse_override(text)
+        if key.startswith("diloco."):
+            raise ConfigError(f"--set {key}: a setting of --suite diloco alone; run that suite "
+                              f"by itself (--suite diloco) to use it, not with {suite.name}.")
+        set_key(config, key, value)
     config.train.steps = total_steps
     m, t, p = config.model, config.train, config.parallel
     if t.device != "cpu":

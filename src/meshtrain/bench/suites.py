@@ -161,5 +161,6 @@ register_suite(Suite(
     name="diloco", world_size=4,
     peer="synchronous data parallelism over as many ranks (meshtrain dp)",
     description="loss and bytes moved: DiLoCo replica groups (4 × dp 1, H = 20) vs dp 4 on the "
-                "same tokens, 1000 steps of a small model (about 2 minutes)",
+                "same tokens, 800 steps of a small model each, both from the same 200 dp steps "
+                "(about 4 minutes)",
     meshtrain_worker=meshtrain_worker, peer_worker=None, run=run_diloco, check=check_diloco))
