@@ -154,6 +154,7 @@ _PIPELINE_RUN = ["model.dim=256", "model.n_layers=2", "model.n_heads=4", "model.
                  "train.eval_every=0"]
 
 
+@pytest.mark.slow  # a measurement: `make bench`
 def test_pipeline_peak_does_not_grow_with_microbatches(tmp_path, monkeypatch):
     """1F1B keeps at most pp micro-batches in flight, so its peak must not grow with the
     micro-batch count: 16 micro-batches of the same size peak within 4 activation messages of 2

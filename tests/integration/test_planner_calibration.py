@@ -40,6 +40,7 @@ def _row(name: str, profile, run_dir) -> dict:
             "error": predicted / measured - 1}
 
 
+@pytest.mark.slow  # a measurement: `make bench`
 def test_timing_predictions_within_2x_of_measured(tmp_path):
     profile = _profile()
     # Two local processes share memory: the data-parallel reduction they use is measured too.

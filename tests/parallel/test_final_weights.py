@@ -315,6 +315,7 @@ def test_4d_dp2_tp2_pp2_ep2_saves_the_same_tensors(tmp_path):
     _assert_identical(_read(tmp_path / "4d" / "final"), result["reference"], "4d")
 
 
+@pytest.mark.slow  # a measurement: `make bench`
 def test_writer_peak_memory_is_about_one_tensor(tmp_path, monkeypatch):
     # Every allocation above 64 KiB gets its own mapping, returned on free: RSS follows the
     # live tensors instead of glibc's heap reuse (inherited by the spawned workers).
