@@ -46,6 +46,7 @@ def test_compiled_blocks_match_eager_on_one_process_zero3_checkpointing_and_pp()
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32")
 
 
+@pytest.mark.slow  # ~75 s of compilation; the one-process compile test stays in `make test`
 def test_compiled_blocks_match_eager_under_tp_sp_moe_ep_and_zero_bubble():
     """Collectives (tp regions, the MoE all-to-alls) and deferred weight gradients run eagerly
     between compiled pieces of each block; every layout matches its eager one-process run."""
