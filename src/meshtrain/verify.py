@@ -54,9 +54,9 @@ def reference_config(config: Config) -> Config:
     return ref
 
 
-def train_steps(config_dict: dict, steps: int) -> list[dict]:
-    """Run ``steps`` training steps in this process (a worker of the job); return the metric
-    records on the logging rank, an empty list elsewhere."""
+def worker_trainer(config_dict: dict):
+    """This worker's :class:`~meshtrain.training.trainer.Trainer` for ``config_dict``, on the
+    thread count ``MESHTRAIN_THREADS`` asks for (when set)."""
     import torch
 
     from meshtrain.training.trainer import Trainer
@@ -66,10 +66,15 @@ def train_steps(config_dict: dict, steps: int) -> list[dict]:
     threads = os.environ.get("MESHTRAIN_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    mesh = build_mesh(config)
-    trainer = Trainer(config, mesh)
+    return Trainer(config, build_mesh(config))
+
+
+def train_steps(config_dict: dict, steps: int) -> list[dict]:
+    """Run ``steps`` training steps in this process (a worker of the job); return the metric
+    records on the logging rank, an empty list elsewhere."""
+    trainer = worker_trainer(config_dict)
     records = [trainer.train_step() for _ in range(steps)]
-    return records if mesh.is_logging_rank else []
+    return records if trainer.mesh.is_logging_rank else []
 
 
 def run_layout(config: Config, world_size: int, steps: int, timeout: float = 900,

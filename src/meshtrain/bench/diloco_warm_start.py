@@ -10,9 +10,7 @@ spans ``W + train.steps``), the same following sequences, a fresh inner AdamW ea
 
 from __future__ import annotations
 
-import os
-
-from meshtrain.config import Config, ConfigError, parse_override
+from meshtrain.config import ConfigError, parse_override
 
 SUITE_SETTINGS: dict[str, int] = {"diloco.warm_start_steps": 200}
 """The suite's settings (``--set diloco.KEY=VALUE``) and their defaults: 200 warm-start steps
@@ -44,18 +42,10 @@ def side_steps(config_dict: dict, steps: int, start_step: int, init_from: str,
     start at ``start_step`` (its learning rate and data position); train ``steps`` steps; with
     ``save_final``, write the weights to ``RUN_DIR/final``. Returns the logging rank's metric
     records (an empty list elsewhere). Module-level: workers are spawned."""
-    import torch
-
     from meshtrain.checkpoint.state import init_from_weights
-    from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
+    from meshtrain.verify import worker_trainer
 
-    config = Config.from_dict(config_dict)
-    threads = os.environ.get("MESHTRAIN_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    mesh = build_mesh(config)
-    trainer = Trainer(config, mesh)
+    trainer = worker_trainer(config_dict)
     if init_from:
         init_from_weights(trainer, init_from)
         trainer.step = start_step
@@ -63,4 +53,4 @@ def side_steps(config_dict: dict, steps: int, start_step: int, init_from: str,
     records = [trainer.train_step() for _ in range(steps)]
     if save_final:
         trainer.save_final()
-    return records if mesh.is_logging_rank else []
+    return records if trainer.mesh.is_logging_rank else []

@@ -121,22 +121,16 @@ TORCHTITAN_A100 = (
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set."""
     rows = []
-    for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_1:
-        dp = gpus // (tp * pp)
-        rows.append(PublishedRow(
-            f"GPT {size}B tp{tp} pp{pp} dp{dp}", "Narayanan 2021 Table 1", "fit",
-            "hardware_tflops_per_gpu", tflops,
-            Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
-            Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
-                   activation_checkpointing="full"), "a100-80g"))
-    for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in NARAYANAN_TABLE_2_PTDP:
-        dp = gpus // (tp * pp)
-        rows.append(PublishedRow(
-            f"GPT {size}B tp{tp} pp{pp} dp{dp}", "Narayanan 2021 Table 2", "report",
-            "hardware_tflops_per_gpu", tflops,
-            Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
-            Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
-                   activation_checkpointing="full"), "a100-80g"))
+    narayanan = [("Narayanan 2021 Table 1", "fit", NARAYANAN_TABLE_1),
+                 ("Narayanan 2021 Table 2", "report", NARAYANAN_TABLE_2_PTDP)]
+    for source, role, table in narayanan:
+        for size, heads, hidden, layers, tp, pp, gpus, batch, tflops in table:
+            dp = gpus // (tp * pp)
+            rows.append(PublishedRow(
+                f"GPT {size}B tp{tp} pp{pp} dp{dp}", source, role, "hardware_tflops_per_gpu",
+                tflops, Workload(_gpt(hidden, layers, heads), 2048, batch, "bf16", MEGATRON_2021),
+                Layout(dp=dp, tp=tp, pp=pp, microbatches=batch // dp,
+                       activation_checkpointing="full"), "a100-80g"))
     for name, heads, hidden, layers, tp, pp, gpus, batch, mb, chunks, *times in \
             KORTHIKANTI_TABLE_5:
         schedule = "interleaved-1f1b" if chunks > 1 else "1f1b"
