@@ -235,12 +235,12 @@ def memory(dry: DryRank) -> dict:
     transients = {}
     gatherer = getattr(engine, "gatherer", None)
     if gatherer is not None:
-        full = [b.padded_numel * b.dtype.itemsize
-                for b in gatherer.unit_buckets]
+        def gathered(buckets) -> int:
+            return sum(b.padded_numel * b.dtype.itemsize for b in buckets)
+
+        full = [gathered(unit) for unit in gatherer.unit_buckets]
         pairs = max((a + b for a, b in zip(full, full[1:], strict=False)), default=sum(full))
-        root = gatherer.root_bucket
-        transients["zero3_gather"] = pairs + (0 if root is None else
-                                              root.padded_numel * root.dtype.itemsize)
+        transients["zero3_gather"] = pairs + gathered(gatherer.root_buckets)
     if trainer.pipeline is not None:
         ex = trainer.pipeline
         size = _nbytes(torch.empty(ex.activation_shape, dtype=ex.dtype, device="meta"))

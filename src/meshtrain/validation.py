@@ -274,10 +274,6 @@ def validate_expert_parallel(config: Config, dp: int) -> None:
         raise ConfigError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = "
                           f"{par.ep}; every expert-parallel rank must hold the same number of "
                           f"experts. Valid ep: {valid}.")
-    if par.zero == 3:
-        raise ConfigError("parallel.zero = 3 with parallel.ep > 1 is not implemented; use "
-                          "parallel.zero <= 2 (expert parameters are then sharded over the "
-                          "expert-data-parallel ranks).")
 
 
 def tp_problems(config: Config, tp: int) -> list[str]:

@@ -163,7 +163,6 @@ def test_checkpoint_round_trip_across_folded_and_plain_layouts(tmp_path):
     (("parallel.tp=4", "parallel.ep=6", "model.moe_experts=12", "parallel.dp=3",
       "train.global_batch=12"), "neither divides parallel.tp"),
     (("parallel.tp=2", "parallel.ep=4", "model.moe_experts=6"), "not divisible by parallel.ep"),
-    (("parallel.tp=2", "parallel.ep=4", "parallel.zero=3"), "zero = 3"),
 ])
 def test_folded_degrees_are_validated(overrides, fragment):
     base = ["model.moe_experts=4", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",

@@ -242,3 +242,32 @@ def test_zero3_sub_block_units_reduce_in_the_order_they_ran():
     assert len(engine.buckets) == 2 * 7 + 1  # the root: embedding, norms, head
     dp = collectives["axes"]["dp"]["ops"]
     assert dp["reduce_scatter"]["calls"] == len(engine.buckets)
+
+
+def test_mixtral_zero3_shards_experts_over_their_expert_group_as_the_planner_prices():
+    """Mixtral-8x7B's shape at dp 16 × ep 8, ZeRO-3 (16 ranks, rank 5 built on meta tensors):
+    the experts are sharded over their edp group of 2 ranks, the rest over dp 16, and every
+    model state equals the planner's; each MoE layer's experts are one bucket of their own,
+    gathered (forward and backward) and reduce-scattered over ``edp`` only."""
+    from meshtrain.config import load_config
+    from meshtrain.validation import validate_config
+
+    config = load_config(None, [
+        "model.dim=4096", "model.n_layers=32", "model.n_heads=32", "model.n_kv_heads=8",
+        "model.ffn_dim=14336", "model.moe_experts=8", "model.moe_top_k=2",
+        "model.moe_ffn_dim=14336", "model.vocab_size=32000", "train.precision=bf16",
+        "train.seq_len=4096", "train.global_batch=16", "parallel.dp=16", "parallel.ep=8",
+        "parallel.zero=3"])
+    validate_config(config, 16)
+    report = dry_run.report(config, 16, 5)
+    for key in ("param", "grad", "optim", "model_states"):
+        assert abs(report["estimate"]["rel_diff"][key]) < 0.02, key
+    # At rest a rank holds half of its one expert per layer (3 × 4096 × 14336) and 1/16 of
+    # the rest (attention, norms, router; embedding, final norm, untied head), in bf16.
+    expert = 32 * 3 * 4096 * 14336
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 4096 + 8 * 4096
+    dense = 32 * layer + 2 * 32000 * 4096 + 4096
+    held = report["bytes"]["param"] / 2
+    assert held == pytest.approx(expert / 2 + dense / 16, rel=1e-5)  # buckets' padding aside
+    edp = report["collectives"]["axes"]["edp"]["ops"]
+    assert edp["all_gather"]["calls"] == 2 * edp["reduce_scatter"]["calls"] == 2 * 32

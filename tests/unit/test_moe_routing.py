@@ -136,7 +136,6 @@ def test_bias_balancing_does_not_depend_on_micro_batching():
     (["model.moe_experts=6", "parallel.ep=4"], "not divisible by parallel.ep"),
     (["model.moe_top_k=5"], "moe_top_k = 5 must be between 1"),
     (["parallel.ep=2", "model.moe_experts=0"], "needs a Mixture-of-Experts model"),
-    (["parallel.ep=2", "parallel.zero=3"], "zero = 3 with parallel.ep > 1"),
 ])
 def test_bad_expert_parallel_configs(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -5,7 +5,8 @@ Each pipeline stage holds its own tensors. Every rank of a stage builds a :class
 together with the stage's other ranks: each step is a collective for one tensor, which
 
 1. under ZeRO-3 is assembled on dp rank 0 from the pieces that the dp ranks' shards hold (each
-   piece sent point to point; only ranks whose shard overlaps the tensor send); otherwise every
+   piece sent point to point; only ranks whose shard overlaps the tensor send; an expert
+   parameter is assembled on every rank of its edp group, each piece broadcast); otherwise every
    rank uses its own copy (a view of its parameter buffer, or the persistent buffer itself);
 2. if expert-parallel (its sharding record's ``ep_dim``), is gathered over ``ep`` by the expert
    groups that contain dp rank 0 (edp rank 0, and with experts folded over tp every expert group
@@ -142,8 +143,10 @@ class StageTensors:
         return value
 
     def _local(self, name: str) -> torch.Tensor | None:
-        """This rank's piece of parameter ``name`` whole over data parallelism (under ZeRO-3
-        assembled on the bucket's axis rank 0: None on the other ranks)."""
+        """This rank's piece of parameter ``name`` whole over data parallelism. Under ZeRO-3 a
+        dense parameter is assembled on dp rank 0 (None on the other ranks); an expert
+        parameter on every rank of its ``edp`` group, since with experts folded over more tp
+        ranks than ``ep`` (``ep < tp``) several of the dp-rank-0 ranks are in one edp group."""
         bucket, slot = self._slots[name]
         if self.engine.stage != 3:
             return bucket.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -154,6 +157,14 @@ class StageTensors:
                   for r in range(max(comm.size, 1))]
         pieces = [(r, a, b) for r, a, b in pieces if a < b]  # the ranks holding a part of it
         shard = bucket.param_shard
+        if bucket.axis == "edp":  # each holder broadcasts its part straight into its place
+            out = torch.empty(slot.numel, dtype=shard.dtype, device=shard.device)
+            for r, a, b in pieces:
+                if r == me:
+                    out[a - lo:b - lo].copy_(shard[a - me * size:b - me * size])
+                if comm.active:
+                    comm.broadcast(out[a - lo:b - lo], r)
+            return out.view(slot.shape)
         if me != 0:
             mine = [("send", shard[a - me * size:b - me * size], 0, 0)
                     for r, a, b in pieces if r == me]

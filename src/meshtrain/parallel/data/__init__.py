@@ -8,7 +8,7 @@ from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.transformer import Attention, TransformerBlock
 from meshtrain.parallel.data.engine import DataParallelEngine, OptimizerShard
 from meshtrain.parallel.data.zero3 import ParameterGatherer
-from meshtrain.parallel.state import attach_parallel_state
+from meshtrain.parallel.state import attach_parallel_state, shardings_of
 
 __all__ = ["DataParallelEngine", "OptimizerShard", "ParameterGatherer", "apply_data_parallel"]
 
@@ -54,6 +54,15 @@ def _zero3_units(model: torch.nn.Module, bucket_bytes: int) -> tuple[list, list]
     return units, root
 
 
+def _by_axis(named: list, shardings) -> list[tuple[str, list]]:
+    """``named`` parameters cut into one group per reduction axis (``"dp"`` first, then
+    ``"edp"``: expert parameters, held only by their expert group), empty groups left out."""
+    groups = {"dp": [], "edp": []}
+    for name, param in named:
+        groups[shardings[name].dp_axis].append((name, param))
+    return [(axis, params) for axis, params in groups.items() if params]
+
+
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         bucket_mb: float, shared_memory: bool = True,
                         grad_dtype: torch.dtype = torch.float32,
@@ -61,18 +70,24 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
     ``zero`` (0 = plain DP) and, for stage 3, the gather/free hooks of each unit
     (:func:`_zero3_units`: a block, or its sub-modules when it exceeds ``bucket_mb``).
+    Under ZeRO-3 a unit holding expert parameters (an MoE layer's experts beside its router)
+    is one bucket per reduction axis: the dense part sharded over ``dp``, the experts over
+    ``edp``; the gatherer gathers and frees a unit's buckets together.
     ``shared_memory``, ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`."""
     bucket_bytes = int(bucket_mb * 2**20)
     if zero < 3:
         return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
                                   grad_dtype=grad_dtype, init_values=init_values)
     units, root = _zero3_units(model, bucket_bytes)
-    groups = [params for _, params in reversed(units)] + ([root] if root else [])
+    shardings = shardings_of(model)
+    unit_groups = [_by_axis(params, shardings) for _, params in units]
+    root_groups = _by_axis(root, shardings)
+    # Buckets in reverse forward order (the order backward finishes them), the root last.
+    groups = [g for unit in reversed(unit_groups) for g in unit] + root_groups
     engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=groups,
                                 grad_dtype=grad_dtype, init_values=init_values)
-    n = len(units)
-    unit_buckets = [engine.buckets[n - 1 - i] for i in range(n)]
-    root_bucket = engine.buckets[n] if root else None
-    engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], unit_buckets,
-                                        root_bucket)
+    buckets = iter(engine.buckets)
+    by_unit = [[next(buckets) for _ in unit] for unit in reversed(unit_groups)][::-1]
+    engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], by_unit,
+                                        list(buckets))
     return engine

@@ -36,8 +36,9 @@ Expert parallelism: expert weights (recorded ``dp_axis = "edp"`` in the model's 
 :mod:`meshtrain.parallel.expert`) are held only by
 the ``dp × tp / ep`` ranks of their ``edp`` group, so they live in buckets of their own (see
 :func:`~meshtrain.parallel.data.buckets.bucket_by_size_and_axis`) that are reduced, and under
-ZeRO sharded, over ``edp``; every other parameter reduces over ``dp``. ZeRO-3 is not combined with
-expert parallelism.
+ZeRO sharded, over ``edp``; every other parameter reduces over ``dp``. Under ZeRO-3 an MoE unit
+is one bucket per axis (:func:`meshtrain.parallel.data.apply_data_parallel`), so the experts'
+parameters are sharded over, and gathered from, only the ``edp`` ranks that hold them.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class DataParallelEngine(GradientAccounting):
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
-                 units: list[list[tuple[str, torch.nn.Parameter]]] | None = None,
+                 units: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] | None = None,
                  shared_memory: bool = True, grad_dtype: torch.dtype = torch.float32,
                  init_values: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None):
-        """``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
+        """``units`` (ZeRO-3): ``(axis, named parameters)`` of each bucket, in backward order.
+        ``shared_memory``: reduce fp32 CPU gradient buckets (stages 0-1) through shared memory
         when every rank of their group is on this host; ``grad_dtype``: the dtype gradients are
         accumulated and reduced in (see the module docstring); ``init_values``: ``(name, param,
         flat_range=None) -> initial value`` (or its flat ``[start, stop)`` elements; ZeRO-3
@@ -105,10 +107,12 @@ class DataParallelEngine(GradientAccounting):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
             if units is None:
-                raise ValueError("ZeRO-3 needs the model's units (one bucket per block)")
-            if any(self.shardings[n].dp_axis != "dp" for n, _ in named):
-                raise ValueError("ZeRO-3 is not combined with expert parallelism")
-            groups = [("dp", unit) for unit in units]
+                raise ValueError("ZeRO-3 needs the model's units (one bucket per block and axis)")
+            mixed = [g for axis, g in units if any(self.shardings[n].dp_axis != axis
+                                                   for n, _ in g)]
+            if mixed:
+                raise ValueError(f"a ZeRO-3 bucket mixes reduction axes: {mixed[0][0][0]}, ...")
+            groups = units
         else:
             # Gradients become ready roughly in reverse registration order.
             groups = bucket_by_size_and_axis(list(reversed(named)), bucket_bytes,

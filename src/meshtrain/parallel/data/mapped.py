@@ -10,7 +10,10 @@ dp 8 ZeRO-3 rank's resident memory grew by hundreds of MiB per step (measured fr
 
 So on the CPU each bucket's buffer is its own anonymous memory map: "free" is
 ``madvise(MADV_DONTNEED)``, which drops the pages at once (the next gather faults in zeroed
-pages), and the storage never moves.
+pages), and the storage never moves. The map must be *private*: Python's ``mmap.mmap(-1, n)``
+is shared by default, and a shared anonymous map is shared memory (``Shmem`` in
+``/proc/meminfo``) whose pages ``MADV_DONTNEED`` only unmaps from the process, so its resident
+size falls while the machine keeps every byte (and the next gather reads the old values back).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class MappedBuffer:
 
     def __init__(self, numel: int, dtype: torch.dtype):
         size = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-        self._map = mmap.mmap(-1, size)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # see the module docstring
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)[
             :numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
 

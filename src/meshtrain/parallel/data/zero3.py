@@ -3,7 +3,9 @@
 A unit is a transformer block, or, when a block's parameters exceed ``parallel.dp_bucket_mb``,
 one of its sub-modules (attention, MLP, down to single projections; the blocks' norm weights then
 join the root unit), so that what is gathered, prefetched, staged and reduced at once stays
-about a bucket (:func:`meshtrain.parallel.data._zero3_units`). Every unit is one bucket. At rest
+about a bucket (:func:`meshtrain.parallel.data._zero3_units`). Every unit is one bucket per
+reduction axis: one, or under expert parallelism an MoE unit's dense parameters (router, shared
+experts) sharded over ``dp`` beside its experts sharded over ``edp``. At rest
 a rank holds only its shard of each bucket; the full flat buffer keeps its tensor but its memory
 is released (storage resized to zero bytes; on the CPU an anonymous memory map whose pages are
 handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
@@ -34,16 +36,16 @@ from meshtrain.parallel.data.mapped import release_full_buffer, restore_full_buf
 
 class ParameterGatherer:
     """Gathers and frees ZeRO-3 buckets around each unit's forward and backward; ``units``
-    (modules, in forward order) and ``unit_buckets`` correspond one to one."""
+    (modules, in forward order) and ``unit_buckets`` (the buckets of each, one per reduction
+    axis) correspond one to one; ``root_buckets``: those of the parameters outside every unit."""
 
     def __init__(self, engine: DataParallelEngine, model: torch.nn.Module,
-                 units: list[torch.nn.Module], unit_buckets: list[FlatBucket],
-                 root_bucket: FlatBucket | None):
+                 units: list[torch.nn.Module], unit_buckets: list[list[FlatBucket]],
+                 root_buckets: list[FlatBucket]):
         self.engine = engine
-        self.comm = engine.comm
         self.units = units
         self.unit_buckets = unit_buckets
-        self.root_bucket = root_bucket
+        self.root_buckets = root_buckets
         self._handles: dict[int, object] = {}
         n = len(units)
         self._next = {i: i + 1 for i in range(n - 1)}  # prefetch order, forward and backward
@@ -69,17 +71,25 @@ class ParameterGatherer:
         release_full_buffer(bucket)
         self._gathered.discard(bucket.index)
 
+    def _gather_all(self, buckets: list[FlatBucket], wait: bool) -> None:
+        for bucket in buckets:  # issue every gather before waiting for any
+            self._gather(bucket, wait=False)
+        if wait:
+            for bucket in buckets:
+                self._wait(bucket)
+
     def _gather(self, bucket: FlatBucket, wait: bool) -> None:
         if bucket.index not in self._gathered and bucket.index not in self._handles:
+            comm = self.engine.comms[bucket.axis]
             restore_full_buffer(bucket)
             storage = self._storage(bucket)
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
             if self.engine.in_place:  # no scratch copy of the bucket (CountedComm)
                 bucket.shard(alias).copy_(bucket.param_shard)
-                self._handles[bucket.index] = self.comm.all_gather_in_place(alias, async_op=True)
+                self._handles[bucket.index] = comm.all_gather_in_place(alias, async_op=True)
             else:
-                self._handles[bucket.index] = self.comm.all_gather_into(
+                self._handles[bucket.index] = comm.all_gather_into(
                     alias, bucket.param_shard, async_op=True)
         if wait:
             self._wait(bucket)
@@ -93,10 +103,9 @@ class ParameterGatherer:
     # ------------------------------------------------------------------ hooks
     def _root_pre_forward(self, module, args) -> None:
         self._in_backward.clear()
-        if self.root_bucket is not None:
-            self._gather(self.root_bucket, wait=True)
+        self._gather_all(self.root_buckets, wait=True)
         if self.unit_buckets:
-            self._gather(self.unit_buckets[0], wait=False)
+            self._gather_all(self.unit_buckets[0], wait=False)
 
     def _learn_order(self) -> None:
         """After the first forward: prefetch, and reduce in reverse, in the order the units
@@ -107,40 +116,43 @@ class ParameterGatherer:
             return
         self._next = dict(zip(seen, seen[1:], strict=False))
         self._prev = dict(zip(seen[1:], seen, strict=False))
-        order = [self.unit_buckets[i].index for i in reversed(seen)]
+        order = [b.index for i in reversed(seen) for b in self.unit_buckets[i]]
         rest = [i for i in range(len(self.engine.buckets)) if i not in set(order)]
         self.engine.launch_order = order + rest
 
     def _root_post_forward(self, module, args, output) -> None:
         self._learn_order()
-        if self.root_bucket is None:
+        if not self.root_buckets:
             return
-        self._free(self.root_bucket)
+        for bucket in self.root_buckets:
+            self._free(bucket)
         tensor = output[0] if isinstance(output, tuple) else output
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(lambda grad: self._gather(self.root_bucket, wait=True))
+            tensor.register_hook(lambda grad: self._gather_all(self.root_buckets, wait=True))
 
     def _pre_forward(self, i: int) -> None:
         if self._seen is not None and i not in self._seen:
             self._seen.append(i)
-        self._gather(self.unit_buckets[i], wait=True)
+        self._gather_all(self.unit_buckets[i], wait=True)
         if i not in self._in_backward and i in self._next:
-            self._gather(self.unit_buckets[self._next[i]], wait=False)
+            self._gather_all(self.unit_buckets[self._next[i]], wait=False)
 
     def _post_forward(self, i: int, output) -> None:
         if i in self._in_backward:  # a recomputation inside backward: keep the parameters
             return
-        self._free(self.unit_buckets[i])
+        for bucket in self.unit_buckets[i]:
+            self._free(bucket)
         tensor = output[0] if isinstance(output, tuple) else output
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
             tensor.register_hook(lambda grad, i=i: self._pre_backward(i))
 
     def _pre_backward(self, i: int) -> None:
         self._in_backward.add(i)
-        self.engine.stage_gradients(self.unit_buckets[i])
-        self._gather(self.unit_buckets[i], wait=True)
+        for bucket in self.unit_buckets[i]:
+            self.engine.stage_gradients(bucket)
+        self._gather_all(self.unit_buckets[i], wait=True)
         if i in self._prev:
-            self._gather(self.unit_buckets[self._prev[i]], wait=False)
+            self._gather_all(self.unit_buckets[self._prev[i]], wait=False)
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
