@@ -11,7 +11,8 @@ never meshtrain's own counters. Two sources are combined, per worker:
 The figure kept is the larger of the two (``VmHWM`` only grows, so both are lower bounds of the
 same number). Workers are told apart from the launcher by the ``RANK`` variable torch's elastic
 launcher sets. ``python -m meshtrain.bench.memory_peak`` prints the dp 8 ZeRO-3 figures at about
-85M parameters minus a tiny model's run.
+85M parameters minus a tiny model's run (other layouts by name, among them an MoE model on 4
+processes at ZeRO-2 and ZeRO-3).
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def excess_over_tiny(layout: list[str], nproc: int, work: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Print per-rank excess peaks (MiB) for the layouts named on the command line."""
+    moe = ["model.moe_experts=8", "model.moe_top_k=2", "model.moe_ffn_dim=512"]
     layouts = {"dp8-z3": ["parallel.dp=8", "parallel.zero=3"],
                "dp8-z0": ["parallel.dp=8", "parallel.zero=0"],
                "dp8-z1": ["parallel.dp=8", "parallel.zero=1"],
@@ -158,12 +160,21 @@ def main(argv: list[str] | None = None) -> int:
                "tp2pp2dp2-z1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
                                 "parallel.zero=1", "parallel.microbatches=2"],
                "pp2dp4-z2": ["parallel.pp=2", "parallel.dp=4", "parallel.zero=2",
-                             "parallel.microbatches=2"]}
+                             "parallel.microbatches=2"],
+               # the same model with 8 experts of width 512 in every block, on 4 processes
+               "moe-dp4ep2-z2": [*moe, "parallel.dp=4", "parallel.ep=2", "parallel.zero=2"],
+               "moe-dp4ep2-z3": [*moe, "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"]}
     names = (argv if argv is not None else sys.argv[1:]) or ["dp8-z3"]
+    unknown = [name for name in names if name not in layouts]
+    if unknown:
+        print(f"unknown layout {', '.join(unknown)}; known: {', '.join(layouts)}",
+              file=sys.stderr)
+        return 2
     mib = 2**20
     for name in names:
+        nproc = 4 if name.startswith("moe-") else 8
         with tempfile.TemporaryDirectory() as work:
-            r = excess_over_tiny(layouts[name], 8, Path(work))
+            r = excess_over_tiny(layouts[name], nproc, Path(work))
         print(json.dumps({"layout": name, "wall_s": round(r["wall_s"], 1),
                           "tiny_mib": [round(b / mib) for b in r["tiny"]],
                           "large_mib": [round(b / mib) for b in r["large"]],

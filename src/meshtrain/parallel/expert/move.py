@@ -1,4 +1,4 @@
-"""Moving experts between expert-parallel ranks: parameters and fp32 optimizer state, ZeRO 0-2.
+"""Moving experts between expert-parallel ranks: parameters and fp32 optimizer state, ZeRO 0-3.
 
 Under expert parallelism the ``E/ep`` local experts of a layer are rows of its 3-D expert
 parameters (``w1``, ``w2``, ``w3`` ``[E/ep, ...]``), which the data-parallel engine flattens into
@@ -8,7 +8,9 @@ parameters, since all ep ranks hold the same shapes; "dp rank" below is the plac
 What an optimizer shard holds (fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
 
 * ZeRO stage 0: the whole bucket, replicated over the ``dp·tp/ep`` edp ranks of each ep rank;
-* ZeRO stages 1 and 2: the flat range ``[e·S, (e+1)·S)`` of the bucket for edp rank ``e``.
+* ZeRO stages 1-3: the flat range ``[e·S, (e+1)·S)`` of the bucket for edp rank ``e`` (at
+  stage 3 the fp32 master is the parameter shard itself, and a bucket holds one MoE unit's
+  experts).
 
 A new placement says, for every slot ``(ep rank b, local index k)``, which expert sits there; the
 expert came from an old slot ``(a, j)``. Every element of the destination's share of slot
@@ -22,7 +24,8 @@ and new placements, so both ends agree on the order of the rows without any nego
 ``dp`` (master, ``exp_avg`` and ``exp_avg_sq`` of each run side by side). Slots whose expert does
 not change send nothing; at stage 0 each replica is refreshed from the replica with its own edp
 index. The parameters are then rewritten from the masters as after an optimizer step (an
-all-gather over edp of the changed buckets under ZeRO 1-2). Gradients are not moved: moves happen
+all-gather over edp of the changed buckets under ZeRO 1-2; under ZeRO-3 the next gather
+assembles them). Gradients are not moved: moves happen
 between steps, when they are zero.
 """
 
