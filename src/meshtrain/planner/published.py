@@ -200,8 +200,68 @@ def summary(results: list[dict], use: str) -> tuple[float, float]:
     return sum(errors) / len(errors), max(errors)
 
 
-def main() -> None:
-    """Print the validation set with errors, fitted rows apart from reported ones."""
+def rank_among_searched(row: PublishedRow) -> dict:
+    """Where the published layout stands among every layout ``plan`` searches for the same
+    model, batch, cluster and stack, with the row's own recompute mode (the papers' variable,
+    not a layout choice), all priced as ``plan`` first ranks them (closed-form pipeline).
+
+    ``rank``: 1 + how many feasible layouts are predicted faster; ``searched``, ``feasible``;
+    ``fastest`` (that layout's estimate) and ``behind`` (the published layout's step time over
+    the fastest's, minus 1); ``best_variant``: the rank of the fastest layout with the
+    published tp, pp and dp (what a source that leaves micro-batch and schedule open allows).
+    """
+    from meshtrain.planner.search import _speed, enumerate_layouts
+
+    cluster = Cluster(PROFILES[row.profile], row.layout.world_size, 8)
+    mine = estimate(row.workload, row.layout, cluster, use_simulator=False)
+    layouts = enumerate_layouts(row.workload, cluster,
+                                checkpointing=(row.layout.activation_checkpointing,))
+    feasible = [(layout, result) for layout in layouts
+                if (result := estimate(row.workload, layout, cluster, use_simulator=False))["fits"]]
+    feasible.sort(key=lambda item: _speed(item[1]))
+    degrees = (row.layout.tp, row.layout.pp, row.layout.dp)
+    variant = next((i for i, (lay, r) in enumerate(feasible)
+                    if (lay.tp, lay.pp, lay.dp) == degrees or _speed(r) >= _speed(mine)),
+                   len(feasible))
+    fastest = feasible[0][1] if feasible else mine
+    return {"rank": 1 + sum(_speed(r) < _speed(mine) for _, r in feasible),
+            "searched": len(layouts), "feasible": len(feasible), "fastest": fastest,
+            "behind": mine["step_time_s"] / fastest["step_time_s"] - 1,
+            "best_variant": variant + 1}
+
+
+def _layout_words(result: dict) -> str:
+    lay = result["layout"]
+    schedule = ("" if lay["pp"] == 1 else ", 1F1B" if lay["schedule"] == "1f1b" else
+                f", interleaved {lay['virtual_stages']} chunks"
+                if lay["schedule"] == "interleaved-1f1b" else f", {lay['schedule']}")
+    return (f"tp {lay['tp']} × pp {lay['pp']} × dp {lay['dp']}"
+            f"{', ZeRO-' + str(lay['zero']) if lay['zero'] else ''}"
+            f"{', SP' if lay['sequence_parallel'] else ''}{schedule}, "
+            f"micro-batch {result['micro_batch_size']}")
+
+
+def print_ranks(rows: list[PublishedRow]) -> None:
+    """Print the docs/planner.md table of :func:`rank_among_searched` for ``rows``."""
+    print("| row | source | searched | feasible | rank | best variant | fastest layout | behind |")
+    print("|---|---|---:|---:|---:|---:|---|---:|")
+    for row in rows:
+        r = rank_among_searched(row)
+        variant = r["best_variant"] if row.source == "Narayanan 2021 Table 2" else "—"
+        behind = f"{r['behind']:+.1%}".replace("-", "−")
+        print(f"| {row.name} | {row.source} | {r['searched']} | {r['feasible']} | "
+              f"**{r['rank']}** | {variant} | {_layout_words(r['fastest'])} | {behind} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the validation set with errors, fitted rows apart from reported ones; with
+    ``--ranks``, where each published layout ranks in ``plan``'s search instead."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if "--ranks" in args:
+        print_ranks(published_rows())
+        return
     results = [evaluate(row) for row in published_rows()]
     for use in ("fit", "report"):
         print(f"{use} rows:")
