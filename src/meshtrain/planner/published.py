@@ -1,8 +1,9 @@
 """Published training runs the cost model is checked against, split into the rows its constants
 were fitted on and the rows that report its accuracy.
 
-``python -m meshtrain.planner.published`` prints every row with its error (what
-docs/planner.md quotes). Each row names its source, table, layout and which figure it is:
+``python -m meshtrain.planner.published`` prints every row with its error, and with ``--ranks``
+where each published layout ranks among the layouts ``plan`` searches (what docs/planner.md
+quotes). Each row names its source, table, layout and which figure it is:
 
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21, arXiv:2104.04473), Table 1: achieved TFLOP/s per GPU counted with full
@@ -20,9 +21,8 @@ docs/planner.md quotes). Each row names its source, table, layout and which figu
   2240 GPUs; the same FLOPs definition as Table 1, the ``megatron-2021`` stack. The table gives
   no schedule: priced as 1F1B (with 96 to 384 micro-batches per pipeline
   the interleaved schedule's smaller bubble, against v times the sends, moves the prediction by
-  -2 % to +6 %). **Report**. Table 2's ZeRO-3 rows ran
-  DeepSpeed's ZeRO-3 without model parallelism, a stack with no profile here; they are not in
-  the set (priced with Megatron-LM 2021's kernels and no overlap they come out -2 % to +34 %).
+  -1 % to +6 %). **Report**. Table 2's ZeRO-3 rows ran DeepSpeed's ZeRO-3 without model
+  parallelism, a stack with no profile here; they are not in the set.
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198), Table 5: seconds per iteration with full recomputation and with sequence
   parallelism + selective recomputation, layouts of its Table 3 (22B: one micro-batch of 4;
@@ -248,8 +248,10 @@ def print_ranks(rows: list[PublishedRow]) -> None:
     for row in rows:
         r = rank_among_searched(row)
         variant = r["best_variant"] if row.source == "Narayanan 2021 Table 2" else "—"
-        behind = f"{r['behind']:+.1%}".replace("-", "−")
-        print(f"| {row.name} | {row.source} | {r['searched']} | {r['feasible']} | "
+        behind = f"{100 * r['behind']:+.1f} %".replace("-", "−")
+        source = (row.source.replace("Narayanan 2021", "N21").replace("Korthikanti 2022", "K22")
+                  .replace(" docs/performance.md", ""))
+        print(f"| {row.name} | {source} | {r['searched']} | {r['feasible']} | "
               f"**{r['rank']}** | {variant} | {_layout_words(r['fastest'])} | {behind} |")
 
 
