@@ -22,7 +22,8 @@ from meshtrain.planner.workload import MEGATRON_2021, Workload
 
 
 def megatron_2021_estimate(heads, hidden, layers, tp, pp, gpus, batch, **layout):
-    """Price one Table 1 row as Megatron-LM ran it (micro-batch 1, 1F1B, full recompute)."""
+    """Price a GPT layout with the megatron-2021 stack (micro-batch 1, 1F1B and full recompute
+    unless ``layout`` says otherwise)."""
     model = ModelConfig(vocab_size=51200, dim=hidden, n_layers=layers, n_heads=heads,
                         ffn_dim=4 * hidden, mlp="gelu")
     dp = gpus // (tp * pp)

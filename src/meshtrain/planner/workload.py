@@ -100,8 +100,9 @@ MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, gr
 """Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
 reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
 ``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
-run under ``no_sync``), in the fp16 parameters' dtype (Megatron-LM 2021 refuses bf16, whose
-gradients it accumulates and reduces in fp32, with anything but its local DDP)."""
+run under ``no_sync``, ``megatron/schedules.py``), in the fp16 parameters' dtype: bf16 turns on
+fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
+do accumulation and all-reduces in fp32, we need to have local DDP")."""
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
                                     checkpointing=("none", "selective", "full"))
 """Megatron-LM as Korthikanti et al. 2022 ran it: the 2021 stack plus sequence parallelism and
