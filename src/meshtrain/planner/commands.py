@@ -29,8 +29,9 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
     from meshtrain.planner.wide_area import add_site_options
 
     add_site_options(parser)
-    parser.add_argument("--stack", default="meshtrain",
-                        choices=("meshtrain", "megatron-2021", "megatron-2022", "torchtitan-2024"),
+    from meshtrain.planner.workload import STACKS
+
+    parser.add_argument("--stack", default="meshtrain", choices=tuple(STACKS),
                         help="software stack to price (what it fuses, overlaps, saves for "
                              "backward; meshtrain.planner.workload.STACKS); default meshtrain")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")

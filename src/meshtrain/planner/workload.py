@@ -96,6 +96,13 @@ MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatte
 """Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
 data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
 recompute only, equal layer counts per stage."""
+MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2)
+"""Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
+reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
+``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
+run under ``no_sync``, ``megatron/schedules.py``), in the fp16 parameters' dtype: bf16 turns on
+fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
+do accumulation and all-reduces in fp32, we need to have local DDP")."""
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
                                     checkpointing=("none", "selective", "full"))
 """Megatron-LM as Korthikanti et al. 2022 ran it: the 2021 stack plus sequence parallelism and
@@ -105,7 +112,8 @@ TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
 eager fp32 cross-entropy."""
-STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021, "megatron-2022": MEGATRON_2022,
+STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
+          "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "torchtitan-2024": TORCHTITAN_2024}
 """Software stacks the cost model can price, by name."""
 
