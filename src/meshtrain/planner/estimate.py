@@ -51,6 +51,7 @@ from meshtrain.planner.overlap import (
     zero3_exposed,
 )
 from meshtrain.planner.pipeline_model import pipeline_estimate
+from meshtrain.planner.stack_efficiency import kernel_efficiency
 from meshtrain.planner.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
 from meshtrain.planner.workload import (
     Workload,
@@ -308,6 +309,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "overlap": overlap,
         "bound": _bound(breakdown),
         "stage_times_s": stage_times,
+        "kernel_efficiency": kernel_efficiency(workload.traits.kernel_efficiency,
+                                               cluster.profile).to_dict(),
     }
     result["fits"] = result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
     result.update(energy_per_token(result, cluster, energy or {}))

@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 
 from meshtrain.config import ConfigError
+from meshtrain.planner.stack_efficiency import MEGATRON_2021_A100
 from meshtrain.planner.wide_area import WideArea, gpus_per_site, spans_sites, wan_bandwidth
 
 
@@ -44,7 +45,9 @@ class HardwareProfile:
     hbm_gbps: float
     """Device-memory bandwidth, GB/s."""
     matmul_efficiency: float
-    """Fraction of ``peak_tflops`` that large bf16 GEMMs reach (cuBLAS on big square shapes)."""
+    """Fraction of ``peak_tflops`` that large bf16 GEMMs reach in a training step: the default
+    for stacks without an entry for this profile's ``family``
+    (:mod:`meshtrain.planner.stack_efficiency`), which replace it with their own."""
     kernel_overhead_us: float
     """Fixed cost per kernel (launch, tail effects), the reason small GEMMs run below peak."""
     intra_node_gbps: float
@@ -58,7 +61,8 @@ class HardwareProfile:
     reserved_gb: float = 3.0
     """Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation)."""
     attention_efficiency: float = 0.75
-    """Fused (flash) attention throughput relative to large GEMMs."""
+    """Fused (flash) attention throughput relative to large GEMMs (the default for stacks
+    without their own, :mod:`meshtrain.planner.stack_efficiency`)."""
     attention_by_head_dim: dict | None = None
     """Calibrated profiles: ``{head_dim: [efficiency, backward / forward time]}`` of the fused
     causal attention measured at a few head widths (narrow heads run far below the GEMM rate on
@@ -107,6 +111,13 @@ class HardwareProfile:
     """Highest model-FLOPs utilisation a training step is known to reach on this accelerator
     (the best published figure, see :data:`PUBLISHED_MFU_CAPS`); the estimate never promises
     more (:func:`meshtrain.planner.estimate.estimate`). 0 = no published figure, no cap."""
+    family: str = ""
+    """GPU generation a stack's kernel figures are keyed by (``a100``; ``h100`` for every
+    profile with the H100's compute, h200 included; ...;
+    :mod:`meshtrain.planner.stack_efficiency`); "" for a calibrated profile, which keeps its
+    measured figures."""
+    efficiency_source: str = ""
+    """Where ``matmul_efficiency`` and ``attention_efficiency`` come from."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -169,25 +180,38 @@ PUBLISHED_MFU_CAPS = {
 # below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU). fp32_rate is the
 # datasheet's FP32 (CUDA-core, no TF32) TFLOP/s over its dense bf16 figure: A100 19.5 / 312,
 # H100 SXM (and H800, H200) 67 / 989, B200 80 / 2250, MI300X 163.4 / 1307.
-# The A100s' matmul_efficiency (0.70) is fitted: the value whose mean signed error over
-# Narayanan et al. 2021 Table 1, priced as its reproduction script ran it, is zero
-# (meshtrain.planner.published, fit rows).
+# matmul_efficiency and attention_efficiency are the defaults of stacks without an entry of
+# their own for the profile's family (meshtrain.planner.stack_efficiency); each profile's
+# efficiency_source says where they come from.
+_A100_EFFICIENCY = ("megatron-2021's A100 fit (stack_efficiency.MEGATRON_2021_A100), the "
+                    "A100 figure fitted on the oldest stack in the validation set; attention "
+                    "efficiency 0.75 by analogy (unused by Megatron-LM 2021, which has no fused "
+                    "attention)")
+_H100_EFFICIENCY = ("0.62 set against Llama Team 2024 Table 4 (Llama 3 405B, tp 8 x pp 16, "
+                    "430 and 400 TFLOP/s per GPU on 8,192 and 16,384 H100), a calibration point "
+                    "outside the validation set; attention 0.75 by analogy")
+_ANALOGY = ("by analogy with the H100's 0.62 (Llama Team 2024 Table 4), unvalidated: no "
+            "published run on this GPU is in the validation set")
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in (
         HardwareProfile(
             "a100-40g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=40.0, hbm_gbps=1555.0,
-            matmul_efficiency=0.70, kernel_overhead_us=6.0, intra_node_gbps=230.0,
-            inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
+            intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
+            inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            family="a100", efficiency_source=_A100_EFFICIENCY,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=80.0, hbm_gbps=2039.0,
-            matmul_efficiency=0.70, kernel_overhead_us=6.0, intra_node_gbps=230.0,
-            inter_node_gbps=23.0, intra_node_latency_us=8.0, inter_node_latency_us=15.0,
+            matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
+            intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
+            inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            family="a100", efficiency_source=_A100_EFFICIENCY,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
@@ -195,6 +219,7 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
@@ -202,6 +227,7 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
         HardwareProfile(
@@ -211,6 +237,7 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
             min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
             max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
             source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
                    "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
                    "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
@@ -220,6 +247,7 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
@@ -229,19 +257,23 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=f"0.64 {_ANALOGY}, a little above for its HBM",
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
-            power_w=1790.0, source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
+            power_w=1790.0, family="b200", efficiency_source=f"0.62 {_ANALOGY}",
+            source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
             "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=192.0, hbm_gbps=5300.0,
             matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
-            power_w=1300.0, source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
+            power_w=1300.0, family="mi300x",
+            efficiency_source=f"0.60 {_ANALOGY}, a little below for a less mature stack",
+            source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
     )
 }
 

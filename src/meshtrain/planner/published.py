@@ -49,6 +49,7 @@ from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster
+from meshtrain.planner.stack_efficiency import StackEfficiency
 from meshtrain.planner.workload import (
     MEGATRON_2021,
     MEGATRON_2021_TORCH_DDP,
@@ -194,6 +195,42 @@ def evaluate(row: PublishedRow) -> dict:
             "error": predicted / row.published - 1, "fits": result["fits"]}
 
 
+def with_gemm_efficiency(row: PublishedRow, gemm: float) -> PublishedRow:
+    """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``."""
+    profile = PROFILES[row.profile]
+    traits = row.workload.traits
+    entries = tuple((f, e) for f, e in traits.kernel_efficiency if f != profile.family)
+    trial = StackEfficiency(gemm=gemm, source="trial")
+    traits = dataclasses.replace(traits, kernel_efficiency=((profile.family, trial), *entries))
+    return dataclasses.replace(row, workload=dataclasses.replace(row.workload, traits=traits))
+
+
+def mean_signed_error(rows: list[PublishedRow], gemm: float | None = None) -> float:
+    """Mean of predicted / published - 1 over ``rows``, at GEMM efficiency ``gemm`` (None: as
+    the stacks have it)."""
+    priced = rows if gemm is None else [with_gemm_efficiency(row, gemm) for row in rows]
+    return sum(evaluate(row)["error"] for row in priced) / len(priced)
+
+
+def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4) -> float:
+    """The GEMM efficiency whose mean signed error over ``rows`` (fit rows of one stack on one
+    GPU generation) is zero, by bisection: how the :mod:`meshtrain.planner.stack_efficiency`
+    entries were chosen (``--fit`` prints them)."""
+    low, high = 0.3, 1.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (middle, high) if mean_signed_error(rows, middle) < 0 else (low, middle)
+    return (low + high) / 2
+
+
+def fit_groups() -> dict[str, list[PublishedRow]]:
+    """The fit rows behind each stack efficiency entry, by entry (the rows with ``use`` fit
+    whose metric is a throughput; the torchtitan row also sets the A100 MFU cap)."""
+    rows = [r for r in published_rows() if r.use == "fit"]
+    return {"megatron-2021 a100": [r for r in rows if r.source == "Narayanan 2021 Table 1"],
+            "torchtitan-2024 a100": [r for r in rows if r.source.startswith("torchtitan")]}
+
+
 def summary(results: list[dict], use: str) -> tuple[float, float]:
     """(mean absolute error, worst absolute error) over the rows of ``use``."""
     errors = [abs(r["error"]) for r in results if r["use"] == use]
@@ -257,10 +294,16 @@ def print_ranks(rows: list[PublishedRow]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the validation set with errors, fitted rows apart from reported ones; with
-    ``--ranks``, where each published layout ranks in ``plan``'s search instead."""
+    ``--ranks``, where each published layout ranks in ``plan``'s search instead; with
+    ``--fit``, the stack GEMM efficiencies the fit rows give."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if "--fit" in args:
+        for entry, rows in fit_groups().items():
+            print(f"{entry}: GEMM efficiency {fit_gemm_efficiency(rows):.3f} "
+                  f"(mean signed error zero over {len(rows)} fit row(s))")
+        return
     if "--ranks" in args:
         print_ranks(published_rows())
         return

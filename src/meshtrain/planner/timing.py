@@ -1,13 +1,15 @@
 """Time of one micro-batch through one block on one rank: compute and tensor/expert comm.
 
 Compute is priced GEMM by GEMM with a roofline: ``max(2mnk / (peak · e), bytes / HBM) + t0``,
-where ``e`` is the profile's large-GEMM efficiency and ``t0`` its per-kernel overhead — so small
+where ``e`` is the large-GEMM efficiency the stack reaches on the profile
+(:func:`meshtrain.planner.stack_efficiency.kernel_efficiency`: the stack's entry for the GPU
+generation, else the profile's) and ``t0`` the profile's per-kernel overhead — so small
 per-rank matmuls (high tp, small micro-batches, narrow models) run below peak, as they do. The
 backward of a linear layer is two GEMMs of the same size (input gradient ``b``, weight gradient
 ``w``). Attention's ``QK^T`` and ``AV`` run fused (FlashAttention: causal, so half the square,
-at ``attention_efficiency`` of the GEMM rate, backward 2.5× forward; a calibrated profile gives
-both by head width) or, for runtimes without it,
-as batched GEMMs plus a softmax that streams the ``s × s`` scores through HBM. Element-wise work
+at the stack's or else the profile's attention efficiency relative to the GEMM rate, backward
+2.5× forward; a calibrated profile gives both by head width) or, for runtimes without it, as
+batched GEMMs plus a softmax that streams the ``s × s`` scores through HBM. Element-wise work
 (norms, rotary, activation function, residual adds) is memory-bound: it moves a few times the
 block's saved activations through HBM (``RuntimeTraits.elementwise_traffic``).
 
@@ -31,6 +33,7 @@ from meshtrain.planner.context_parallel import layer_comm_time
 from meshtrain.planner.expert_parallel import routed_rows, row_split
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import layer_activation_bytes
+from meshtrain.planner.stack_efficiency import KernelEfficiency, kernel_efficiency
 from meshtrain.planner.workload import Workload
 
 FLASH_BACKWARD_RATIO = 2.5
@@ -68,12 +71,12 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(BlockCost))
 
 
 class GemmClock:
-    """Roofline pricing of GEMMs on one profile."""
+    """Roofline pricing of GEMMs on one profile, at the efficiency ``kernels`` gives."""
 
-    def __init__(self, cluster: Cluster, dtype_bytes: int):
+    def __init__(self, cluster: Cluster, dtype_bytes: int, kernels: KernelEfficiency):
         p = cluster.profile
         peak, hbm = cluster.process_rates()
-        self.rate = peak * 1e12 * p.matmul_efficiency * (1.0 if dtype_bytes == 2 else p.fp32_rate)
+        self.rate = peak * 1e12 * kernels.gemm * (1.0 if dtype_bytes == 2 else p.fp32_rate)
         self.hbm = hbm * 1e9
         self.overhead = p.kernel_overhead_us * 1e-6
         self.dtype_bytes = dtype_bytes
@@ -115,7 +118,8 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
 def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int) -> BlockCost:
     """Cost of one micro-batch through block ``layer`` on one rank."""
     model, lay, traits = workload.model, layout, workload.traits
-    clock = GemmClock(cluster, workload.act_bytes)
+    kernels = kernel_efficiency(traits.kernel_efficiency, cluster.profile)
+    clock = GemmClock(cluster, workload.act_bytes, kernels)
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
     tokens = b * s / lay.cp  # this rank's share of every sequence
     heads = model.n_heads / lay.tp
@@ -135,6 +139,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     if traits.flash_attention:
         efficiency, backward = cluster.profile.attention_figures(model.head_dim,
                                                                  FLASH_BACKWARD_RATIO)
+        efficiency = kernels.attention or efficiency
         attention_fwd = 0.5 * attention_flops / (clock.rate * efficiency) + clock.overhead
         attention_bwd = backward * attention_fwd
     else:
@@ -204,7 +209,8 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
 def head_cost(workload: Workload, layout: Layout, cluster: Cluster) -> BlockCost:
     """The LM head and loss on the last stage, one micro-batch."""
     model = workload.model
-    clock = GemmClock(cluster, workload.act_bytes)
+    clock = GemmClock(cluster, workload.act_bytes,
+                      kernel_efficiency(workload.traits.kernel_efficiency, cluster.profile))
     tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len / layout.cp
     vocab = model.vocab_size / layout.tp
     one = clock.gemm(tokens, vocab, model.dim)

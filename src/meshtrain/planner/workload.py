@@ -14,6 +14,11 @@ import dataclasses
 
 from meshtrain.config import Config, ConfigError, ModelConfig
 from meshtrain.layout import PP_SCHEDULES, Layout
+from meshtrain.planner.stack_efficiency import (
+    MEGATRON_2021_A100,
+    TORCHTITAN_2024_A100,
+    StackEfficiency,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,10 @@ class RuntimeTraits:
     (``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``): the whole block is
     checkpointed and only the outputs of SDPA and of every other matmul (wq, wv, w1, w2) are
     kept."""
+    kernel_efficiency: tuple[tuple[str, StackEfficiency], ...] = ()
+    """The stack's kernel figures by GPU generation, ``(profile family, figures)`` pairs; on a
+    profile whose family has no entry, the profile's own (:mod:`meshtrain.planner.
+    stack_efficiency`, where each entry states its source)."""
     loss_bytes_per_logit: float = 6.0
     """Bytes per logit element alive at the start of backward on the last stage. 6: the
     activation-dtype logits and one fp32 copy. An eager ``F.cross_entropy(logits.float())``
@@ -86,16 +95,20 @@ class RuntimeTraits:
 
 
 MESHTRAIN = RuntimeTraits()
+"""meshtrain itself. No kernel-efficiency entries: there is no published meshtrain GPU run to fit
+on, so every GPU profile's own figures apply (and a calibrated profile's measured ones)."""
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
                               grad_reduce_bytes=4, elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0, zero_stages=(0,),
                               context_parallel=False,
                               pp_schedules=("1f1b", "interleaved-1f1b"),
                               sequence_parallel=False, checkpointing=("none", "full"),
-                              uniform_pipeline_stages=True)
+                              uniform_pipeline_stages=True,
+                              kernel_efficiency=(("a100", MEGATRON_2021_A100),))
 """Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
 data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
-recompute only, equal layer counts per stage."""
+recompute only, equal layer counts per stage; its A100 GEMM efficiency fitted on Narayanan's
+Table 1 (no H100 entry: the stack predates the H100, which falls back to the profile)."""
 MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2)
 """Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
 reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
@@ -106,12 +119,15 @@ do accumulation and all-reduces in fp32, we need to have local DDP")."""
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
                                     checkpointing=("none", "selective", "full"))
 """Megatron-LM as Korthikanti et al. 2022 ran it: the 2021 stack plus sequence parallelism and
-selective recompute (the paper's two contributions)."""
+selective recompute (the paper's two contributions). Same code base and cluster (Selene's
+A100), no fit rows of its own: it keeps the 2021 stack's A100 kernel efficiency."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
-                                zero3_split_blocks=False)
+                                zero3_split_blocks=False,
+                                kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
-eager fp32 cross-entropy."""
+eager fp32 cross-entropy; its A100 GEMM efficiency fitted on its Llama 2 13B A100 row (no H100
+entry: its one H100 throughput row is a report row, so H100 profiles use their own figure)."""
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "torchtitan-2024": TORCHTITAN_2024}
