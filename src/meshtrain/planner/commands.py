@@ -33,7 +33,8 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
 
     parser.add_argument("--stack", default="meshtrain", choices=tuple(STACKS),
                         help="software stack to price (what it fuses, overlaps, saves for "
-                             "backward; meshtrain.planner.workload.STACKS); default meshtrain")
+                             "backward, and its kernel efficiency on the GPU where it has its "
+                             "own; meshtrain.planner.workload.STACKS); default meshtrain")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--pue", type=float, default=1.2, help="datacenter PUE (default 1.2)")
     parser.add_argument("--price-per-kwh", type=float, default=0.10, help="currency per kWh")

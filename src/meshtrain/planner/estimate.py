@@ -310,7 +310,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "bound": _bound(breakdown),
         "stage_times_s": stage_times,
         "kernel_efficiency": kernel_efficiency(workload.traits.kernel_efficiency,
-                                               cluster.profile).to_dict(),
+                                               cluster.profile).to_dict(cluster.profile),
     }
     result["fits"] = result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
     result.update(energy_per_token(result, cluster, energy or {}))

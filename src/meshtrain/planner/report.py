@@ -33,10 +33,18 @@ def format_estimate(result: dict, profile_name: str) -> str:
         f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_tflops_per_gpu']:.0f} model / "
         f"{result['hardware_tflops_per_gpu']:.0f} hardware TFLOP/s per GPU, MFU "
         f"{result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%}, bound: {result['bound']}",
+        _kernels_line(result),
         f"energy per 1B tokens: {result['kwh_per_1b_tokens']:,.0f} kWh, "
         f"${result['cost_per_1b_tokens']:,.0f}, {result['co2_kg_per_1b_tokens']:,.0f} kg CO2",
     ]
     return "\n".join(lines)
+
+
+def _kernels_line(result: dict) -> str:
+    """The kernel efficiency the estimate used and whose it is (stack entry or profile)."""
+    kernels = result["kernel_efficiency"]
+    attention = "" if kernels["attention"] is None else f", attention {kernels['attention']:.2f}"
+    return f"kernels: GEMM at {kernels['gemm']:.0%} of peak{attention} ({kernels['from']})"
 
 
 def format_plan(plan: dict, title: str) -> str:

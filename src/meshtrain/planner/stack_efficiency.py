@@ -83,9 +83,14 @@ class KernelEfficiency:
     """The stack entry used (a profile family), or "" when the profile's figures are used."""
     source: str
 
-    def to_dict(self) -> dict:
-        """The JSON form an estimate reports under ``kernel_efficiency``."""
-        return {"gemm": self.gemm, "attention": self.attention,
+    def to_dict(self, profile: HardwareProfile) -> dict:
+        """The JSON form an estimate on ``profile`` reports under ``kernel_efficiency``:
+        ``attention`` is the stack's, else the profile's (None for a profile that measured it
+        by head width)."""
+        attention = self.attention
+        if attention is None and not profile.attention_by_head_dim:
+            attention = profile.attention_efficiency
+        return {"gemm": self.gemm, "attention": attention,
                 "from": f"stack entry {self.family}" if self.family else "hardware profile",
                 "source": self.source}
 
