@@ -12,9 +12,10 @@ quotes). Each row names its source, table, layout and which figure it is:
   paper's reproduction script's (NVIDIA/Megatron-LM ``examples/sc21/run_table_1.sh``,
   :data:`NARAYANAN_TABLE_1_RUN`): micro-batches of 16 to 1, interleaved 1F1B for the 76B to
   530B models, PyTorch DDP (``megatron-2021-torch-ddp``) for the four models without a pipeline
-  and Megatron-LM's local DDP (``megatron-2021``) for the rest. **Fit**: the A100 profiles'
-  ``matmul_efficiency`` (0.70) was chosen on these rows, as the value whose mean signed error
-  over them is zero.
+  and Megatron-LM's local DDP (``megatron-2021``) for the rest. **Fit**: the Megatron-LM stacks'
+  A100 GEMM efficiency (0.70, :data:`~meshtrain.planner.stack_efficiency.MEGATRON_2021_A100`,
+  also the A100 profiles' default) was chosen on these rows, as the value whose mean signed
+  error over them is zero (``--fit`` re-derives it).
 - Narayanan et al. 2021, Table 2 (§5.2), the PTD-P rows: 174.6B GPT (96 layers, hidden 12288,
   96 heads) at model-parallel size 96 and 529.6B (105 layers, hidden 20480, 128 heads) at 280,
   i.e. tp 8 within a node × pp 12 and × pp 35, micro-batch 1, global batch 1536 and 2240 on 384 to
@@ -38,7 +39,9 @@ quotes). Each row names its source, table, layout and which figure it is:
   "Llama 2 performance numbers"): FSDP2 (ZeRO-3) on 64 A100 80 GB, tokens/s per GPU ("WPS"),
   Llama 3 at seq 8192, Llama 2 at 4096, per-op selective ("selective op"), full or no
   checkpointing, local batch as listed. The Llama 2 13B run without checkpointing (61.1 % MFU)
-  sets the A100 MFU cap (``hardware.PUBLISHED_MFU_CAPS``): **fit**; the other five **report**.
+  sets the A100 MFU cap (``hardware.PUBLISHED_MFU_CAPS``) and the ``torchtitan-2024`` stack's
+  A100 GEMM efficiency (0.74, :data:`~meshtrain.planner.stack_efficiency.TORCHTITAN_2024_A100`):
+  **fit**; the other five **report**.
 """
 
 from __future__ import annotations
