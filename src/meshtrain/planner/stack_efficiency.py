@@ -64,7 +64,7 @@ TORCHTITAN_2024_A100 = StackEfficiency(
            "run without activation checkpointing (FSDP2 on 64 A100 80 GB, local batch 2, seq "
            "4096, 2,162 tokens/s per GPU; the fit row, excluded from the report): the value "
            "that prices it at its published throughput")
-"""torchtitan (PyTorch 2.4-era cuBLAS, SDPA / FlashAttention-2, eager element-wise kernels) on
+"""torchtitan (PyTorch-native: cuBLAS GEMMs, SDPA attention, eager element-wise kernels) on
 A100 80 GB. Its five other A100 rows and its H100 rows are report rows. On the H100 family it
 has no fit row (its one H100 throughput row reports), so it falls back to the profile's figure
 there."""
