@@ -47,6 +47,19 @@ def _destroy_subgroups() -> None:
             dist.destroy_process_group(group)
 
 
+RETIRE_AT_FDS = 512
+"""A pool whose workers hold more open descriptors than this after a task is closed (and
+replaced by the next task): each task's destroyed gloo sub-groups leave a few sockets and pipes
+open, and a worker kept for the whole suite would otherwise collect hundreds."""
+
+
+def _open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # no /proc, or the process is gone: nothing to count
+        return 0
+
+
 def _pool_worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
                  threads: int) -> None:
     import torch.distributed as dist
@@ -97,10 +110,13 @@ class WorkerPool:
         for task in self.tasks:
             task.put((fn, args))
         try:
-            return collect_results(self.procs, self.results, self.world_size, timeout)
+            results = collect_results(self.procs, self.results, self.world_size, timeout)
         except BaseException:
             self.close(kill=True)
             raise
+        if max(_open_fds(p.pid) for p in self.procs) > RETIRE_AT_FDS:
+            self.close()
+        return results
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers (politely, or at once with ``kill``)."""
