@@ -5,7 +5,8 @@ Every multi-process test runs its ranks through :func:`run_distributed` here. It
 port, one intra-op thread each, a timeout), but with ``MESHTRAIN_REUSE_WORKERS=1`` (which
 ``tests/conftest.py`` sets) it reuses a :class:`WorkerPool` across tests: spawning a worker costs
 an interpreter start and a ``torch`` import, seconds each on a busy 2-core machine, and that
-dominated the multi-process tests. Any rank's failure is raised in the test as a
+dominated the multi-process tests. One pool per world size stays up (:class:`PoolCache`), as the
+suite switches between 2, 4 and 8 ranks many times. Any rank's failure is raised in the test as a
 :class:`DistributedTestError` carrying that rank's traceback.
 
 :func:`use_pool_for_meshtrain_commands` makes meshtrain's own commands, called in the test
@@ -44,6 +45,19 @@ def _destroy_subgroups() -> None:
     for group in list(c10d._world.pg_map.keys()):
         if group is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
+
+
+RETIRE_AT_FDS = 512
+"""A pool whose workers hold more open descriptors than this after a task is closed (and
+replaced by the next task): each task's destroyed gloo sub-groups leave a few sockets and pipes
+open, and a worker kept for the whole suite would otherwise collect hundreds."""
+
+
+def _open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # no /proc, or the process is gone: nothing to count
+        return 0
 
 
 def _pool_worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
@@ -96,10 +110,13 @@ class WorkerPool:
         for task in self.tasks:
             task.put((fn, args))
         try:
-            return collect_results(self.procs, self.results, self.world_size, timeout)
+            results = collect_results(self.procs, self.results, self.world_size, timeout)
         except BaseException:
             self.close(kill=True)
             raise
+        if max(_open_fds(p.pid) for p in self.procs) > RETIRE_AT_FDS:
+            self.close()
+        return results
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers (politely, or at once with ``kill``)."""
@@ -113,27 +130,44 @@ class WorkerPool:
                 proc.join()
 
 
-class PoolCache:
-    """At most one live pool (bounded memory and sockets), replaced when the size changes."""
+MAX_POOLED_WORKERS = 16
+"""Live pooled workers at most, over every pool (about 0.3 GB of memory each, idle)."""
 
-    def __init__(self):
-        self.pool: WorkerPool | None = None
+
+class PoolCache:
+    """One live pool per ``(world_size, threads)``, so that tests alternating between world
+    sizes (2, 4, 8 ranks) do not respawn workers at each switch; at most ``max_workers``
+    workers in all, the least recently used pool stopped first to make room."""
+
+    def __init__(self, max_workers: int = MAX_POOLED_WORKERS):
+        self.max_workers = max_workers
+        self.pools: dict[tuple[int, int], WorkerPool] = {}  # least recently used first
 
     def get(self, world_size: int, threads: int) -> WorkerPool:
         """A live pool of ``world_size`` workers with ``threads`` threads each."""
-        pool = self.pool
-        if pool is None or not pool.alive() or (pool.world_size, pool.threads) != (
-                world_size, threads):
-            if pool is not None:
-                pool.close(kill=not pool.alive())
-            self.pool = WorkerPool(world_size, threads)
-        return self.pool
+        key = (world_size, threads)
+        pool = self.pools.pop(key, None)
+        if pool is not None and not pool.alive():
+            pool.close(kill=True)
+            pool = None
+        if pool is None:
+            self._make_room(world_size)
+            pool = WorkerPool(world_size, threads)
+        self.pools[key] = pool
+        return pool
+
+    def _make_room(self, workers: int) -> None:
+        """Stop the least recently used pools until ``workers`` more fit."""
+        while self.pools and sum(p.world_size for p in self.pools.values()) + workers > \
+                self.max_workers:
+            oldest = self.pools.pop(next(iter(self.pools)))
+            oldest.close(kill=not oldest.alive())
 
     def close(self) -> None:
-        """Stop the pool, if there is one."""
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        """Stop every pool."""
+        while self.pools:
+            pool = self.pools.pop(next(iter(self.pools)))
+            pool.close(kill=not pool.alive())
 
 
 _pools = PoolCache()

@@ -1,4 +1,9 @@
-"""The ``meshtrain`` command end to end, as a user runs it (subprocesses, real exit codes)."""
+"""The ``meshtrain`` command end to end, as a user runs it (subprocesses, real exit codes).
+
+The refusals (bad input, exit status 2) are many short commands: they run in one subprocess
+together (:func:`meshtrain_many`), each through ``meshtrain.cli.main`` as ``python -m meshtrain``
+calls it, so that each does not pay for an interpreter and a ``torch`` import of its own.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,35 @@ TINY = ["--set", "model.dim=64", "--set", "model.n_layers=2", "--set", "model.n_
 def meshtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshtrain", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+_MANY = """
+import contextlib, io, json, sys, traceback
+from meshtrain.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+        except BaseException:
+            traceback.print_exc()
+            code = None
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def meshtrain_many(*commands: list[str], timeout: float = 300) -> list[dict]:
+    """Run several ``meshtrain`` commands one after another in one fresh interpreter; each
+    one's ``returncode`` (None where it raised: its traceback is in ``stderr``), ``stdout`` and
+    ``stderr``."""
+    done = subprocess.run([sys.executable, "-c", _MANY, json.dumps(list(commands))],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -41,7 +75,7 @@ def test_train_loss_falls_and_generate(tmp_path):
     assert gen.stdout.startswith("def ")
 
 
-@pytest.mark.parametrize("args, fragment", [
+BAD_TRAIN = [
     (["--set", "parallel.bogus=1"], "parallel.bogus"),
     (["--set", "model.dim=64", "--set", "model.n_heads=3"], "n_heads"),
     (["--set", "parallel.zero=7"], "ZeRO stage"),
@@ -49,13 +83,38 @@ def test_train_loss_falls_and_generate(tmp_path):
     (["--nproc", "3", "--set", "parallel.dp=2"], "--nproc"),
     (["--set", "parallel.tp=3"], "Valid tp for this model: 1, 2, 4, 8"),
     (["--set", "parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
-])
-def test_bad_input_exits_2_without_traceback(tmp_path, args, fragment):
-    run = meshtrain("train", "--run-dir", str(tmp_path), *args)
-    assert run.returncode == 2
-    assert fragment in run.stderr
-    assert "Traceback" not in run.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+]
+BAD_VERIFY = [
+    (["--nproc", "4", "--set", "train.global_batch=6"], "not divisible"),
+    (["--nproc", "2", "--set", "parallel.microbatches=3", "--set", "train.global_batch=8"],
+     "not divisible"),
+    (["--set", "parallel.zero=-1"], "ZeRO stage"),
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict:
+    """Every bad ``train`` and ``verify`` command of the tests below, run in one subprocess:
+    ``{("train", i): (run_dir, result), ("verify", i): (None, result)}``."""
+    run_dirs = [tmp_path_factory.mktemp("bad-train") for _ in BAD_TRAIN]
+    commands = [["train", "--run-dir", str(run_dir), *args]
+                for run_dir, (args, _) in zip(run_dirs, BAD_TRAIN, strict=True)]
+    commands += [["verify", *args] for args, _ in BAD_VERIFY]
+    results = meshtrain_many(*commands)
+    out = {("train", i): (run_dir, results[i]) for i, run_dir in enumerate(run_dirs)}
+    out.update({("verify", i): (None, results[len(BAD_TRAIN) + i])
+                for i in range(len(BAD_VERIFY))})
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TRAIN)),
+                         ids=[fragment for _, fragment in BAD_TRAIN])
+def test_bad_input_exits_2_without_traceback(refusals, case):
+    run_dir, run = refusals[("train", case)]
+    assert run["returncode"] == 2, run
+    assert BAD_TRAIN[case][1] in run["stderr"]
+    assert "Traceback" not in run["stderr"]
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_generate_without_weights_exits_2(tmp_path):
@@ -87,15 +146,12 @@ def test_verify_json_zero3_two_processes():
     assert report["max_abs_loss_diff"] <= report["tolerance"]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--nproc", "4", "--set", "train.global_batch=6"], "not divisible"),
-    (["--nproc", "2", "--set", "parallel.microbatches=3", "--set", "train.global_batch=8"],
-     "not divisible"),
-    (["--set", "parallel.zero=-1"], "ZeRO stage"),
-])
-def test_verify_bad_layout_exits_2(args, fragment):
-    run = meshtrain("verify", *args)
-    assert run.returncode == 2 and fragment in run.stderr and "Traceback" not in run.stderr
+@pytest.mark.parametrize("case", range(len(BAD_VERIFY)),
+                         ids=[fragment for _, fragment in BAD_VERIFY])
+def test_verify_bad_layout_exits_2(refusals, case):
+    _, run = refusals[("verify", case)]
+    assert run["returncode"] == 2, run
+    assert BAD_VERIFY[case][1] in run["stderr"] and "Traceback" not in run["stderr"]
 
 
 def test_verify_mismatch_exits_1():

@@ -114,12 +114,12 @@ def _wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 
         time.sleep(0.05)
 
 
-def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
+def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path):
     port = free_port()
     run_dir = tmp_path / "elastic"
     agent = _agent(port, run_dir, STEPS)
     env = ENV
-    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(2)]
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in range(3)]
     # The first agent hosts the rendezvous store: it must be the one that survives.
     first = _start_node(agent, logs[0], env)
     nodes = [first]
@@ -129,7 +129,12 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
         _wait_for(lambda: any(r["step"] >= 5 for r in _records(run_dir)), first,
                   tmp_path / "agent0.log")
         _kill_node(nodes[1])
+        # The uninterrupted reference (a local 4-process run) starts now, while the survivor
+        # waits out last_call_timeout for the lost node, instead of after the job.
+        nodes.append(_start_node([sys.executable, "-m", "meshtrain", "train", "--nproc", "4",
+                                  "--run-dir", str(tmp_path / "local"), *ARGS], logs[2], env))
         first.wait(timeout=300)
+        nodes[2].wait(timeout=300)
     finally:
         for node in nodes:
             if node.poll() is None:
@@ -153,9 +158,9 @@ def test_lost_node_replans_and_matches_uninterrupted_run(tmp_path, capfd):
     assert 2 <= resumed <= STEPS
     assert all(r["restarts"] >= 1 for r in records[resumed - 1:])
 
-    assert main(["train", "--nproc", "4", "--run-dir", str(tmp_path / "local"), *ARGS]) == 0, \
-        capfd.readouterr().err
+    assert nodes[2].returncode == 0, (tmp_path / "agent2.log").read_text()
     local = _records(tmp_path / "local")
+    assert [r["step"] for r in local] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in records[5:]] == pytest.approx(
         [r["loss"] for r in local[5:]], abs=1e-4)
 

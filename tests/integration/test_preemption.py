@@ -146,7 +146,9 @@ def test_sigterm_to_a_one_process_run(tmp_path):
 
 def test_second_signal_stops_at_once(tmp_path):
     """Two SIGTERMs: the second stops the job at once with 128 + 15 and saves nothing."""
-    slow = "slow:rank=0:factor=1000,slow:rank=1:factor=1000"  # both signals land in one step
+    # Step 3 takes 1000 times its compute: both signals land in it (steps 1-2 run at full
+    # speed, so the test does not wait through slowed warm-up steps).
+    slow = "slow:rank=0:factor=1000:step=3,slow:rank=1:factor=1000:step=3"
     proc = start(tmp_path, "--nproc", "2", fault=slow)
     wait_for_step(proc, tmp_path, 2)
     proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ process within meshtrain.verify's fp32 tolerances (as every data-parallel layout
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.data.checks import reduces_in_shared_memory, reduction_summary
-from meshtrain.parallel.shared_memory import SharedMemoryReducer
+from meshtrain.parallel.shared_memory import PipeBarrier, SharedMemoryReducer
 from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
@@ -178,3 +179,20 @@ def test_three_ranks_and_microbatches_match_one_process():
                          "parallel.microbatches=2", nproc=3),
              tiny_config("parallel.zero=1", "train.global_batch=6", nproc=3)]
     assert_layouts_match_one_process(3, cases, 4)
+
+
+def test_barrier_waits_on_a_descriptor_numbered_above_1024():
+    """A process with many open descriptors (gloo's sockets in a large job) gets pipe ends
+    numbered past ``select``'s limit of 1024; the barrier must still wait on them."""
+    read_fd, write_fd = os.pipe()
+    high = os.dup2(read_fd, 1500)
+    sink_read, sink_write = os.pipe()
+    try:
+        os.write(write_fd, (1).to_bytes(4, "little"))  # rank 1 has arrived
+        barrier = PipeBarrier(high, {1: sink_write}, 0, [0, 1], "dp", timeout_s=5)
+        barrier.wait()
+        assert os.read(sink_read, 4) == (0).to_bytes(4, "little")  # told rank 1 it arrived
+        barrier.close()
+    finally:
+        for fd in (read_fd, write_fd, sink_read):
+            os.close(fd)

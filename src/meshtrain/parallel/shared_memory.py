@@ -119,7 +119,7 @@ class PipeBarrier:
             if not missing:
                 return
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self._read_fd], [], [], remaining)[0]:
+            if remaining <= 0 or not self._readable(remaining):
                 ranks = ", ".join(str(self.global_ranks[k]) for k in missing)
                 raise RuntimeError(
                     f"shared-memory reduction on the {self.axis} group timed out after "
@@ -132,6 +132,14 @@ class PipeBarrier:
             data, self._partial = data[:cut], data[cut:]
             for i in range(0, len(data), _ID_BYTES):
                 self._arrived[int.from_bytes(data[i:i + _ID_BYTES], "little")] += 1
+
+    def _readable(self, timeout_s: float) -> bool:
+        """Whether this rank's pipe has data (or every writer closed it) within ``timeout_s``.
+        ``poll``, not ``select``: ``select`` refuses descriptors numbered 1024 or more, which a
+        process holding many sockets (gloo's, in a large job) or files reaches."""
+        poller = select.poll()
+        poller.register(self._read_fd, select.POLLIN)
+        return bool(poller.poll(max(int(timeout_s * 1000), 1)))
 
     def _lost(self, peers: list[int], error: BaseException | None) -> str:
         ranks = ", ".join(str(self.global_ranks[k]) for k in peers)
