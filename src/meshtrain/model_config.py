@@ -134,4 +134,6 @@ class ModelConfig:
     @property
     def first_moe_layer(self) -> int:
         """The first MoE block's index (-1 for a dense model)."""
+        if not self.moe_experts:  # the planner asks per stage of every layout it prices
+            return -1
         return next((i for i in range(self.n_layers) if self.is_moe_layer(i)), -1)
