@@ -25,7 +25,8 @@ submodules inside a compiled graph; :func:`meshtrain.validation.validate_train` 
 
 What it buys, measured on the 2-vCPU development VM (dim 256 × 4 layers, seq 256, batch 8, fp32,
 one thread, dense, one process): forward + backward 0.845 s against 0.884 s eager (−4.5 %),
-after 44 s of compiling on the first step. On CPU it pays off only for runs of many minutes; on
+after 44 s of compiling (each block's first call runs eagerly, see :func:`_eager_first`; the
+second compiles). On CPU it pays off only for runs of many minutes; on
 a GPU, where eager element-wise kernels are a larger share of the step, it is the usual
 torchtitan / Megatron choice.
 """
@@ -55,6 +56,23 @@ def _mark_eager_boundaries() -> None:
         setattr(module, name, torch.compiler.disable(getattr(module, name)))
 
 
+def _eager_first(eager, compiled):
+    """A block forward that runs ``eager`` on its first call and ``compiled`` after. The first
+    call fills the RoPE tables the blocks share (``Attention.rope_cache``); traced with the
+    table missing, the graph would guard on its absence and every block after the first would
+    compile a second graph (measured: two compilations of the block code instead of one)."""
+    warm = False
+
+    @functools.wraps(eager)
+    def forward(*args, **kwargs):
+        nonlocal warm
+        if not warm:
+            warm = True
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+    return forward
+
+
 def compile_blocks(model: torch.nn.Module) -> int:
     """Compile every transformer block's ``forward`` in place (its MoE layer left eager), each
     once (the model's :class:`~meshtrain.parallel.state.ParallelState` lists the compiled
@@ -69,7 +87,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
         moe = getattr(block, "moe", None)
         if moe is not None:
             moe.forward = torch.compiler.disable(moe.forward, recursive=True)
-        block.forward = torch.compile(block.forward)
+        block.forward = _eager_first(block.forward, torch.compile(block.forward))
         done.add(name)
         compiled += 1
     return compiled
