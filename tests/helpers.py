@@ -78,3 +78,25 @@ def adjacent_communication(compute: list, stage_to_rank: list[int]) -> list:
             acts += [x for x in (before, a, after) if x is not None]
         lists.append(acts)
     return lists
+
+
+def build_trainer(config_dict: dict):
+    """A :class:`~meshtrain.training.trainer.Trainer` of ``config_dict`` on this process's mesh
+    (call inside a worker of :func:`tests.distributed.run_distributed`, or alone)."""
+    from meshtrain.training.trainer import Trainer
+    from meshtrain.worker import build_mesh
+
+    config = Config.from_dict(config_dict)
+    return Trainer(config, build_mesh(config))
+
+
+def train_and_save(config_dict: dict, steps: int, final: bool = False) -> list[float]:
+    """Resume if a checkpoint is there, train ``steps`` steps, checkpoint (and with ``final``
+    write the final weights); the losses."""
+    trainer = build_trainer(config_dict)
+    trainer.restore()
+    losses = [trainer.train_step()["loss"] for _ in range(steps)]
+    trainer.save_checkpoint()
+    if final:
+        trainer.save_final()
+    return losses

@@ -23,7 +23,7 @@ from meshtrain.verify import (
     run_layout,
 )
 from tests.distributed import run_distributed
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config, train_and_save
 
 STEPS = 2
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
@@ -33,14 +33,6 @@ BIAS = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
         "model.moe_balance=bias", "model.moe_bias_rate=0.01")
 """Balancing from the global batch's loads: the same numbers whatever the dp × micro-batch split
 (the aux loss is per micro-batch, so its one-process reference must split alike)."""
-
-
-def _trainer(config_dict: dict):
-    from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
-
-    config = Config.from_dict(config_dict)
-    return Trainer(config, build_mesh(config))
 
 
 def _expert_holdings(trainer) -> dict:
@@ -63,7 +55,7 @@ def train_cases(config_dicts: list[dict], steps: int) -> list[dict]:
     """Train each config ``steps`` steps; this rank's records and expert holdings."""
     out = []
     for config_dict in config_dicts:
-        trainer = _trainer(config_dict)
+        trainer = build_trainer(config_dict)
         records = [trainer.train_step() for _ in range(steps)]
         out.append({"records": records, "holdings": _expert_holdings(trainer),
                     "tp_rank": trainer.mesh.tp_rank, "ep_rank": trainer.mesh.ep_rank})
@@ -116,18 +108,6 @@ def test_dp2_tp2_ep4_holds_one_expert_per_rank_and_matches_one_process():
         assert h["local"] * 2 == h["full"]
         assert all(e == [2 * rank[2]["tp_rank"], 2 * rank[2]["tp_rank"] + 1]
                    for e in h["experts"].values())
-
-
-def train_and_save(config_dict: dict, steps: int, final: bool = False) -> list[float]:
-    """Resume if a checkpoint is there, train ``steps`` steps, checkpoint (and with ``final``
-    write the final weights); the losses."""
-    trainer = _trainer(config_dict)
-    trainer.restore()
-    losses = [trainer.train_step()["loss"] for _ in range(steps)]
-    trainer.save_checkpoint()
-    if final:
-        trainer.save_final()
-    return losses
 
 
 @pytest.mark.slow

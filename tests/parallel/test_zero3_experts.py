@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.config import Config
 from meshtrain.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
@@ -24,19 +23,11 @@ from meshtrain.verify import (
     run_layout,
 )
 from tests.distributed import run_distributed
-from tests.helpers import tiny_config
+from tests.helpers import build_trainer, tiny_config, train_and_save
 
 STEPS = 2
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
        "model.moe_balance=aux-loss", "model.moe_aux_coef=0.5", "parallel.zero=3")
-
-
-def _trainer(config_dict: dict):
-    from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
-
-    config = Config.from_dict(config_dict)
-    return Trainer(config, build_mesh(config))
 
 
 def _expert_share(trainer) -> dict:
@@ -63,7 +54,7 @@ def train_cases(config_dicts: list[dict], steps: int) -> list[dict]:
     """Train each config ``steps`` steps; this rank's records and expert share."""
     out = []
     for config_dict in config_dicts:
-        trainer = _trainer(config_dict)
+        trainer = build_trainer(config_dict)
         records = [trainer.train_step() for _ in range(steps)]
         out.append({"records": records, "share": _expert_share(trainer)})
     return out
@@ -109,18 +100,6 @@ def test_zero3_with_experts_at_dp2_ep2_matches_one_process():
     for rank in by_rank:
         share = rank[0]["share"]
         assert share["held"] * 2 == share["full"] and share["padding"] == 0
-
-
-def train_and_save(config_dict: dict, steps: int, final: bool = False) -> list[float]:
-    """Resume if a checkpoint is there, train ``steps`` steps, checkpoint (and with ``final``
-    write the final weights); the losses."""
-    trainer = _trainer(config_dict)
-    trainer.restore()
-    losses = [trainer.train_step()["loss"] for _ in range(steps)]
-    trainer.save_checkpoint()
-    if final:
-        trainer.save_final()
-    return losses
 
 
 def test_zero3_expert_checkpoint_moves_between_layouts(tmp_path):
