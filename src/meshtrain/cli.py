@@ -419,10 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshtrain {args.command}: interrupted", file=sys.stderr)
         return 1
-    if argv is None:
+    if argv is None and "torch.distributed" in sys.modules:
         # The real command line, which may have run a process group in this process (an srun
         # or torchrun task, a one-process run): leave as a spawned worker does, past the
-        # interpreter's finalisation that can abort a run that finished.
+        # interpreter's finalisation that can abort a run that finished. A command that never
+        # imported torch (help, estimate, plan) ran none and exits normally.
         from meshtrain.worker import leave_process
 
         leave_process(status)

@@ -310,7 +310,7 @@ def validate_tensor_parallel(config: Config) -> None:
 def validate_pipeline(config: Config) -> None:
     """The schedule exists for (pp, microbatches, virtual_stages) and the layers split."""
     from meshtrain.parallel.pipeline import build_schedule
-    from meshtrain.parallel.pipeline.stage import stage_layers
+    from meshtrain.parallel.pipeline.stage_split import stage_layers
     from meshtrain.training.tokenizer import tokenizer_vocab_size
 
     par, m = config.parallel, config.model

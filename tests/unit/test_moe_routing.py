@@ -235,7 +235,7 @@ def test_bad_shared_expert_configs(overrides, fragment):
 
 
 def test_parameter_count_includes_the_shared_width_and_gate():
-    from meshtrain.model.init import count_parameters
+    from meshtrain.model_size import count_parameters
 
     config = dataclasses.replace(CONFIG, n_layers=2, moe_first_dense=1, moe_shared_experts=1,
                                  moe_shared_ffn_dim=40, moe_shared_gate=True)

@@ -83,7 +83,7 @@ def test_planner_places_layers_as_the_pipeline_runtime_does(schedule, pp, v, spl
     explicit) split, each stage on the rank the built schedule puts it on."""
     from meshtrain.layout import Layout
     from meshtrain.parallel.pipeline import build_schedule
-    from meshtrain.parallel.pipeline.stage import stage_layers as runtime_stage_layers
+    from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
 
     model = ModelConfig(vocab_size=32000, dim=256, n_layers=8, n_heads=4, ffn_dim=512)
     layout = Layout(pp=pp, pp_schedule=schedule, virtual_stages=v, pp_split=split,

@@ -142,7 +142,7 @@ def pipeline_stage_model(config: Config, stage: int, num_stages: int) -> torch.n
     takes hidden states and/or returns them (untied embeddings only, as for meshtrain's pp).
     """
     from meshtrain.model import build_model
-    from meshtrain.parallel.pipeline.stage import stage_layers
+    from meshtrain.parallel.pipeline.stage_split import stage_layers
 
     model = build_model(config.model, seed=config.train.seed)
     owned = stage_layers(config.model, config.model.vocab_size, num_stages,

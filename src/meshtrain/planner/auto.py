@@ -124,9 +124,9 @@ def _candidate_config(config: Config, layout: Layout) -> Config:
 
 def _split_fits(split: str, layout: Layout, n_layers: int) -> bool:
     """Whether a configured ``pp_split`` is valid for ``layout``'s stages (the runtime's own
-    check, :func:`~meshtrain.parallel.pipeline.stage.parse_split`); without a pipeline it is not
-    used."""
-    from meshtrain.parallel.pipeline.stage import parse_split
+    check, :func:`~meshtrain.parallel.pipeline.stage_split.parse_split`); without a pipeline it
+    is not used."""
+    from meshtrain.parallel.pipeline.stage_split import parse_split
 
     if not split or layout.pp == 1:
         return True

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 
 from meshtrain.layout import Layout
-from meshtrain.model.init import count_parameters, flops_per_token
+from meshtrain.model_size import count_parameters, flops_per_token
 from meshtrain.planner.context_parallel import forward_share, reduction_group, step_bus_bytes
 from meshtrain.planner.expert_parallel import (
     ep_step_bus_bytes,

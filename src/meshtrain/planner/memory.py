@@ -40,10 +40,11 @@ import dataclasses
 
 from meshtrain.config import ModelConfig
 from meshtrain.layout import Layout
-from meshtrain.model.init import _attention_params, _mlp_params, _norm_params
+from meshtrain.model_size import attention_params, mlp_params, norm_params
 from meshtrain.planner.context_parallel import saved_kv_bytes
 from meshtrain.planner.expert_parallel import expert_reduction_size
 from meshtrain.planner.workload import Workload
+from meshtrain.zero_buffers import INITIAL_PAIRS
 
 GB = 1e9
 
@@ -73,13 +74,13 @@ class StageParams:
 
 
 def _layer_params(model: ModelConfig, layer: int, tp: int, ep: int) -> tuple[float, float]:
-    attention = _attention_params(model) / tp + _norm_params(model)
+    attention = attention_params(model) / tp + norm_params(model)
     if not model.is_moe_layer(layer):
-        return attention + _mlp_params(model, model.ffn_dim) / tp, 0.0
+        return attention + mlp_params(model, model.ffn_dim) / tp, 0.0
     # Router and shared experts are whole on every tp rank (meshtrain.parallel.tensor.apply,
     # style ``replicated``); the routed experts are split over ep (folded over tp when ep > 1).
-    expert = _mlp_params(model, model.expert_ffn_dim)
-    shared = _mlp_params(model, model.shared_ffn_dim) + (model.dim if model.moe_shared_gate else 0)
+    expert = mlp_params(model, model.expert_ffn_dim)
+    shared = mlp_params(model, model.shared_ffn_dim) + (model.dim if model.moe_shared_gate else 0)
     dense = attention + model.dim * model.moe_experts + shared
     return dense, model.moe_experts * expert / ep
 
@@ -247,13 +248,12 @@ def grad_reduce_transient_bytes(workload: Workload, zero: int, shards: int, para
     - ZeRO 1 reduce-scatters each bucket into an output of its shard's size, and the outputs of
       every bucket stay alive until the last reduction is waited for: G P / N;
     - ZeRO 2 reduces each bucket from the engine's staging pool
-      (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS` pairs of a full bucket and its
+      (:data:`meshtrain.zero_buffers.INITIAL_PAIRS` pairs of a full bucket and its
       shard) into the gradient shard, and autograd's gradients of the bucket being filled live
       until its hook copies them in: (pairs x (1 + 1/N) + 1) buckets;
     - through the CPU shared-memory reducer (ZeRO 0-1), reductions are in place and instead
       (N-1)/N of the gradients, the peers' segments this rank sums, become resident.
     """
-    from meshtrain.parallel.data.staging import INITIAL_PAIRS
 
     if shards <= 1 or params <= 0:
         return 0.0
@@ -297,9 +297,8 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
     split, their norm weights), gathered from the logits' gradient to the end of backward; the
     unit being used and the one prefetched (the largest consecutive pair); and the gradient
     staging buffers of the engine's pool
-    (:data:`meshtrain.parallel.data.staging.INITIAL_PAIRS`, each sized for the largest bucket,
+    (:data:`meshtrain.zero_buffers.INITIAL_PAIRS`, each sized for the largest bucket,
     the root's included: its gradients in full and its shard)."""
-    from meshtrain.parallel.data.staging import INITIAL_PAIRS
 
     model = workload.model
     pb = 2 if workload.precision == "bf16" else 4

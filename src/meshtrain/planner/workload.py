@@ -193,7 +193,7 @@ def layout_from_json(data: dict) -> Layout:
 
 def stage_layers(model: ModelConfig, layout: Layout) -> list[list[int]]:
     """Layer ids each pipeline rank holds, exactly as the runtime places them: the layers split
-    into ``pp × chunks`` stages by :func:`meshtrain.parallel.pipeline.stage.stage_layers`
+    into ``pp × chunks`` stages by :func:`meshtrain.parallel.pipeline.stage_split.stage_layers`
     (balanced by cost, or ``pp_split``), each stage on the rank the schedule's placement gives
     it (round robin; a V for zb-v)."""
     if layout.pp == 1:
@@ -226,7 +226,7 @@ def _stage_layers(key: str, pp: int, chunks: int, v_shape: bool, split: str,
     cache_key = (key, pp, chunks, v_shape, split)
     if cache_key not in _SPLITS:
         from meshtrain.parallel.pipeline.schedule import standard_placement, v_placement
-        from meshtrain.parallel.pipeline.stage import stage_layers as runtime_stage_layers
+        from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
 
         placement = v_placement(pp) if v_shape else standard_placement(pp, chunks)
         ranks: list[list[int]] = [[] for _ in range(pp)]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-INITIAL_PAIRS = 2
+from meshtrain.zero_buffers import INITIAL_PAIRS
 
 
 class StagingPool:
