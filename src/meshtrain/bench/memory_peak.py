@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "parallel.zero=1", "parallel.microbatches=2"],
                "pp2dp4-z2": ["parallel.pp=2", "parallel.dp=4", "parallel.zero=2",
                              "parallel.microbatches=2"],
+               "pp2dp4-z3": ["parallel.pp=2", "parallel.dp=4", "parallel.zero=3",
+                             "parallel.microbatches=2"],
                # the same model with 8 experts of width 512 in every block, on 4 processes
                "moe-dp4ep2-z2": [*moe, "parallel.dp=4", "parallel.ep=2", "parallel.zero=2"],
                "moe-dp4ep2-z3": [*moe, "parallel.dp=4", "parallel.ep=2", "parallel.zero=3"]}

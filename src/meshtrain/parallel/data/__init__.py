@@ -81,7 +81,11 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     units, root = _zero3_units(model, bucket_bytes)
     shardings = shardings_of(model)
     unit_groups = [_by_axis(params, shardings) for _, params in units]
-    root_groups = _by_axis(root, shardings)
+    # A tied embedding is a root bucket of its own, laid out and sharded alike on the first
+    # and last pipeline stage, whose gradient shards are then summed between them.
+    tied = [(n, p) for n, p in root if shardings[n].tied]
+    root_groups = _by_axis([(n, p) for n, p in root if not shardings[n].tied], shardings)
+    root_groups += _by_axis(tied, shardings)
     # Buckets in reverse forward order (the order backward finishes them), the root last.
     groups = [g for unit in reversed(unit_groups) for g in unit] + root_groups
     engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=groups,

@@ -136,6 +136,12 @@ class DataParallelEngine(GradientAccounting):
         for bucket in self.buckets:
             self._init_bucket(bucket)
         self.on_bucket_reduced: Callable[[FlatBucket], None] | None = None
+        self.reduced_at_step_end: set[int] = set()
+        """Buckets a pipelined step reduces once, in :meth:`sync_all`, not after every
+        micro-batch (ZeRO-3's root buckets, gathered for the whole step anyway)."""
+        self.gatherer = None
+        """ZeRO-3: the :class:`~meshtrain.parallel.data.zero3.ParameterGatherer` that gathers
+        and frees the buckets (told when a pipelined step starts and ends)."""
         self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
         self._slot_of = {id(s.param): s for b in self.buckets for s in b.slots}
         self._ready_count = [0] * len(self.buckets)
@@ -245,14 +251,18 @@ class DataParallelEngine(GradientAccounting):
 
     def begin_accumulation(self) -> None:
         """Start a step whose micro-batches' backward passes interleave (pipeline schedules),
-        finished by :meth:`sync_all`. Stages 0-1 accumulate in their gradient buffers. Stage 2
-        holds no full gradients: a bucket is reduce-scattered into its shard as soon as each of
-        its parameters has a new gradient (:meth:`_on_grad_ready`), at most two reductions in
-        flight; every dp rank of a pipeline stage runs the same schedule, so they issue these
-        collectives in the same order."""
+        finished by :meth:`sync_all`. Stages 0-1 accumulate in their gradient buffers. Stages
+        2-3 hold no full gradients: a bucket is reduce-scattered into its shard as soon as each
+        of its parameters has a new gradient (:meth:`_on_grad_ready`), at most two reductions
+        in flight; every dp rank of a pipeline stage runs the same schedule, so they issue these
+        collectives in the same order. Under ZeRO-3 the gatherer keeps the root parameters
+        (embedding, head, split blocks' norms) gathered from here to the end of
+        :meth:`sync_all`: every micro-batch uses them, outside any unit's hooks."""
         self._syncing = False
-        self._streaming = self.stage == 2
+        self._streaming = self.stage >= 2
         self._fresh = [0] * len(self.buckets)
+        if self.gatherer is not None:
+            self.gatherer.begin_pipelined_step()
 
     def sync_all(self) -> None:
         """Reduce every bucket now (in order) and wait; when streaming (stage 2 under a
@@ -264,6 +274,8 @@ class DataParallelEngine(GradientAccounting):
                     self._launch(b)
             self._drain()
             self.staging.clear()
+            if self.gatherer is not None:
+                self.gatherer.end_pipelined_step()
             return
         self._syncing = True
         self._next_launch = 0
@@ -288,7 +300,8 @@ class DataParallelEngine(GradientAccounting):
             param.grad = None
         if self._streaming:
             self._fresh[bucket.index] += 1
-            if self._fresh[bucket.index] >= len(bucket.slots):
+            if (self._fresh[bucket.index] >= len(bucket.slots)
+                    and bucket.index not in self.reduced_at_step_end):
                 self._fresh[bucket.index] = 0
                 self._launch(bucket)
             return

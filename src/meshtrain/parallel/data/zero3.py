@@ -19,6 +19,12 @@ handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
   are reduced at the end of backward. So every parameter is gathered once for forward and once
   for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (§7).
+- Under pipeline parallelism (1F1B, GPipe, interleaved) the stage chunks run the units between
+  :meth:`ParameterGatherer.begin_pipelined_step` and :meth:`~ParameterGatherer.
+  end_pipelined_step`: each unit is gathered and freed around each micro-batch's forward and
+  backward, and reduce-scattered as soon as that backward has produced its gradients (so per
+  micro-batch, not per step); the root buckets stay gathered through the step and are
+  reduce-scattered once at its end.
 
 Re-gathering writes into the *same* storage that autograd saved for backward, through an alias
 tensor with its own version counter, so the saved views see the gathered values again without
@@ -53,6 +59,10 @@ class ParameterGatherer:
         self._seen: list[int] | None = []  # units in the first forward's call order
         self._gathered: set[int] = set()
         self._in_backward: set[int] = set()
+        self._unit_of = {b.index: i for i, buckets in enumerate(unit_buckets) for b in buckets}
+        self._root = {b.index for b in root_buckets}
+        self._pipelined = False  # a pipeline step: root kept gathered, see begin_pipelined_step
+        engine.reduced_at_step_end = set(self._root)
         for bucket in engine.buckets:
             self._free(bucket)
         model.register_forward_pre_hook(self._root_pre_forward)
@@ -156,4 +166,30 @@ class ParameterGatherer:
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
+        self._in_backward.discard(self._unit_of.get(bucket.index))
+        if self._pipelined and bucket.index in self._root:
+            return  # the next micro-batch uses it again: freed at the step's end
         self._free(bucket)
+
+    # ------------------------------------------------------------------ pipeline steps
+    def begin_pipelined_step(self) -> None:
+        """A pipeline schedule's step starts (:meth:`DataParallelEngine.begin_accumulation`):
+        its stage chunks run the units, but never the model's own forward, so the root buckets
+        are gathered now and kept until :meth:`end_pipelined_step`; their gradients accumulate
+        over the micro-batches and are reduce-scattered once, at the step's end. Each unit is
+        still gathered and freed around its every forward and backward, and reduce-scattered
+        (then freed) as soon as a micro-batch's backward has produced all its gradients."""
+        self._pipelined = True
+        self._in_backward.clear()
+        self._gather_all(self.root_buckets, wait=True)
+
+    def end_pipelined_step(self) -> None:
+        """Every gradient of the step is reduced: release the root buckets, and any unit a
+        prefetch gathered that did not run after it (the optimizer step is about to change
+        every shard, so nothing gathered may outlive the step). After the first step, prefetch
+        in the order the units really ran."""
+        self._pipelined = False
+        self._learn_order()
+        for bucket in self.engine.buckets:
+            self._wait(bucket)
+            self._free(bucket)
