@@ -1,8 +1,8 @@
 """Peak resident memory measured from outside meshtrain (the kernel's VmHWM of every worker).
 
 The fast test checks the measuring tool itself against a process that allocates a known amount.
-The slow tests are the acceptance bounds at ~85M parameters, for dp 8 ZeRO-3 and for
-tp 2 x pp 2 x dp 2 ZeRO-1: every worker's VmHWM minus the same run's with a tiny model stays
+The slow tests are the acceptance bounds at ~85M parameters, for dp 8 ZeRO-3, for
+tp 2 x pp 2 x dp 2 ZeRO-1 and for pp 2 x dp 4 ZeRO-3: every worker's VmHWM minus the same run's with a tiny model stays
 within 1.25 x the planner's model states for that rank + 64 MiB, over init, two steps, two
 checkpoints and the final save; the planner's per-rank memory estimate agrees with that
 measured excess within 15 %; and ZeRO stages 0-3 order as the ZeRO paper says.
@@ -51,11 +51,14 @@ def test_vmhwm_reader_sees_a_known_allocation():
     assert _status_kb(child.pid, "VmHWM") is None  # gone: no stale reading
 
 
-#: The acceptance layouts: every rank's own share differs (ZeRO-3 over 8, or a tp × pp piece
-#: with ZeRO-1 over its dp 2), so each rank is held to its own stage's planner figures.
+#: The acceptance layouts: every rank's own share differs (ZeRO-3 over 8, a tp × pp piece with
+#: ZeRO-1 over its dp 2, a pipeline stage with ZeRO-3 over its dp 4), so each rank is held to
+#: its own stage's planner figures.
 ACCEPTANCE = {"dp8-z3": ["parallel.dp=8", "parallel.zero=3"],
               "tp2pp2dp2-z1": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
-                               "parallel.zero=1", "parallel.microbatches=2"]}
+                               "parallel.zero=1", "parallel.microbatches=2"],
+              "pp2dp4-z3": ["parallel.pp=2", "parallel.dp=4", "parallel.zero=3",
+                            "parallel.microbatches=2"]}
 
 
 @pytest.fixture(scope="module", params=sorted(ACCEPTANCE))

@@ -44,7 +44,7 @@ from meshtrain.planner.expert_parallel import (
     expert_reduction_stride,
 )
 from meshtrain.planner.hardware import Cluster
-from meshtrain.planner.memory import GB, rank_memory, stage_params
+from meshtrain.planner.memory import GB, layer_params, rank_memory, stage_params
 from meshtrain.planner.overlap import (
     bucketed_exposed,
     overlap_entry,
@@ -118,18 +118,28 @@ def _fill_drain_speedup(layout: Layout, cluster: Cluster) -> float:
 
 
 def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float, expert: float,
-             backward: float, forward: float, blocks: int = 1) -> tuple[float, float]:
+             backward: float, forward: float, blocks: int = 1,
+             root: float = 0.0) -> tuple[float, float]:
     """(total, exposed) seconds of data-parallel communication per step on one rank, overlapped
     as the runtime schedules it (:mod:`meshtrain.planner.overlap`); ``backward`` and
-    ``forward`` are one micro-batch's, ``blocks`` the stage's blocks (ZeRO-3's units)."""
+    ``forward`` are one micro-batch's, ``blocks`` the stage's blocks (ZeRO-3's units);
+    ``root``: dense parameters ZeRO-3 gathers once and reduce-scatters once per step instead
+    of per micro-batch (a pipeline stage's embedding and head), both exposed."""
     lay, traits = layout, workload.traits
     size, stride = reduction_group(lay)
     groups = [(dense, size, stride)]
+    total = exposed = 0.0
     if expert:  # with cp, the cp ranks (tp apart) set how many share a node: approximate
         groups.append((expert, expert_reduction_size(lay), expert_reduction_stride(lay)))
-    total = exposed = 0.0
     m = lay.microbatches
     overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
+    if root and size > 1:  # gathered when the step starts, reduced when it ends
+        held = (cluster.collective_time("all_gather", root * workload.act_bytes, size, stride,
+                                        "dp")
+                + cluster.collective_time("reduce_scatter", root * traits.grad_reduce_bytes,
+                                          size, stride, "dp"))
+        total, exposed = held, held
+        groups[0] = (dense - root, size, stride)
     for params, size, stride in groups:
         if size <= 1 or params <= 0:
             continue
@@ -231,9 +241,13 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     params_by_stage = [stage_params(model, layers, lay, r == 0, r == lay.pp - 1)
                        for r, layers in enumerate(placement)]
     sp = params_by_stage[slowest]
+    # ZeRO-3 under a pipeline holds the stage's root (embedding, head) for the whole step.
+    root = (sp.dense - sum(layer_params(model, layer, lay.tp, lay.ep)[0]
+                           for layer in placement[slowest])
+            if lay.zero == 3 and lay.pp > 1 else 0.0)
     dp_total, dp_exposed = _dp_time(workload, lay, cluster, sp.dense, sp.expert,
                                     c.backward_input + c.backward_weight + c.recompute, c.forward,
-                                    len(placement[slowest]))
+                                    len(placement[slowest]), root)
     zero_share = reduction_group(lay)[0] if lay.zero >= 1 else 1
     expert_share = expert_reduction_size(lay) if lay.zero >= 1 else 1
     shard = sp.dense / zero_share + sp.expert / expert_share
