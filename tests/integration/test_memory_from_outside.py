@@ -2,10 +2,11 @@
 
 The fast test checks the measuring tool itself against a process that allocates a known amount.
 The slow tests are the acceptance bounds at ~85M parameters, for dp 8 ZeRO-3, for
-tp 2 x pp 2 x dp 2 ZeRO-1 and for pp 2 x dp 4 ZeRO-3: every worker's VmHWM minus the same run's with a tiny model stays
-within 1.25 x the planner's model states for that rank + 64 MiB, over init, two steps, two
-checkpoints and the final save; the planner's per-rank memory estimate agrees with that
-measured excess within 15 %; and ZeRO stages 0-3 order as the ZeRO paper says.
+tp 2 x pp 2 x dp 2 ZeRO-1 and for pp 2 x dp 4 ZeRO-3: every worker's VmHWM minus the same
+run's with a tiny model stays within 1.25 x the planner's model states for that rank + 64 MiB,
+over init, two steps, two checkpoints and the final save; the planner's per-rank memory
+estimate agrees with that measured excess within 15 %; and ZeRO stages 0-3 order as the ZeRO
+paper says.
 """
 
 from __future__ import annotations
