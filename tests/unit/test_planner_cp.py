@@ -141,9 +141,10 @@ def test_plan_picks_cp_for_llama3_405b_at_128k_on_16k_h100():
 def test_plan_at_8k_picks_cp_only_when_it_is_faster():
     work = Workload.from_config(preset_config("llama3-405b"))
     cluster = Cluster(H100, 16384, 8)
-    best = plan(work, cluster, top=1).candidates[0]
-    without = [estimate(work, lay, cluster, use_simulator=False)
-               for lay in enumerate_layouts(work, cluster, cps=(1,))]
+    result = plan(work, cluster, top=1)
+    best = result.candidates[0]
+    without = [r for r in result.priced if r["layout"]["cp"] == 1]
+    assert len(without) == len(enumerate_layouts(work, cluster, cps=(1,)))
     fastest_plain = max(r["tokens_per_s"] for r in without if r["fits"])
     if best["cp"] > 1:
         assert best["tokens_per_s"] > fastest_plain

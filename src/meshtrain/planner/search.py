@@ -156,10 +156,15 @@ class PlanResult:
     searched: int
     feasible: int
     nothing_fits: str | None = None
+    priced: list[dict] = dataclasses.field(default_factory=list, repr=False)
+    """Every searched layout's closed-form estimate (fitting or not), for callers that compare
+    the ranking with the rest of the search; not part of the JSON form."""
 
     def to_dict(self) -> dict:
-        """JSON form."""
-        return dataclasses.asdict(self)
+        """JSON form (without :attr:`priced`)."""
+        out = dataclasses.asdict(dataclasses.replace(self, priced=[]))
+        out.pop("priced")
+        return out
 
 
 def plan(workload: Workload, cluster: Cluster, top: int = 10,
@@ -184,7 +189,7 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
     if not feasible:
         message = (explain_nothing_fits(workload, cluster, results) if explain
                    else f"nothing fits on {cluster.gpus} GPUs")
-    return PlanResult(rows, len(results), count, message)
+    return PlanResult(rows, len(results), count, message, results)
 
 
 def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dict]) -> str:
