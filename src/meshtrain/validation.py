@@ -309,7 +309,7 @@ def validate_tensor_parallel(config: Config) -> None:
 
 def validate_pipeline(config: Config) -> None:
     """The schedule exists for (pp, microbatches, virtual_stages) and the layers split."""
-    from meshtrain.parallel.pipeline import ActionKind, build_schedule
+    from meshtrain.parallel.pipeline import build_schedule
     from meshtrain.parallel.pipeline.stage_split import stage_layers
     from meshtrain.training.tokenizer import tokenizer_vocab_size
 
@@ -330,12 +330,6 @@ def validate_pipeline(config: Config) -> None:
     schedule = build_schedule(par.pp_schedule, par.pp, par.microbatches, par.virtual_stages)
     vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
     stage_layers(m, vocab, schedule.num_stages, par.pp_split)
-    if par.zero == 3 and any(a.kind is ActionKind.W for a in schedule.actions[0]):
-        raise ConfigError(
-            f'parallel.zero = 3 with pp_schedule = "{par.pp_schedule}" is not supported: its '
-            "deferred weight gradients (W) would reach a ZeRO-3 unit after the unit was freed "
-            'for the next micro-batch; use pp_schedule = "1f1b", "interleaved-1f1b" or '
-            '"gpipe" with zero = 3, or parallel.zero <= 2 with a zero-bubble schedule.')
 
 
 def validate_train(config: Config) -> None:

@@ -79,10 +79,6 @@ def test_measured_timeline_written(tmp_path):
 @pytest.mark.parametrize("overrides, fragment", [
     (["parallel.pp=2", "model.n_layers=1"], "fewer than the 2 pipeline stages"),
     (["parallel.pp=2", "parallel.pp_split=3,2"], "adding up to model.n_layers"),
-    (["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=zb-h1"],
-     "deferred weight gradients"),
-    (["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=zb-v",
-      "parallel.virtual_stages=2", "model.n_layers=4"], 'use pp_schedule = "1f1b"'),
     (["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b"], "virtual_stages"),
 ])
 def test_bad_pipeline_configs(overrides, fragment):

@@ -7,8 +7,7 @@ Every layout is checked against one process on the same data and weights in fp32
 gradient norm relative 1e-3), and after its steps every full parameter buffer of every rank must
 hold nothing (a unit prefetched but never run, left gathered, would serve stale weights after the
 optimizer step). A checkpoint saved at pp2 × dp2 ZeRO-3 resumes on one process and back at
-pp2 × dp2 ZeRO-3 with one process's losses and final weights. The zero-bubble schedules are
-refused with ZeRO-3 (tests/parallel/test_pipeline_parallel.py).
+pp2 × dp2 ZeRO-3 with one process's losses and final weights.
 """
 
 from __future__ import annotations
@@ -47,7 +46,10 @@ def test_zero3_with_pipeline_matches_one_process():
     each block is several units and its norms join the root; GPipe with full activation
     checkpointing (each unit re-run inside its backward) and tied embeddings (the matrix its own
     root bucket on both end stages, summed between them); an MoE model with ep 2 folded over the
-    dp ranks (expert buckets sharded over edp)."""
+    dp ranks (expert buckets sharded over edp); the zero-bubble schedules, whose deferred
+    weight gradients reach a unit after its next micro-batch's forward may have freed it:
+    ZB-H1 with QK-norm and full checkpointing, ZB-V (first and last stage on one rank) with
+    tied embeddings and small buckets."""
     cases = [
         tiny_config(*Z3_PP, "parallel.microbatches=4", nproc=4),
         tiny_config(*Z3_PP, "parallel.microbatches=4", "parallel.pp_schedule=interleaved-1f1b",
@@ -58,6 +60,11 @@ def test_zero3_with_pipeline_matches_one_process():
         tiny_config(*Z3_PP, "parallel.microbatches=2", "parallel.ep=2", "model.moe_experts=4",
                     "model.moe_top_k=2", "model.moe_ffn_dim=32", "model.moe_balance=aux-loss",
                     "model.moe_aux_coef=0.5", nproc=4),
+        tiny_config(*Z3_PP, "parallel.microbatches=4", "parallel.pp_schedule=zb-h1",
+                    "model.qk_norm=true", "parallel.activation_checkpointing=full", nproc=4),
+        tiny_config(*Z3_PP, "parallel.microbatches=4", "parallel.pp_schedule=zb-v",
+                    "parallel.virtual_stages=2", "model.tie_embeddings=true",
+                    "parallel.dp_bucket_mb=0.004", nproc=4),
     ]
     by_rank = run_distributed(4, train_cases, [c.to_dict() for c in cases], STEPS, timeout=900)
     for index, config in enumerate(cases):

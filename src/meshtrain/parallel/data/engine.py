@@ -151,7 +151,7 @@ class DataParallelEngine(GradientAccounting):
         self._pending: list[tuple[object, Callable[[], None]]] = []
         self._syncing = True
         self._streaming = False
-        self._fresh = [0] * len(self.buckets)
+        self._fresh: list[set[int]] = [set() for _ in self.buckets]
         for bucket in self.buckets:
             for slot in bucket.slots:
                 slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -260,12 +260,12 @@ class DataParallelEngine(GradientAccounting):
         :meth:`sync_all`: every micro-batch uses them, outside any unit's hooks."""
         self._syncing = False
         self._streaming = self.stage >= 2
-        self._fresh = [0] * len(self.buckets)
+        self._fresh = [set() for _ in self.buckets]
         if self.gatherer is not None:
             self.gatherer.begin_pipelined_step()
 
     def sync_all(self) -> None:
-        """Reduce every bucket now (in order) and wait; when streaming (stage 2 under a
+        """Reduce every bucket now (in order) and wait; when streaming (stages 2-3 under a
         pipeline), only the buckets with gradients not yet reduced."""
         if self._streaming:
             self._streaming = False
@@ -299,10 +299,13 @@ class DataParallelEngine(GradientAccounting):
                 total.add_(param.grad)
             param.grad = None
         if self._streaming:
-            self._fresh[bucket.index] += 1
-            if (self._fresh[bucket.index] >= len(bucket.slots)
-                    and bucket.index not in self.reduced_at_step_end):
-                self._fresh[bucket.index] = 0
+            # Launched once every parameter has a gradient since the last launch (counted per
+            # parameter: under a zero-bubble schedule the norms' gradients of the next
+            # micro-batch can arrive before this one's deferred weight gradients).
+            fresh = self._fresh[bucket.index]
+            fresh.add(id(param))
+            if len(fresh) == len(bucket.slots) and bucket.index not in self.reduced_at_step_end:
+                fresh.clear()
                 self._launch(bucket)
             return
         if not self._syncing:

@@ -19,12 +19,17 @@ handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
   are reduced at the end of backward. So every parameter is gathered once for forward and once
   for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (§7).
-- Under pipeline parallelism (1F1B, GPipe, interleaved) the stage chunks run the units between
+- Under pipeline parallelism (every schedule) the stage chunks run the units between
   :meth:`ParameterGatherer.begin_pipelined_step` and :meth:`~ParameterGatherer.
   end_pipelined_step`: each unit is gathered and freed around each micro-batch's forward and
-  backward, and reduce-scattered as soon as that backward has produced its gradients (so per
+  backward, and reduce-scattered once each of its parameters has a new gradient (so per
   micro-batch, not per step); the root buckets stay gathered through the step and are
-  reduce-scattered once at its end.
+  reduce-scattered once at its end. A zero-bubble ``W`` pass computes weight gradients
+  without the weights, possibly after the unit's next forward freed it.
+- A unit is never freed while a backward runs through it: from the gradient of its output to
+  that of its input (a hook on each). A forward inside its own backward is an activation
+  checkpoint's recomputation and keeps the parameters; a recomputation ahead of the unit's
+  backward frees them again, and its original forward's hooks re-gather them.
 
 Re-gathering writes into the *same* storage that autograd saved for backward, through an alias
 tensor with its own version counter, so the saved views see the gathered values again without
@@ -58,7 +63,8 @@ class ParameterGatherer:
         self._prev = {i + 1: i for i in range(n - 1)}
         self._seen: list[int] | None = []  # units in the first forward's call order
         self._gathered: set[int] = set()
-        self._in_backward: set[int] = set()
+        self._busy: dict[int, int] = {}  # unit -> backward passes running through it
+        self._free_after_backward: dict[int, list[FlatBucket]] = {}
         self._unit_of = {b.index: i for i, buckets in enumerate(unit_buckets) for b in buckets}
         self._root = {b.index for b in root_buckets}
         self._pipelined = False  # a pipeline step: root kept gathered, see begin_pipelined_step
@@ -69,7 +75,7 @@ class ParameterGatherer:
         model.register_forward_hook(self._root_post_forward)
         for i, unit in enumerate(units):
             unit.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
-            unit.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+            unit.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, args, out))
         engine.on_bucket_reduced = self._on_reduced
 
     # ------------------------------------------------------------------ storage
@@ -112,7 +118,7 @@ class ParameterGatherer:
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_forward(self, module, args) -> None:
-        self._in_backward.clear()
+        self._reset_backward_state()
         self._gather_all(self.root_buckets, wait=True)
         if self.unit_buckets:
             self._gather_all(self.unit_buckets[0], wait=False)
@@ -144,32 +150,59 @@ class ParameterGatherer:
         if self._seen is not None and i not in self._seen:
             self._seen.append(i)
         self._gather_all(self.unit_buckets[i], wait=True)
-        if i not in self._in_backward and i in self._next:
+        if not self._busy.get(i) and i in self._next:
             self._gather_all(self.unit_buckets[self._next[i]], wait=False)
 
-    def _post_forward(self, i: int, output) -> None:
-        if i in self._in_backward:  # a recomputation inside backward: keep the parameters
+    def _post_forward(self, i: int, args, output) -> None:
+        if self._busy.get(i):  # re-run inside its own backward (checkpointing): keep it
             return
         for bucket in self.unit_buckets[i]:
             self._free(bucket)
+        if torch._C._current_graph_task_id() != -1:
+            # Re-run by a checkpointed region's recomputation ahead of this unit's backward:
+            # the hooks of its original forward (whose graph backward walks) gather it again.
+            return
         tensor = output[0] if isinstance(output, tuple) else output
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(lambda grad, i=i: self._pre_backward(i))
+        if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+            return
+        first = args[0] if args else None
+        tracked = isinstance(first, torch.Tensor) and first.requires_grad
+        tensor.register_hook(lambda grad, i=i, tracked=tracked: self._pre_backward(i, tracked))
+        if tracked:  # the input's gradient is complete once this unit's backward is done
+            first.register_hook(lambda grad, i=i: self._post_backward(i))
 
-    def _pre_backward(self, i: int) -> None:
-        self._in_backward.add(i)
+    def _pre_backward(self, i: int, tracked: bool) -> None:
+        if tracked:
+            self._busy[i] = self._busy.get(i, 0) + 1
         for bucket in self.unit_buckets[i]:
             self.engine.stage_gradients(bucket)
         self._gather_all(self.unit_buckets[i], wait=True)
         if i in self._prev:
             self._gather_all(self.unit_buckets[self._prev[i]], wait=False)
 
+    def _post_backward(self, i: int) -> None:
+        self._busy[i] -= 1
+        if not self._busy[i]:
+            del self._busy[i]
+            for bucket in self._free_after_backward.pop(i, []):
+                self._free(bucket)
+
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
-        self._in_backward.discard(self._unit_of.get(bucket.index))
         if self._pipelined and bucket.index in self._root:
             return  # the next micro-batch uses it again: freed at the step's end
+        unit = self._unit_of.get(bucket.index)
+        if unit is not None and self._busy.get(unit):
+            # Reduced before its backward ended (a gradient that arrives mid-backward completed
+            # the bucket under a zero-bubble schedule): its matmuls still read the parameters.
+            self._free_after_backward.setdefault(unit, []).append(bucket)
+            return
         self._free(bucket)
+
+    def _reset_backward_state(self) -> None:
+        """Forget the backward passes of an earlier step (none is running between steps)."""
+        self._busy.clear()
+        self._free_after_backward.clear()
 
     # ------------------------------------------------------------------ pipeline steps
     def begin_pipelined_step(self) -> None:
@@ -180,7 +213,7 @@ class ParameterGatherer:
         still gathered and freed around its every forward and backward, and reduce-scattered
         (then freed) as soon as a micro-batch's backward has produced all its gradients."""
         self._pipelined = True
-        self._in_backward.clear()
+        self._reset_backward_state()
         self._gather_all(self.root_buckets, wait=True)
 
     def end_pipelined_step(self) -> None:
@@ -189,6 +222,7 @@ class ParameterGatherer:
         every shard, so nothing gathered may outlive the step). After the first step, prefetch
         in the order the units really ran."""
         self._pipelined = False
+        self._reset_backward_state()
         self._learn_order()
         for bucket in self.engine.buckets:
             self._wait(bucket)
