@@ -181,11 +181,12 @@ class ParameterGatherer:
             self._gather_all(self.unit_buckets[self._prev[i]], wait=False)
 
     def _post_backward(self, i: int) -> None:
-        self._busy[i] -= 1
-        if not self._busy[i]:
-            del self._busy[i]
-            for bucket in self._free_after_backward.pop(i, []):
-                self._free(bucket)
+        left = self._busy.pop(i, 0) - 1
+        if left > 0:
+            self._busy[i] = left
+            return
+        for bucket in self._free_after_backward.pop(i, []):
+            self._free(bucket)
 
     def _on_reduced(self, bucket: FlatBucket) -> None:
         self._wait(bucket)  # never free storage that a gather is still writing
@@ -211,7 +212,7 @@ class ParameterGatherer:
         are gathered now and kept until :meth:`end_pipelined_step`; their gradients accumulate
         over the micro-batches and are reduce-scattered once, at the step's end. Each unit is
         still gathered and freed around its every forward and backward, and reduce-scattered
-        (then freed) as soon as a micro-batch's backward has produced all its gradients."""
+        (then freed) once each of its parameters has a new gradient."""
         self._pipelined = True
         self._reset_backward_state()
         self._gather_all(self.root_buckets, wait=True)
