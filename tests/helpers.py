@@ -28,10 +28,9 @@ def train_many(config_dicts: list[dict], steps: int) -> list[list[dict]]:
     return [train_steps(c, steps) for c in config_dicts]
 
 
-def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int,
-                                     timeout: float = 900) -> list[list[dict]]:
-    """Train each config on ``world`` processes and assert its losses and gradient norms match
-    its one-process reference within meshtrain.verify's fp32 tolerances; returns the records."""
+def assert_matches_one_process(records: list[dict], config: Config, steps: int) -> None:
+    """Assert a layout's per-step records (losses, gradient norms) match ``config``'s
+    one-process reference run within meshtrain.verify's fp32 tolerances."""
     from meshtrain.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
@@ -39,14 +38,22 @@ def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int
         reference_config,
         run_layout,
     )
+
+    reference = run_layout(reference_config(config), 1, steps)
+    report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
+    assert report["ok"], (config.parallel, report)
+
+
+def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int,
+                                     timeout: float = 900) -> list[list[dict]]:
+    """Train each config on ``world`` processes and assert its losses and gradient norms match
+    its one-process reference within meshtrain.verify's fp32 tolerances; returns the records."""
     from tests.distributed import run_distributed
 
     results = run_distributed(world, train_many, [c.to_dict() for c in cases], steps,
                               timeout=timeout)[0]
     for config, records in zip(cases, results, strict=True):
-        reference = run_layout(reference_config(config), 1, steps)
-        report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
-        assert report["ok"], (config.parallel, report)
+        assert_matches_one_process(records, config, steps)
     return results
 
 

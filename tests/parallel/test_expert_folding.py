@@ -15,15 +15,14 @@ import pytest
 
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.validation import validate_config
-from meshtrain.verify import (
-    GRAD_NORM_RTOL_FP32,
-    LOSS_TOLERANCE_FP32,
-    compare,
-    reference_config,
-    run_layout,
-)
+from meshtrain.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
-from tests.helpers import build_trainer, tiny_config, train_and_save
+from tests.helpers import (
+    assert_matches_one_process,
+    build_trainer,
+    tiny_config,
+    train_and_save,
+)
 
 STEPS = 2
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
@@ -62,12 +61,6 @@ def train_cases(config_dicts: list[dict], steps: int) -> list[dict]:
     return out
 
 
-def _assert_parity(config: Config, records: list[dict]) -> None:
-    expected = run_layout(reference_config(config), 1, STEPS)
-    report = compare(records, expected, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
-    assert report["ok"], (config.parallel, report)
-
-
 def _planned_ep_bytes(config: Config) -> float:
     """The planner's ``comm_bytes.ep`` per rank and step, averaged over the pipeline stages."""
     from meshtrain.planner.expert_parallel import ep_step_bus_bytes
@@ -90,7 +83,7 @@ def test_dp2_tp2_ep4_holds_one_expert_per_rank_and_matches_one_process():
     ]
     by_rank = run_distributed(4, train_cases, [c.to_dict() for c in cases], STEPS, timeout=900)
     for index, config in enumerate(cases):
-        _assert_parity(config, by_rank[0][index]["records"])
+        assert_matches_one_process(by_rank[0][index]["records"], config, STEPS)
         ranks = [rank[index] for rank in by_rank]
         mean_ep = [sum(r["records"][s]["comm_bytes"]["ep"] for r in ranks) / len(ranks)
                    for s in range(STEPS)]

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.verify import (
-    GRAD_NORM_RTOL_FP32,
-    LOSS_TOLERANCE_FP32,
-    compare,
-    reference_config,
-    run_layout,
-)
+from meshtrain.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
-from tests.helpers import build_trainer, tiny_config, train_and_save
+from tests.helpers import (
+    assert_matches_one_process,
+    build_trainer,
+    tiny_config,
+    train_and_save,
+)
 
 STEPS = 2
 MOE = ("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_dim=32",
@@ -73,10 +72,7 @@ def test_zero3_with_expert_parallelism_matches_one_process():
     ]
     by_rank = run_distributed(4, train_cases, [c.to_dict() for c in cases], STEPS, timeout=900)
     for index, config in enumerate(cases):
-        expected = run_layout(reference_config(config), 1, STEPS)
-        report = compare(by_rank[0][index]["records"], expected, LOSS_TOLERANCE_FP32,
-                         GRAD_NORM_RTOL_FP32)
-        assert report["ok"], (config.parallel, report)
+        assert_matches_one_process(by_rank[0][index]["records"], config, STEPS)
         par = config.parallel
         edp = par.dp * par.tp // par.ep
         for rank in by_rank:
@@ -93,10 +89,7 @@ def test_zero3_with_experts_at_dp2_ep2_matches_one_process():
     its dense parameters sharded over dp 2."""
     config = tiny_config(*MOE, "parallel.dp=2", "parallel.ep=2", nproc=2)
     by_rank = run_distributed(2, train_cases, [config.to_dict()], STEPS)
-    expected = run_layout(reference_config(config), 1, STEPS)
-    report = compare(by_rank[0][0]["records"], expected, LOSS_TOLERANCE_FP32,
-                     GRAD_NORM_RTOL_FP32)
-    assert report["ok"], report
+    assert_matches_one_process(by_rank[0][0]["records"], config, STEPS)
     for rank in by_rank:
         share = rank[0]["share"]
         assert share["held"] * 2 == share["full"] and share["padding"] == 0

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.verify import (
-    GRAD_NORM_RTOL_FP32,
-    LOSS_TOLERANCE_FP32,
-    compare,
-    reference_config,
-    run_layout,
-)
+from meshtrain.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
-from tests.helpers import build_trainer, tiny_config, train_and_save
+from tests.helpers import (
+    assert_matches_one_process,
+    build_trainer,
+    tiny_config,
+    train_and_save,
+)
 
 STEPS = 2
 Z3_PP = ("parallel.zero=3", "parallel.pp=2", "parallel.dp=2", "model.n_layers=4")
@@ -68,10 +67,7 @@ def test_zero3_with_pipeline_matches_one_process():
     ]
     by_rank = run_distributed(4, train_cases, [c.to_dict() for c in cases], STEPS, timeout=900)
     for index, config in enumerate(cases):
-        records = by_rank[0][index]["records"]
-        expected = run_layout(reference_config(config), 1, STEPS)
-        report = compare(records, expected, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
-        assert report["ok"], (config.parallel, report)
+        assert_matches_one_process(by_rank[0][index]["records"], config, STEPS)
         for rank in by_rank:
             assert rank[index]["buckets"] > 1
             assert rank[index]["resident"] == 0, (config.parallel, rank[index])
