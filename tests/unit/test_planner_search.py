@@ -15,8 +15,8 @@ from meshtrain.planner.published import (
     evaluate,
     published_rows,
 )
-from meshtrain.planner.search import plan
-from meshtrain.planner.workload import MEGATRON_2021, Workload
+from meshtrain.planner.search import plan, price_layouts
+from meshtrain.planner.workload import MEGATRON_2021, MEGATRON_2022, Workload
 
 # Narayanan et al. 2021 (SC21), Table 1 (rows in meshtrain.planner.published).
 
@@ -121,3 +121,38 @@ def test_megatron_2021_search_offers_only_what_megatron_lm_2021_ran():
         for name, traits in (("megatron", MEGATRON_2021), ("meshtrain", MESHTRAIN))}
     assert counts["megatron"] == [6, 6, 6, 6]
     assert counts["meshtrain"][-1] < 6 and sum(counts["meshtrain"]) == 24
+
+
+def test_pipelined_layouts_are_priced_with_the_least_zero_sharding_that_fits():
+    import dataclasses
+
+    work = Workload.from_config(preset_config("llama3-70b"))
+    cluster = Cluster(PROFILES["a100-80g"], 32, 8)
+
+    def zeros(layout, workload=work):
+        return [(lay.zero, r["fits"]) for lay, r in price_layouts(workload, cluster, [layout])]
+
+    full = Layout(dp=4, tp=4, pp=2, zero=1, sequence_parallel=True, microbatches=128,
+                  activation_checkpointing="full")
+    assert zeros(full) == [(1, False), (2, True)]  # sharded gradients suffice: no ZeRO-3
+    none = Layout(dp=2, tp=4, pp=2, cp=2, zero=1, sequence_parallel=True, pp_schedule="zb-h1",
+                  microbatches=256)
+    assert zeros(none) == [(1, False), (2, False), (3, True)]
+    fitting = dataclasses.replace(full, dp=2, pp=4, microbatches=256)
+    assert zeros(fitting) == [(1, True)]
+    # Megatron-LM has no ZeRO-2/3 to offer; a variant over the limit at any sharding is skipped.
+    assert zeros(none, dataclasses.replace(work, traits=MEGATRON_2022)) == [(1, False)]
+    assert zeros(dataclasses.replace(none, cp=1, dp=4, microbatches=128)) == [(1, False)]
+
+
+def test_plan_finds_a_pipeline_that_only_zero_3_makes_fit():
+    # Llama 3 70B on 32 A100s: every pipelined layout without checkpointing needs sharded
+    # weights, and one of them is the fastest of all.
+    result = plan(Workload.from_config(preset_config("llama3-70b")),
+                  Cluster(PROFILES["a100-80g"], 32, 8), top=1)
+    best = result.candidates[0]
+    assert best["pp"] > 1 and best["zero"] == 3
+    unsharded = [r for r in result.priced if r["fits"]
+                 and (r["layout"]["pp"] == 1 or r["layout"]["zero"] < 2)]
+    assert best["tokens_per_s"] > max(r["tokens_per_s"] for r in unsharded)
+    assert result.searched == len(result.priced)

@@ -30,10 +30,9 @@ from meshtrain.planner.diloco_cost import (
     inner_cluster,
     inner_workload,
 )
-from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import Cluster
 from meshtrain.planner.memory import stage_params
-from meshtrain.planner.search import candidate_row, enumerate_layouts
+from meshtrain.planner.search import candidate_row, enumerate_layouts, price_layouts
 from meshtrain.planner.wide_area import spans_sites
 from meshtrain.planner.workload import Workload, layout_from_json, stage_layers
 
@@ -144,8 +143,7 @@ def _diloco_options(workload: Workload, cluster: Cluster, replicas: int, dtype: 
     """Every (inner layout, H, F) priced for ``replicas`` groups."""
     group, work = inner_cluster(cluster, replicas), inner_workload(workload, replicas)
     layouts = enumerate_layouts(work, group)
-    inner = sorted((r for r in (estimate(work, lay, group, energy, use_simulator=False)
-                                for lay in layouts) if r["fits"]),
+    inner = sorted((r for _, r in price_layouts(work, group, layouts, energy) if r["fits"]),
                    key=lambda r: -r["tokens_per_s"])[:INNER_CANDIDATES]
     options = []
     for result in inner:
@@ -234,8 +232,7 @@ def _saving(workload: Workload, cluster: Cluster, chosen: dict, energy: dict | N
     inner = layout_from_json(chosen["layout"])
     folds = [dataclasses.replace(inner, dp=inner.dp * replicas, zero=zero)
              for zero in ((0, 1) if inner.pp > 1 else (0, 1, 2, 3))]
-    priced = [(estimate(workload, lay, cluster, energy, use_simulator=False), lay)
-              for lay in folds]
+    priced = [(r, lay) for lay, r in price_layouts(workload, cluster, folds, energy)]
     sync, folded = min(priced, key=lambda p: (not p[0]["fits"], p[0]["step_time_s"]))
     sync_bytes = dp_bus_bytes(workload, folded)
     return {"synchronous_layout": sync["layout"],

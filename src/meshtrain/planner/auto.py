@@ -179,7 +179,7 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     is valid), and how many layouts were priced."""
     from meshtrain.planner.commands import _check_shapes
     from meshtrain.planner.estimate import estimate
-    from meshtrain.planner.search import enumerate_layouts
+    from meshtrain.planner.search import enumerate_layouts, price_layouts
 
     shaped = copy.deepcopy(config)
     _check_shapes(shaped)  # fills the vocabulary size the cost model needs
@@ -192,8 +192,8 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
                                             cps=(config.parallel.cp,))
                if lay.ep == config.parallel.ep
                and _split_fits(split, lay, workload.model.n_layers)]
-    priced = [r for r in (estimate(workload, lay, cluster, use_simulator=False)
-                          for lay in layouts) if r["fits"]]
+    searched = price_layouts(workload, cluster, layouts)
+    priced = [r for _, r in searched if r["fits"]]
     priced.sort(key=lambda r: -r["tokens_per_s"])
     front = [estimate(workload, _with_split(r, split), cluster) for r in priced[:REPRICE_TOP]]
     front.sort(key=_rank_key)
@@ -206,7 +206,7 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
             chosen.append((result, candidate))
             if len(chosen) == 2:
                 break
-    return chosen, len(layouts)
+    return chosen, len(searched)
 
 
 def predict(config: Config, world: int, cluster: Cluster) -> dict:

@@ -250,14 +250,14 @@ def rank_among_searched(row: PublishedRow) -> dict:
     the fastest's, minus 1); ``best_variant``: the rank of the fastest layout with the
     published tp, pp and dp (what a source that leaves micro-batch and schedule open allows).
     """
-    from meshtrain.planner.search import _speed, enumerate_layouts
+    from meshtrain.planner.search import _speed, enumerate_layouts, price_layouts
 
     cluster = Cluster(PROFILES[row.profile], row.layout.world_size, 8)
     mine = estimate(row.workload, row.layout, cluster, use_simulator=False)
     layouts = enumerate_layouts(row.workload, cluster,
                                 checkpointing=(row.layout.activation_checkpointing,))
-    feasible = [(layout, result) for layout in layouts
-                if (result := estimate(row.workload, layout, cluster, use_simulator=False))["fits"]]
+    priced = price_layouts(row.workload, cluster, layouts)
+    feasible = [(layout, result) for layout, result in priced if result["fits"]]
     feasible.sort(key=lambda item: _speed(item[1]))
     degrees = (row.layout.tp, row.layout.pp, row.layout.dp)
     variant = next((i for i, (lay, r) in enumerate(feasible)
@@ -265,7 +265,7 @@ def rank_among_searched(row: PublishedRow) -> dict:
                    len(feasible))
     fastest = feasible[0][1] if feasible else mine
     return {"rank": 1 + sum(_speed(r) < _speed(mine) for _, r in feasible),
-            "searched": len(layouts), "feasible": len(feasible), "fastest": fastest,
+            "searched": len(priced), "feasible": len(feasible), "fastest": fastest,
             "behind": mine["step_time_s"] / fastest["step_time_s"] - 1,
             "best_variant": variant + 1}
 

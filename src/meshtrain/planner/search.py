@@ -4,11 +4,11 @@ The space: tp over the powers of two that fit in a node and divide the heads; cp
 what is left that split the sequence into ``2 cp`` equal chunks (the runtime's check); pp over
 divisors of what is left after both (at most the layer count); dp the rest; ep over divisors of
 dp × tp that divide tp or are multiples of it, and divide the expert count (MoE only, experts
-folded over tp); ZeRO 0-3 (0-1 with pipelining, as Megatron-LM and
-DeepSpeed pair them); with tp > 1 sequence parallelism on and off (the same communication
-volume, less activation memory, but more, smaller kernels); schedules 1f1b, interleaved-1f1b
-(2, 4 and 8 chunks), zb-h1 and zb-v with pipelining
-(gpipe only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
+folded over tp); ZeRO 0-3, a pipelined layout's ZeRO-2 and ZeRO-3 variants priced only when
+its ZeRO-1 variant does not fit (:func:`price_layouts`); with tp > 1 sequence parallelism on and
+off (the same communication volume, less activation memory, but more, smaller kernels);
+schedules 1f1b, interleaved-1f1b (2, 4 and 8 chunks), zb-h1 and zb-v with pipelining (gpipe
+only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
 checkpointing none, selective, full — of these, only what the priced stack offers
 (``RuntimeTraits.zero_stages``, ``context_parallel``, ``pp_schedules``). When nothing fits,
 :func:`explain_nothing_fits` says what dominates memory and how many GPUs the smallest
@@ -112,6 +112,43 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     return layouts
 
 
+def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
+                  energy: dict | None = None) -> list[tuple[Layout, dict]]:
+    """``(layout, closed-form estimate)`` of every layout in ``layouts``, plus the sharded
+    variants of the pipelined ones that need them.
+
+    A pipelined layout at ZeRO-1 that does not fit is priced again at ZeRO-2 (gradients
+    sharded over dp), and if that does not fit either, at ZeRO-3 (weights too), where the
+    stack offers those stages: the least sharding that fits. Under a pipeline both stages
+    reduce-scatter every micro-batch (ZeRO-3 gathers the weights every micro-batch too), the
+    traffic that makes Megatron-LM and DeepSpeed pair pipelines with ZeRO-1 only; so a
+    variant is priced only where the sharding is what makes the layout fit, which also keeps
+    the search near the size of the unsharded one. A variant whose lower bound (the optimizer
+    shard and activations as at ZeRO-1, plus the whole weights at ZeRO-2) is already over the
+    memory limit is skipped unpriced.
+    """
+    priced = []
+    stages = workload.traits.zero_stages
+    for layout in layouts:
+        result = estimate(workload, layout, cluster, energy, use_simulator=False)
+        priced.append((layout, result))
+        if result["fits"] or layout.pp == 1 or layout.zero != 1 or layout.dp == 1:
+            continue
+        limit = result["memory_limit_gb"] * GB
+        for zero in (2, 3):
+            if zero not in stages or any(
+                    r["optim_bytes"] + r["activation_bytes"] + (r["param_bytes"] if zero == 2
+                                                               else 0) > limit
+                    for r in result["per_rank"]):
+                continue
+            sharded = dataclasses.replace(layout, zero=zero)
+            priced.append((sharded, estimate(workload, sharded, cluster, energy,
+                                             use_simulator=False)))
+            if priced[-1][1]["fits"]:
+                break
+    return priced
+
+
 def _speed(result: dict) -> tuple[float, float]:
     """Sort key, fastest first: tokens/s, then (among layouts held at the profile's MFU cap)
     the step time the cost model gave before the cap."""
@@ -176,7 +213,7 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
         raise ConfigError(f"no layout of {cluster.gpus} GPUs divides this model and batch "
                           f"(global batch {workload.global_batch}); try a global batch that is "
                           f"a multiple of the GPU count.")
-    results = [estimate(workload, lay, cluster, energy, use_simulator=False) for lay in layouts]
+    results = [result for _, result in price_layouts(workload, cluster, layouts, energy)]
     feasible = sorted((r for r in results if r["fits"]), key=_speed)
     # Re-price the front runners with the schedule simulator (closed forms ranked them); one
     # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
@@ -234,8 +271,7 @@ def smallest_feasible_gpus(workload: Workload, cluster: Cluster,
         layouts = enumerate_layouts(workload, bigger, micro_batch_sizes=(1,),
                                     checkpointing=("full",), zero_stages=(1, 3))
         layouts = [lay for lay in layouts if lay.pp_schedule == "1f1b"]
-        fits = [r for r in (estimate(workload, lay, bigger, use_simulator=False)
-                            for lay in layouts) if r["fits"]]
+        fits = [r for _, r in price_layouts(workload, bigger, layouts) if r["fits"]]
         if fits:
             return gpus, max(fits, key=lambda r: r["tokens_per_s"])
         gpus *= 2
