@@ -63,6 +63,15 @@ class Suite:
     options, log)`` returns its result document (then ``peer_worker`` may be None)."""
     check: Callable[[Suite, BenchOptions], None] | None = None
     """With ``run``: refuse impossible options before anything starts (raise ConfigError)."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Settings of this suite over :data:`BENCH_DEFAULTS`, before ``--set`` (which wins)."""
+    devices: tuple[str, ...] = ("cpu",)
+    """``train.device`` values both sides run (gloo between processes, so multi-process suites
+    stay on the CPU; the one-process Hugging Face suites also run on ``cuda``)."""
+    precisions: tuple[str, ...] = ("fp32",)
+    """``train.precision`` values the suite compares. ``bf16``: meshtrain's bf16 training (bf16
+    weights and activations, fp32 master weights and Adam state) against the peer's usual
+    mixed precision, ``torch.autocast`` to bf16 over fp32 weights."""
     peer_allocator: bool | None = None
     """Whether the peer's processes start with meshtrain's ``malloc`` settings: None = as
     :attr:`BenchOptions.same_allocator` says; False = never (the ``allocator`` suite, whose peer
@@ -121,6 +130,8 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
     config = Config()
     for key, value in BENCH_DEFAULTS.items():
         set_key(config, key, value, origin="bench defaults")
+    for key, value in suite.defaults.items():
+        set_key(config, key, value, origin=f"the {suite.name} suite's defaults")
     for text in overrides:
         key, value = parse_override(text)
         if key.startswith("diloco."):
@@ -129,12 +140,7 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
         set_key(config, key, value)
     config.train.steps = total_steps
     m, t, p = config.model, config.train, config.parallel
-    if t.device != "cpu":
-        raise ConfigError(f'train.device = "{t.device}": meshtrain bench runs on CPU (gloo) for '
-                          'now; valid: train.device = "cpu".')
-    if t.precision != "fp32":
-        raise ConfigError(f'train.precision = "{t.precision}": the bench peers train in fp32 only '
-                          'for now; valid: train.precision = "fp32".')
+    check_device_and_precision(suite, t.device, t.precision)
     if m.moe_experts or p.activation_checkpointing != "none":
         raise ConfigError("meshtrain bench compares dense models without activation "
                           "checkpointing for now; valid: model.moe_experts = 0, "
@@ -146,6 +152,28 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
 
         m.vocab_size = load_tokenizer(config.data.tokenizer).vocab_size
     return config, world
+
+
+def check_device_and_precision(suite: Suite, device: str, precision: str) -> None:
+    """Refuse a ``train.device`` or ``train.precision`` the suite's two sides do not both run
+    (:attr:`Suite.devices`, :attr:`Suite.precisions`), or a CUDA device torch cannot see."""
+    if device not in suite.devices:
+        valid = " or ".join(f'"{d}"' for d in suite.devices)
+        gpu = [s.name for s in SUITES.values() if "cuda" in s.devices]
+        raise ConfigError(f'train.device = "{device}": the {suite.name} suite runs on '
+                          f"{', '.join(suite.devices)} only; valid: train.device = {valid} "
+                          f"(on a GPU: --suite {','.join(gpu)}).")
+    if precision not in suite.precisions:
+        valid = " or ".join(f'"{p}"' for p in suite.precisions)
+        raise ConfigError(f'train.precision = "{precision}": the {suite.name} suite compares '
+                          f"{', '.join(suite.precisions)} training only; valid: "
+                          f"train.precision = {valid}.")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError('train.device = "cuda" but torch sees no CUDA device here (CPU '
+                              'build, or no GPU visible); valid here: train.device = "cpu".')
 
 
 def check_requirements(suite: Suite) -> None:
@@ -192,4 +220,5 @@ def shape_of(config: Config) -> dict:
     m, t = config.model, config.train
     return {**{k: getattr(m, k) for k in SHAPE_KEYS}, "seq_len": t.seq_len,
             "global_batch": t.global_batch, "microbatches": config.parallel.microbatches,
-            "precision": t.precision, "moe_experts": m.moe_experts, "moe_top_k": m.moe_top_k}
+            "precision": t.precision, "device": t.device, "moe_experts": m.moe_experts,
+            "moe_top_k": m.moe_top_k}

@@ -14,7 +14,9 @@ one JSON line per side and one for the pair:
 - ``ceiling``: the peer's step over meshtrain's kernel time, the speed-up over the peer meshtrain
   would reach if everything in its step but these kernels took no time at all. Where it is
   close to 1, the two sides run the same products at the same rate and no framework work
-  could open a larger gap at the same numbers (fp32, the same model).
+  could open a larger gap.
+
+The suite's own settings apply (``moe``: bf16 unless ``--set train.precision=fp32``).
 
 Both sides run in one process, one intra-op thread (as the bench's workers do), under the
 allocator settings the process started with (``meshtrain bench`` starts its workers with

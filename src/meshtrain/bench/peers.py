@@ -22,7 +22,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from meshtrain.bench.workers import load_bench_config, preload_tokens, timed_run
+from meshtrain.bench.workers import bench_device, load_bench_config, preload_tokens, timed_run
 from meshtrain.config import Config, TrainConfig
 from meshtrain.training.lr_schedule import learning_rate
 from meshtrain.training.metrics import peak_memory_bytes
@@ -117,23 +117,32 @@ def default_clip(model: torch.nn.Module, max_norm: float) -> None:
 
 
 def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_scale: int = 1,
-              clip=default_clip, loss_context=contextlib.nullcontext):
+              clip=default_clip, loss_context=contextlib.nullcontext,
+              device: torch.device | None = None):
     """A plain training step over ``data``'s micro-batches: forward, loss, backward, clip, AdamW.
 
     ``logits_of(model, inputs)`` returns the logits; each micro-batch's summed loss is divided by
     the step's local token count (and DDP / FSDP average over ranks: the global mean).
     ``clip(model, max_norm)`` clips the gradients by their global norm; loss and backward run
     inside ``loss_context()`` (``torch.distributed.tensor.parallel.loss_parallel`` for the
-    DTensor peer, whose logits stay split over the vocabulary).
+    DTensor peer, whose logits stay split over the vocabulary). ``device``: where the
+    micro-batches go (the model's device; default: where the data is). With
+    ``train.precision = "bf16"`` the forward runs under ``torch.autocast`` to bf16 (weights,
+    gradients and Adam state stay fp32), as a PyTorch or Hugging Face user's mixed precision
+    does; the loss is taken in fp32.
     """
     optimizer = adamw(model, train)
+    autocast = train.precision == "bf16"
 
     def step(index: int) -> float:
-        microbatches = data.next_step()
+        microbatches = [(inputs.to(device), targets.to(device)) if device is not None
+                        else (inputs, targets) for inputs, targets in data.next_step()]
         tokens = sum(targets.numel() for _, targets in microbatches)
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for inputs, targets in microbatches:
-            logits = logits_of(model, inputs)
+            with (torch.autocast(inputs.device.type, dtype=torch.bfloat16) if autocast
+                  else contextlib.nullcontext()):
+                logits = logits_of(model, inputs)
             with loss_context():
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                        reduction="sum") / tokens
@@ -170,18 +179,19 @@ def hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
 
 def hf_causal_lm_worker(config_dict: dict, warmup: int, steps: int, build) -> dict:
     """One process training the ``transformers`` model ``build(config)`` returns, in the plain
-    loop of :func:`make_step` (the Hugging Face peers)."""
+    loop of :func:`make_step`, on the suite's device (``train.device``)."""
     import transformers  # noqa: F401 - imported before the memory baseline, like torch
 
     config = load_bench_config(config_dict)
+    device = bench_device(config)
     preload_tokens(config)
     data = train_data(config)
-    base = peak_memory_bytes(torch.device("cpu"))
-    model = build(config)
+    base = peak_memory_bytes(device)
+    model = build(config).to(device)
     step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
-                     data, config.train)
+                     data, config.train, device=device)
     tokens = config.train.global_batch * config.train.seq_len
-    return timed_run(step, warmup, steps, tokens, base)
+    return timed_run(step, warmup, steps, tokens, base, device)
 
 
 def ddp_worker(config_dict: dict, warmup: int, steps: int) -> dict:

@@ -176,6 +176,10 @@ def format_pairs(results: list[dict]) -> str:
                  f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
                  f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); paired: "
                  f"median of run-by-run ratios; cpu ratio: the same per CPU-second used")
+    if any(r["shape"]["precision"] == "bf16" for r in results if "shape" in r):
+        lines.append("bf16: meshtrain trains bf16 weights and activations with fp32 master "
+                     "weights and Adam state; the peers run torch.autocast(bf16) over fp32 "
+                     "weights")
     compared = [r for r in results if r["suite"] != "allocator"]
     if compared:
         same = all(r.get("peer_allocator_env") == r.get("meshtrain_allocator_env")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from meshtrain.bench.base import Suite, register_suite
 from meshtrain.bench.diloco_convergence import check_diloco, run_diloco
 from meshtrain.bench.moe_peers import (
+    MOE_DEFAULTS,
     configure_moe,
     configure_moe_ep,
     hf_mixtral_worker,
@@ -33,6 +34,11 @@ from meshtrain.bench.peers import ddp_worker, hf_llama_worker
 from meshtrain.bench.scaling import check_scaling, run_scaling
 from meshtrain.bench.workers import meshtrain_worker
 from meshtrain.config import Config, ConfigError
+
+HF_DEVICES = ("cpu", "cuda")
+"""Where the one-process Hugging Face suites (single, moe) run: one process needs no gloo."""
+HF_PRECISIONS = ("fp32", "bf16")
+"""What they compare: fp32 (the same numbers on both sides), or each side's bf16 training."""
 
 
 def _only_dp(config: Config, dp: int) -> None:
@@ -97,7 +103,8 @@ register_suite(Suite(
     peer="transformers LlamaForCausalLM (sdpa) + torch.optim.AdamW(fused=True)",
     description="one process: Trainer.train_step() vs a plain PyTorch loop over HF Llama",
     configure=configure_single, meshtrain_worker=meshtrain_worker, peer_worker=hf_llama_worker,
-    requires=("transformers",)))
+    requires=("transformers",),
+    devices=HF_DEVICES, precisions=HF_PRECISIONS))
 
 register_suite(Suite(
     name="dp", world_size=2,
@@ -136,12 +143,13 @@ register_suite(Suite(
 
 register_suite(Suite(
     name="moe", world_size=1,
-    peer="transformers MixtralForCausalLM (sdpa, grouped_mm experts) + "
-         "torch.optim.AdamW(fused=True)",
+    peer="transformers MixtralForCausalLM (sdpa; experts grouped_mm, eager under bf16 "
+         "autocast) + torch.optim.AdamW(fused=True)",
     description="one process: meshtrain's MoE model (8 experts top-2 in every block) vs HF "
                 "Mixtral holding the same weights",
     configure=configure_moe, meshtrain_worker=meshtrain_worker, peer_worker=hf_mixtral_worker,
-    requires=("transformers",)))
+    requires=("transformers",), defaults=MOE_DEFAULTS,
+    devices=HF_DEVICES, precisions=HF_PRECISIONS))
 
 register_suite(Suite(
     name="moe-ep", world_size=2,

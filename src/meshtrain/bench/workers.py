@@ -45,20 +45,37 @@ def barrier() -> None:
         dist.barrier()
 
 
+CPU = torch.device("cpu")
+
+
 def timed_run(step: Callable[[int], float], warmup: int, steps: int, tokens_per_step: int,
-              base_bytes: int) -> dict:
-    """Run ``step(i)`` (returns the loss) ``warmup + steps`` times; time each step."""
-    device = torch.device("cpu")
+              base_bytes: int, device: torch.device = CPU) -> dict:
+    """Run ``step(i)`` (returns the loss) ``warmup + steps`` times; time each step. On a CUDA
+    ``device`` each step's time runs to the end of its last kernel (synchronized), and
+    ``peak_bytes`` is the CUDA allocator's peak."""
     times, cpu_times, losses = [], [], []
     barrier()
     for i in range(warmup + steps):
+        synchronize(device)
         start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(step(i)))
+        synchronize(device)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - start_cpu)
     return {"step_times": times[warmup:], "step_cpu_times": cpu_times[warmup:], "losses": losses,
             "tokens_per_step": tokens_per_step, "base_bytes": base_bytes,
             "peak_bytes": peak_memory_bytes(device), "threads": torch.get_num_threads()}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_device(config: Config) -> torch.device:
+    """The device a suite's sides train on (``train.device``, checked by ``bench_config``)."""
+    return torch.device(config.train.device)
 
 
 def meshtrain_worker(config_dict: dict, warmup: int, steps: int) -> dict:
@@ -75,4 +92,5 @@ def meshtrain_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     base = peak_memory_bytes(mesh.device)
     trainer = Trainer(config, mesh)
     tokens = config.train.global_batch * config.train.seq_len
-    return timed_run(lambda i: trainer.train_step()["loss"], warmup, steps, tokens, base)
+    return timed_run(lambda i: trainer.train_step()["loss"], warmup, steps, tokens, base,
+                     mesh.device)
