@@ -63,8 +63,6 @@ class Suite:
     options, log)`` returns its result document (then ``peer_worker`` may be None)."""
     check: Callable[[Suite, BenchOptions], None] | None = None
     """With ``run``: refuse impossible options before anything starts (raise ConfigError)."""
-    defaults: dict[str, Any] = field(default_factory=dict)
-    """Settings of this suite over :data:`BENCH_DEFAULTS`, before ``--set`` (which wins)."""
     devices: tuple[str, ...] = ("cpu",)
     """``train.device`` values both sides run (gloo between processes, so multi-process suites
     stay on the CPU; the one-process Hugging Face suites also run on ``cuda``)."""
@@ -130,8 +128,6 @@ def bench_config(suite: Suite, overrides: list[str], total_steps: int) -> tuple[
     config = Config()
     for key, value in BENCH_DEFAULTS.items():
         set_key(config, key, value, origin="bench defaults")
-    for key, value in suite.defaults.items():
-        set_key(config, key, value, origin=f"the {suite.name} suite's defaults")
     for text in overrides:
         key, value = parse_override(text)
         if key.startswith("diloco."):

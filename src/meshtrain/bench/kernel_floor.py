@@ -1,13 +1,13 @@
 """How much of each side's training step is matrix-product and attention kernels.
 
-``python -m meshtrain.bench.kernel_floor [--suite moe] [--steps 6] [--set KEY=VALUE ...]``
+``python -m meshtrain.bench.kernel_floor [--suite moe] [--steps 6] [--warmup 1] [--set KEY=VALUE]``
 builds a one-process suite's two sides in this process (meshtrain's ``Trainer`` and the peer's
 plain loop of :func:`meshtrain.bench.peers.make_step`, with the suite's shape and ``--set``),
-times ``--steps`` steps of each, alternating, then records one more step of each under a
-dispatch mode that keeps every matrix-product and attention kernel call (``mm``, ``addmm``,
-``bmm``, ``baddbmm``, ``_grouped_mm``, and the fused attention forward and backward) with copies
-of its inputs, and replays those calls alone, the two sides in turn (best of three). It prints
-one JSON line per side and one for the pair:
+times ``--steps`` steps of each, alternating, after ``--warmup`` untimed ones, then records one
+more step of each under a dispatch mode that keeps every matrix-product and attention kernel
+call (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, and the fused attention forward
+and backward) with copies of its inputs, and replays those calls alone, the two sides in turn
+(best of three). It prints one JSON line per side and one for the pair:
 
 - ``step_s``: the median step; ``kernels_s``: the replayed kernels; ``kernel_share``: their
   share of the step; ``calls``: how many there were;
@@ -16,7 +16,6 @@ one JSON line per side and one for the pair:
   close to 1, the two sides run the same products at the same rate and no framework work
   could open a larger gap.
 
-The suite's own settings apply (``moe``: bf16 unless ``--set train.precision=fp32``).
 
 Both sides run in one process, one intra-op thread (as the bench's workers do), under the
 allocator settings the process started with (``meshtrain bench`` starts its workers with
@@ -75,24 +74,25 @@ def replay_seconds(calls: list[tuple]) -> float:
     return time.perf_counter() - start
 
 
-def measure_sides(sides: dict[str, Callable[[int], object]], steps: int,
-                  replays: int = 3) -> dict[str, dict]:
-    """Time ``steps`` alternating steps of each side (after one warm-up each), record one
-    step's kernels per side, then replay them, alternating sides, ``replays`` times after one
-    warm round (the best of each side's replays is its ``kernels_s``)."""
-    for step in sides.values():
-        step(0)
+def measure_sides(sides: dict[str, Callable[[int], object]], steps: int, replays: int = 3,
+                  warmup: int = 1) -> dict[str, dict]:
+    """Time ``steps`` alternating steps of each side (after ``warmup`` untimed ones), record
+    one step's kernels per side, then replay them, alternating sides, ``replays`` times after
+    one warm round (the best of each side's replays is its ``kernels_s``)."""
+    for i in range(warmup):
+        for step in sides.values():
+            step(i)
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for i in range(steps):
+    for i in range(warmup, warmup + steps):
         for name, step in sides.items():
             start = time.perf_counter()
-            step(i + 1)
+            step(i)
             times[name].append(time.perf_counter() - start)
     calls = {}
     for name, step in sides.items():
         recorder = KernelRecorder()
         with recorder:
-            step(steps + 1)
+            step(warmup + steps)
         calls[name] = recorder.calls
     replayed: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(replays + 1):
@@ -110,7 +110,8 @@ def measure_sides(sides: dict[str, Callable[[int], object]], steps: int,
 
 
 def build_sides(suite_name: str, overrides: list[str], steps: int) -> dict[str, Callable]:
-    """meshtrain's and the peer's step functions for the one-process suite ``suite_name``."""
+    """meshtrain's and the peer's step functions for the one-process suite ``suite_name``,
+    configured for ``steps`` steps (and the recorded one)."""
     import importlib
 
     import meshtrain.bench.suites  # noqa: F401 - registers the suites
@@ -124,7 +125,7 @@ def build_sides(suite_name: str, overrides: list[str], steps: int) -> dict[str, 
     if suite_name not in PEERS:
         raise ConfigError(f'--suite "{suite_name}": kernel_floor measures one-process suites '
                           f"against a Hugging Face peer; valid: {', '.join(sorted(PEERS))}.")
-    config, _ = bench_config(SUITES[suite_name], overrides, steps + 3)
+    config, _ = bench_config(SUITES[suite_name], overrides, steps + 2)
     preload_tokens(config)
     trainer = Trainer(config, build_mesh(config))
     module, name = PEERS[suite_name].split(":")
@@ -142,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshtrain.bench.kernel_floor")
     parser.add_argument("--suite", default="moe", help=f"one of {', '.join(sorted(PEERS))}")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first, per side")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override the benchmarked shape")
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS_PER_PROCESS)
-    results = measure_sides(build_sides(args.suite, args.overrides, args.steps), args.steps)
+    sides = build_sides(args.suite, args.overrides, args.warmup + args.steps)
+    results = measure_sides(sides, args.steps, warmup=args.warmup)
     for result in results.values():
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                           for k, v in result.items() if not k.endswith("times_s")}),

@@ -26,14 +26,6 @@ from meshtrain.config import Config, ConfigError
 
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
-MOE_DEFAULTS = {"train.precision": "bf16"}
-"""The ``moe`` suite trains in bf16 unless ``--set train.precision=fp32``: MoE models are trained
-in bf16 (Mixtral, DeepSeek-V3 and Qwen-MoE alike), and with the products that cheap each side's
-routing and dispatch work is a real share of the step. meshtrain: bf16 weights and activations,
-fp32 master weights and Adam state; the peer: ``torch.autocast`` to bf16 over fp32 weights, the
-mixed precision of a PyTorch or Hugging Face user (``Trainer(bf16=True)``). In fp32 both sides
-spend 80-93 % of the step in the same products at the same rate
-(:mod:`meshtrain.bench.kernel_floor`)."""
 
 
 def configure_moe_shape(config: Config) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from meshtrain.bench.base import Suite, register_suite
 from meshtrain.bench.diloco_convergence import check_diloco, run_diloco
 from meshtrain.bench.moe_peers import (
-    MOE_DEFAULTS,
     configure_moe,
     configure_moe_ep,
     hf_mixtral_worker,
@@ -148,7 +147,7 @@ register_suite(Suite(
     description="one process: meshtrain's MoE model (8 experts top-2 in every block) vs HF "
                 "Mixtral holding the same weights",
     configure=configure_moe, meshtrain_worker=meshtrain_worker, peer_worker=hf_mixtral_worker,
-    requires=("transformers",), defaults=MOE_DEFAULTS,
+    requires=("transformers",),
     devices=HF_DEVICES, precisions=HF_PRECISIONS))
 
 register_suite(Suite(
