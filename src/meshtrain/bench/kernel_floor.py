@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = build_sides(args.suite, args.overrides, args.warmup + args.steps)
     results = measure_sides(sides, args.steps, warmup=args.warmup)
     for result in results.values():
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v
                           for k, v in result.items() if not k.endswith("times_s")}),
               flush=True)
     mt, peer = results["meshtrain"], results["peer"]
