@@ -16,7 +16,6 @@ and backward) with copies of its inputs, and replays those calls alone, the two 
   close to 1, the two sides run the same products at the same rate and no framework work
   could open a larger gap.
 
-
 Both sides run in one process, one intra-op thread (as the bench's workers do), under the
 allocator settings the process started with (``meshtrain bench`` starts its workers with
 :data:`meshtrain.host_allocator.ALLOCATOR_ENV`; set those variables to compare like with like).
