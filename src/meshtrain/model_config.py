@@ -131,6 +131,13 @@ class ModelConfig:
         return (self.moe_experts > 0 and layer >= self.moe_first_dense
                 and (layer + 1) % self.moe_every == 0)
 
+    def moe_layer_count(self, layers) -> int:
+        """How many of the block indices ``layers`` hold an MoE feed-forward (at once for a
+        dense model: the planner asks for every stage of every layout it prices)."""
+        if not self.moe_experts:
+            return 0
+        return sum(1 for layer in layers if self.is_moe_layer(layer))
+
     @property
     def first_moe_layer(self) -> int:
         """The first MoE block's index (-1 for a dense model)."""

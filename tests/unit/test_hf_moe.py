@@ -135,6 +135,7 @@ def test_qwen_moe_config_mapping_round_trips():
     config = hf_to_model_config(QWEN3_MOE)
     assert (config.moe_every, config.moe_first_dense) == (2, 2)  # layers 3 and 5 are MoE
     assert [config.is_moe_layer(i) for i in range(6)] == [False, False, False, True, False, True]
+    assert [config.moe_layer_count(r) for r in (range(6), range(3), [3, 4], [5])] == [2, 0, 1, 1]
     assert config.moe_aux_coef == pytest.approx(0.001 * 2 / 2)
     back = model_config_to_hf(config, base=QWEN3_MOE)
     assert back["mlp_only_layers"] == [0, 1] and back["architectures"] == ["Qwen3MoeForCausalLM"]

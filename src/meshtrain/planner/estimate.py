@@ -78,7 +78,7 @@ def _stage_cost(workload: Workload, layout: Layout, cluster: Cluster, layers: li
     if first:
         total.tp_comm += embedding_tp_cost(workload, layout, cluster)
     model = workload.model
-    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    moe = model.moe_layer_count(layers)
     for key, count in ((0, len(layers) - moe), (1, moe)):
         if count:
             if key not in cache:
@@ -270,8 +270,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     mfu_cap = max(floor - step, 0.0)
     step += mfu_cap
 
-    memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r])
-              for r, layers in enumerate(placement)]
+    memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r],
+                          params=params_by_stage[r]) for r, layers in enumerate(placement)]
     tokens = workload.tokens_per_step
     gpus = lay.world_size
     recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))

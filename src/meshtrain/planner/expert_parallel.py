@@ -61,5 +61,5 @@ def ep_layer_bus_bytes(workload: Workload, layout: Layout) -> float:
 
 def ep_step_bus_bytes(workload: Workload, layout: Layout, layers: list[int]) -> float:
     """``comm_bytes.ep`` per rank in one step of a stage holding ``layers``."""
-    moe = sum(1 for layer in layers if workload.model.is_moe_layer(layer))
+    moe = workload.model.moe_layer_count(layers)
     return moe * layout.microbatches * ep_layer_bus_bytes(workload, layout)

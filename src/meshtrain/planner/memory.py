@@ -95,7 +95,7 @@ def stage_params(model: ModelConfig, layers: list[int], layout: Layout, first: b
                  last: bool) -> StageParams:
     """Parameters on one rank of the stage holding ``layers``."""
     dense = expert = largest = 0.0
-    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    moe = model.moe_layer_count(layers)
     for count, layer in ((len(layers) - moe, 0), (moe, model.first_moe_layer)):
         if count:
             d, e = _layer_params(model, layer, layout.tp, layout.ep)
@@ -197,12 +197,14 @@ class RankMemory:
 
 
 def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int],
-                inflight: float, bucket_mb: float = 25.0) -> RankMemory:
+                inflight: float, bucket_mb: float = 25.0,
+                params: StageParams | None = None) -> RankMemory:
     """Memory of a rank of pipeline ``stage`` holding ``layers`` with ``inflight``
-    stage-microbatches of activations at its peak."""
+    stage-microbatches of activations at its peak (``params``: the stage's
+    :func:`stage_params`, when the caller has them)."""
     model, lay = workload.model, layout
     first, last = stage == 0, stage == lay.pp - 1
-    params = stage_params(model, layers, lay, first, last)
+    params = params or stage_params(model, layers, lay, first, last)
     grad_bytes = workload.traits.grad_reduce_bytes
     shards = lay.dp * lay.cp  # gradients reduce, and ZeRO shards, over dp × cp
     dense = model_state_bytes(params.dense, lay.zero, shards, workload.precision, grad_bytes)
@@ -211,7 +213,7 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
                                grad_bytes)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
-    moe = sum(1 for layer in layers if model.is_moe_layer(layer))
+    moe = model.moe_layer_count(layers)
     kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.first_moe_layer))
              if n]
     per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
