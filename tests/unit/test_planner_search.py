@@ -152,6 +152,7 @@ def test_plan_finds_a_pipeline_that_only_zero_3_makes_fit():
                   Cluster(PROFILES["a100-80g"], 32, 8), top=1)
     best = result.candidates[0]
     assert best["pp"] > 1 and best["zero"] == 3
+    assert best["why"].endswith("ZeRO-3 as this pipeline does not fit at ZeRO-1")
     unsharded = [r for r in result.priced if r["fits"]
                  and (r["layout"]["pp"] == 1 or r["layout"]["zero"] < 2)]
     assert best["tokens_per_s"] > max(r["tokens_per_s"] for r in unsharded)

@@ -167,7 +167,11 @@ def why(result: dict) -> str:
     if parts:
         text += "; " + ", ".join(f"{name} {share:.0%}" for share, name in parts[:3])
     headroom = result["memory_limit_gb"] - result["memory_gb_per_gpu"]
-    return f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
+    text = f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
+    lay = result["layout"]
+    if lay["pp"] > 1 and lay["zero"] >= 2:  # searched only so (price_layouts)
+        text += f"; ZeRO-{lay['zero']} as this pipeline does not fit at ZeRO-1"
+    return text
 
 
 def candidate_row(result: dict) -> dict:
