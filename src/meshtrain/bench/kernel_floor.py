@@ -38,12 +38,9 @@ KERNELS = frozenset({
     "aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm",
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_flash_attention_backward",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_efficient_attention_backward",
 })
-"""The kernels replayed: dense and grouped matrix products and fused attention."""
+"""The kernels replayed: dense and grouped matrix products and fused attention (CPU: the
+replays are timed on the host, with nothing to synchronise)."""
 
 PEERS = {"moe": "meshtrain.bench.moe_peers:build_hf_mixtral",
          "single": "meshtrain.bench.peers:build_hf_llama"}
@@ -115,7 +112,7 @@ def build_sides(suite_name: str, overrides: list[str], steps: int) -> dict[str, 
 
     import meshtrain.bench.suites  # noqa: F401 - registers the suites
     from meshtrain.bench.base import SUITES, bench_config
-    from meshtrain.bench.peers import make_step, train_data
+    from meshtrain.bench.peers import hf_logits, make_step, train_data
     from meshtrain.bench.workers import preload_tokens
     from meshtrain.config import ConfigError
     from meshtrain.training.trainer import Trainer
@@ -124,14 +121,16 @@ def build_sides(suite_name: str, overrides: list[str], steps: int) -> dict[str, 
     if suite_name not in PEERS:
         raise ConfigError(f'--suite "{suite_name}": kernel_floor measures one-process suites '
                           f"against a Hugging Face peer; valid: {', '.join(sorted(PEERS))}.")
+    if any(text.replace(" ", "").startswith("train.device=") and not text.endswith("cpu")
+           for text in overrides):
+        raise ConfigError("kernel_floor times its replays on the host, so it runs on the CPU "
+                          'only; valid: train.device = "cpu" (the default).')
     config, _ = bench_config(SUITES[suite_name], overrides, steps + 2)
     preload_tokens(config)
     trainer = Trainer(config, build_mesh(config))
     module, name = PEERS[suite_name].split(":")
     peer = getattr(importlib.import_module(module), name)(config)
-    peer_step = make_step(peer, lambda model, inputs: model(input_ids=inputs,
-                                                            use_cache=False).logits,
-                          train_data(config), config.train)
+    peer_step = make_step(peer, hf_logits, train_data(config), config.train)
     return {"meshtrain": lambda i: trainer.train_step(), "peer": peer_step}
 
 

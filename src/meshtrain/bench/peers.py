@@ -177,6 +177,11 @@ def hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     return hf_causal_lm_worker(config_dict, warmup, steps, build_hf_llama)
 
 
+def hf_logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The logits of a ``transformers`` causal LM for ``inputs`` (no KV cache)."""
+    return model(input_ids=inputs, use_cache=False).logits
+
+
 def hf_causal_lm_worker(config_dict: dict, warmup: int, steps: int, build) -> dict:
     """One process training the ``transformers`` model ``build(config)`` returns, in the plain
     loop of :func:`make_step`, on the suite's device (``train.device``)."""
@@ -188,8 +193,7 @@ def hf_causal_lm_worker(config_dict: dict, warmup: int, steps: int, build) -> di
     data = train_data(config)
     base = peak_memory_bytes(device)
     model = build(config).to(device)
-    step = make_step(model, lambda mod, inputs: mod(input_ids=inputs, use_cache=False).logits,
-                     data, config.train, device=device)
+    step = make_step(model, hf_logits, data, config.train, device=device)
     tokens = config.train.global_batch * config.train.seq_len
     return timed_run(step, warmup, steps, tokens, base, device)
 
