@@ -19,7 +19,12 @@ from meshtrain.planner.auto import BUILTIN_CPU
 from meshtrain.planner.estimate import estimate
 from meshtrain.planner.hardware import PROFILES, Cluster
 from meshtrain.planner.overlap import OVERLAP_AXES, bucketed_exposed, zero3_exposed
-from meshtrain.planner.workload import MEGATRON_2021, MESHTRAIN, Workload
+from meshtrain.planner.workload import (
+    MEGATRON_2021,
+    MEGATRON_2021_TORCH_DDP,
+    MESHTRAIN,
+    Workload,
+)
 
 
 class CommQueue:
@@ -134,3 +139,25 @@ def test_zero2_hides_behind_every_micro_batch_zero1_behind_the_last_only():
     zero2 = _llama_8b_fsdp("h100-80g", zero=2, microbatches=8)["overlap"]["dp"]
     assert zero2["total_s"] > 4 * zero1["total_s"]
     assert zero2["overlapped_s"] > 4 * zero1["overlapped_s"]
+
+
+def test_megatron_torch_ddp_reduces_every_micro_batch_under_a_pipeline_only():
+    """Megatron-LM's pipeline schedules never enter DDP's ``no_sync``: with a pipeline, its
+    torch-DDP stack reduces the gradients once per micro-batch; without one, once per step (its
+    no-pipeline schedule does use ``no_sync``), as its local-DDP stack always does."""
+    model = ModelConfig(vocab_size=51200, dim=4096, n_layers=32, n_heads=32, ffn_dim=16384,
+                        mlp="gelu")
+    cluster = Cluster(PROFILES["a100-80g"], 64, 8)
+
+    def dp_total(traits, pp, microbatches):
+        layout = Layout(dp=64 // (2 * pp), tp=2, pp=pp, microbatches=microbatches,
+                        activation_checkpointing="full")
+        return estimate(Workload(model, 2048, 512, "bf16", traits), layout,
+                        cluster)["overlap"]["dp"]["total_s"]
+
+    pipelined = [dp_total(MEGATRON_2021_TORCH_DDP, 4, m) for m in (8, 16)]
+    assert pipelined[1] == pytest.approx(2 * pipelined[0], rel=1e-9)
+    flat = [dp_total(MEGATRON_2021_TORCH_DDP, 1, m) for m in (8, 16)]
+    assert flat[1] == pytest.approx(flat[0], rel=1e-9)
+    local = [dp_total(MEGATRON_2021, 4, m) for m in (8, 16)]
+    assert local[1] == pytest.approx(local[0], rel=1e-9)

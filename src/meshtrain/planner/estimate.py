@@ -155,9 +155,12 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
                                                    traits.grad_reduce_bytes == 4)
 
         if lay.zero in (0, 1):  # reduced during the last micro-batch's backward only
-            hidden = reduce("all_reduce" if lay.zero == 0 else "reduce_scatter", grads)
+            one = reduce("all_reduce" if lay.zero == 0 else "reduce_scatter", grads)
+            times = (m if lay.zero == 0 and lay.pp > 1
+                     and traits.pipeline_reduces_every_microbatch else 1)
+            hidden = times * one
             tail = t("all_gather", weights) if lay.zero == 1 else 0.0
-            hidden_exposed = bucketed_exposed(hidden, backward, buckets)
+            hidden_exposed = times * bucketed_exposed(one, backward, buckets)
         elif lay.zero == 2:  # reduce-scattered during every micro-batch's backward
             one = t("reduce_scatter", grads)
             hidden, tail = m * one, t("all_gather", weights)

@@ -58,6 +58,12 @@ class RuntimeTraits:
     unit per block (FSDP2 wrapping each block, as torchtitan does)."""
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, §4.1)."""
+    pipeline_reduces_every_microbatch: bool = False
+    """Under a pipeline, unsharded data parallelism reduces the gradients during every
+    micro-batch's backward instead of only the last one's: Megatron-LM's pipeline schedules
+    (``megatron/schedules.py``, ``forward_backward_pipelining_*``) never enter PyTorch DDP's
+    ``no_sync``, which only its schedule without a pipeline uses. False: reduced once per step
+    (meshtrain; Megatron-LM's local DDP all-reduces once, after the schedule)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element, held and on the wire: meshtrain accumulates and reduces in
     fp32 (4) unless ``parallel.grad_reduce_dtype = bf16`` (2)."""
@@ -109,11 +115,13 @@ MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatte
 data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
 recompute only, equal layer counts per stage; its A100 GEMM efficiency fitted on Narayanan's
 Table 1 (no H100 entry: the stack predates the H100, which falls back to the profile)."""
-MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2)
+MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2,
+                                              pipeline_reduces_every_microbatch=True)
 """Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
 reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
 ``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
-run under ``no_sync``, ``megatron/schedules.py``), in the fp16 parameters' dtype: bf16 turns on
+run under ``no_sync``, ``megatron/schedules.py``; with a pipeline, whose schedules do not use
+``no_sync``, during every micro-batch's backward), in the fp16 parameters' dtype: bf16 turns on
 fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
 do accumulation and all-reduces in fp32, we need to have local DDP")."""
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
