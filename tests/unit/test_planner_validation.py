@@ -227,3 +227,25 @@ def test_planner_doc_states_the_current_report_accuracy():
     mean, worst = summary([evaluate(row) for row in published_rows()], "report")
     words = f"mean absolute error {100 * mean:.1f} %, worst {100 * worst:.1f} %"
     assert words in " ".join(_planner_doc().split()), words
+
+
+def _doc_words(result: dict) -> str:
+    """How docs/planner.md writes one row's prediction and error."""
+    error = f"{100 * result['error']:+.1f} %".replace("-", "−")
+    predicted, metric = result["predicted"], result["metric"]
+    if metric == "hardware_tflops_per_gpu":
+        return f"| {predicted:.1f} | {error} |"
+    if metric == "step_time_s":
+        return f"| {predicted:.2f} s | {error} |"
+    if metric == "memory_gb_per_gpu":
+        return f"{predicted:.1f} GB ({error})"
+    if "FSDP 8 " in result["name"]:  # torchtitan's H100 row, in prose
+        return f"{predicted / 8:,.0f} tokens/s per GPU ({error}"
+    return f"| {predicted / 64:,.0f} | {error} |"
+
+
+def test_planner_doc_quotes_every_rows_current_prediction_and_error():
+    doc = " ".join(_planner_doc().split())
+    missing = [(r["name"], _doc_words(r)) for r in map(evaluate, published_rows())
+               if _doc_words(r) not in doc]
+    assert not missing, missing
