@@ -154,6 +154,10 @@ def test_estimate_prices_the_stack_it_is_given(meshtrain):
     by_stack = {}
     for stack in STACKS:
         run = meshtrain(*args, "--stack", stack)
+        if stack.startswith("megatron"):  # no ZeRO-3 (nor, in 2021, selective recompute)
+            assert run.returncode == 2 and "parallel.zero = 3" in " ".join(run.stderr.split())
+            run = meshtrain(*args, "--stack", stack, "--set", "parallel.zero=0",
+                            "--set", "parallel.activation_checkpointing=full")
         assert run.returncode == 0, run.stderr
         by_stack[stack] = json.loads(run.stdout)
         assert by_stack[stack]["stack"] == stack
@@ -168,3 +172,45 @@ def test_estimate_prices_the_stack_it_is_given(meshtrain):
     add_hardware_options(parser, gpus_required=False)
     choices = next(a.choices for a in parser._actions if a.dest == "stack")
     assert tuple(choices) == tuple(STACKS)  # every stack is offered, and nothing else
+
+
+def test_estimate_refuses_a_layout_its_stack_cannot_run(meshtrain):
+    """Megatron-LM 2021 had no ZeRO, no context or sequence parallelism, no selective
+    recompute, equal layers per stage and interleaving only beyond two stages: ``estimate
+    --stack megatron-2021`` refuses each, naming what the stack offers."""
+    args = ["estimate", "--model", "gpt3-175b", "--hardware", "a100-80g", "--stack",
+            "megatron-2021", "--set", "parallel.tp=8", "--set", "parallel.microbatches=8"]
+    refusals = {
+        ("parallel.zero=1", "parallel.pp=2"): "ZeRO stages it offers: 0",
+        ("parallel.cp=2", "parallel.pp=2"): "no context parallelism",
+        ("parallel.sequence_parallel=true", "parallel.pp=2"): "no sequence parallelism",
+        ("parallel.activation_checkpointing=selective", "parallel.pp=2"): "it offers none, full",
+        ("parallel.pp=2", "parallel.pp_schedule=zb-h1"): "it offers 1f1b, interleaved-1f1b",
+        ("parallel.pp=5",): "stages must divide the layer count",
+        ("parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b",
+         "parallel.virtual_stages=2"): "only with pp > 2",
+    }
+    for overrides, words in refusals.items():
+        sets = [item for key in overrides for item in ("--set", key)]
+        run = meshtrain(*args, *sets)
+        message = " ".join(run.stderr.split())  # the message is wrapped for the terminal
+        assert run.returncode == 2 and words in message, (overrides, message)
+        assert "--stack megatron-2021 cannot run this layout" in message
+    run = meshtrain(*args, "--set", "parallel.pp=4", "--set", "parallel.pp_schedule="
+                    "interleaved-1f1b", "--set", "parallel.virtual_stages=3", "--json")
+    assert run.returncode == 0, run.stderr  # 96 layers = 4 stages x 3 chunks x 8 layers
+
+
+def test_every_layout_plan_searches_for_a_stack_is_one_it_can_run():
+    from meshtrain.planner.hardware import PROFILES, Cluster
+    from meshtrain.planner.presets import preset_config
+    from meshtrain.planner.search import enumerate_layouts
+    from meshtrain.planner.workload import STACKS, Workload, check_stack_offers
+
+    config = preset_config("gpt3-175b")
+    for name, traits in STACKS.items():
+        work = Workload.from_config(config, traits)
+        layouts = enumerate_layouts(work, Cluster(PROFILES["a100-80g"], 64, 8))
+        assert layouts
+        for layout in layouts:
+            check_stack_offers(work, layout, name)

@@ -105,7 +105,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshtrain.planner.estimate import estimate
     from meshtrain.planner.hardware import load_profile
     from meshtrain.planner.report import format_estimate
-    from meshtrain.planner.workload import STACKS, Workload
+    from meshtrain.planner.workload import STACKS, Workload, check_stack_offers
 
     model = getattr(args, "model", None)
     if model:
@@ -147,6 +147,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     profile = load_profile(args.hardware)
     cluster = cluster_from_args(args, profile, gpus)
     work = Workload.from_config(config, STACKS[args.stack])
+    check_stack_offers(work, layout, args.stack)
     if par.replicas > 1:
         from meshtrain.planner.diloco_cost import ReplicaSettings, estimate_replicated
 

@@ -290,6 +290,39 @@ def check_layout(workload: Workload, layout: Layout) -> None:
         check_context_parallel(workload, lay)
 
 
+def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:
+    """Raise :class:`ConfigError` when ``layout`` uses what the runtime ``stack`` (a
+    :data:`STACKS` name, ``workload.traits``) does not offer, naming what it does: the layouts
+    ``plan`` searches for that stack are exactly the ones this accepts."""
+    traits, lay, n_layers = workload.traits, layout, workload.model.n_layers
+    problems = []
+    if lay.zero not in traits.zero_stages:
+        problems.append(f"parallel.zero = {lay.zero} (ZeRO stages it offers: "
+                        f"{', '.join(map(str, traits.zero_stages))})")
+    if lay.cp > 1 and not traits.context_parallel:
+        problems.append(f"parallel.cp = {lay.cp} (it has no context parallelism: cp = 1)")
+    if lay.sequence_parallel and not traits.sequence_parallel:
+        problems.append("parallel.sequence_parallel = true (it has no sequence parallelism)")
+    if lay.activation_checkpointing not in traits.checkpointing:
+        problems.append(f'parallel.activation_checkpointing = "{lay.activation_checkpointing}" '
+                        f"(it offers {', '.join(traits.checkpointing)})")
+    if lay.pp > 1 and lay.pp_schedule not in traits.pp_schedules:
+        problems.append(f'parallel.pp_schedule = "{lay.pp_schedule}" '
+                        f"(it offers {', '.join(traits.pp_schedules)})")
+    if traits.uniform_pipeline_stages and lay.pp > 1 and not lay.pp_split:
+        stages = lay.pp * lay.chunks_per_rank
+        if n_layers % stages:
+            problems.append(f"pp × chunks per rank = {stages} stages for {n_layers} layers (it "
+                            "gives every stage as many layers: the stages must divide the "
+                            "layer count)")
+        if lay.pp_schedule == "interleaved-1f1b" and lay.chunks_per_rank > 1 and lay.pp <= 2:
+            problems.append(f"interleaved-1f1b with parallel.pp = {lay.pp} (it interleaves "
+                            "only with pp > 2)")
+    if problems:
+        raise ConfigError(f"--stack {stack} cannot run this layout: " + "; ".join(problems)
+                          + ".")
+
+
 def check_context_parallel(workload: Workload, layout: Layout) -> None:
     """Raise :class:`ConfigError` (naming the valid degrees) when ``layout.cp`` cannot split
     ``workload``'s sequences: the runtime's own check,
