@@ -154,7 +154,8 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
                                                    traits.grad_reduce_bytes == 4)
 
-        if lay.zero in (0, 1):  # reduced during the last micro-batch's backward only
+        if lay.zero in (0, 1):  # reduced during the last micro-batch's backward only (a
+            # pipeline under Megatron-LM's torch DDP: during every micro-batch's)
             one = reduce("all_reduce" if lay.zero == 0 else "reduce_scatter", grads)
             times = (m if lay.zero == 0 and lay.pp > 1
                      and traits.pipeline_reduces_every_microbatch else 1)

@@ -292,8 +292,8 @@ def check_layout(workload: Workload, layout: Layout) -> None:
 
 def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:
     """Raise :class:`ConfigError` when ``layout`` uses what the runtime ``stack`` (a
-    :data:`STACKS` name, ``workload.traits``) does not offer, naming what it does: the layouts
-    ``plan`` searches for that stack are exactly the ones this accepts."""
+    :data:`STACKS` name, ``workload.traits``) does not offer, naming what it does. Every
+    layout ``plan`` searches for that stack passes."""
     traits, lay, n_layers = workload.traits, layout, workload.model.n_layers
     problems = []
     if lay.zero not in traits.zero_stages:
