@@ -121,3 +121,25 @@ def test_zero3_units_are_priced_as_the_runtime_splits_them(bucket_mb):
                                                              bucket_mb * 2**20, 4)]
     assert planned == runtime
     assert len(runtime) == {100.0: 2, 25.0: 4, 8.0: 14}[bucket_mb]
+
+
+def test_pytorch_ddp_holds_a_bucket_copy_of_the_gradients_with_data_parallelism_only():
+    """Megatron-LM 2021 under PyTorch DDP (no ``gradient_as_bucket_view``) keeps its fp16
+    gradients twice, as ``.grad`` and in DDP's buckets; its local DDP reduces in place."""
+    from meshtrain.planner.estimate import estimate
+    from meshtrain.planner.workload import MEGATRON_2021_TORCH_DDP
+
+    model = ModelConfig(vocab_size=51200, dim=4096, n_layers=32, n_heads=32, ffn_dim=16384,
+                        mlp="gelu")
+    in_place = dataclasses.replace(MEGATRON_2021_TORCH_DDP, ddp_bucket_copy=False)
+
+    def stage0(traits, dp):
+        layout = Layout(dp=dp, tp=2, activation_checkpointing="full")
+        result = estimate(Workload(model, 2048, 8 * dp, "bf16", traits), layout,
+                          Cluster(PROFILES["a100-80g"], 2 * dp, 8))
+        return result["per_rank"][0]
+
+    torch_ddp, local = stage0(MEGATRON_2021_TORCH_DDP, 4), stage0(in_place, 4)
+    assert torch_ddp["buffer_bytes"] - local["buffer_bytes"] == pytest.approx(
+        torch_ddp["grad_bytes"], rel=1e-9)
+    assert stage0(MEGATRON_2021_TORCH_DDP, 1) == stage0(in_place, 1)  # no DDP, no buckets

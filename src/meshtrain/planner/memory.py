@@ -236,6 +236,8 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     else:
         buffers = sum(grad_reduce_transient_bytes(workload, lay.zero, n, count, bucket_mb)
                       for count, n in ((params.dense, shards), (params.expert, expert_shards)))
+        if lay.zero == 0 and workload.traits.ddp_bucket_copy and shards > 1:
+            buffers += (params.dense + params.expert) * grad_bytes
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
 
 

@@ -64,6 +64,11 @@ class RuntimeTraits:
     (``megatron/schedules.py``, ``forward_backward_pipelining_*``) never enter PyTorch DDP's
     ``no_sync``, which only its schedule without a pipeline uses. False: reduced once per step
     (meshtrain; Megatron-LM's local DDP all-reduces once, after the schedule)."""
+    ddp_bucket_copy: bool = False
+    """Unsharded data parallelism reduces through buckets that copy the gradients, a second
+    gradient-sized buffer: PyTorch DDP without ``gradient_as_bucket_view``, as Megatron-LM
+    wrapped it. False: gradients are reduced in place (meshtrain's flat buffers, Megatron-LM's
+    local DDP)."""
     grad_reduce_bytes: int = 4
     """Bytes per gradient element, held and on the wire: meshtrain accumulates and reduces in
     fp32 (4) unless ``parallel.grad_reduce_dtype = bf16`` (2)."""
@@ -116,12 +121,14 @@ data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism
 recompute only, equal layer counts per stage; its A100 GEMM efficiency fitted on Narayanan's
 Table 1 (no H100 entry: the stack predates the H100, which falls back to the profile)."""
 MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2,
-                                              pipeline_reduces_every_microbatch=True)
+                                              pipeline_reduces_every_microbatch=True,
+                                              ddp_bucket_copy=True)
 """Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
 reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
 ``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
 run under ``no_sync``, ``megatron/schedules.py``; with a pipeline, whose schedules do not use
-``no_sync``, during every micro-batch's backward), in the fp16 parameters' dtype: bf16 turns on
+``no_sync``, during every micro-batch's backward) through its own copy of the gradients, in
+the fp16 parameters' dtype: bf16 turns on
 fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
 do accumulation and all-reduces in fp32, we need to have local DDP")."""
 MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
