@@ -114,15 +114,16 @@ def build_sides(suite_name: str, overrides: list[str], steps: int) -> dict[str, 
     from meshtrain.bench.base import SUITES, bench_config
     from meshtrain.bench.peers import hf_logits, make_step, train_data
     from meshtrain.bench.workers import preload_tokens
-    from meshtrain.config import ConfigError
+    from meshtrain.config import ConfigError, parse_override
     from meshtrain.training.trainer import Trainer
     from meshtrain.worker import build_mesh
 
     if suite_name not in PEERS:
         raise ConfigError(f'--suite "{suite_name}": kernel_floor measures one-process suites '
                           f"against a Hugging Face peer; valid: {', '.join(sorted(PEERS))}.")
-    if any(text.replace(" ", "").startswith("train.device=") and not text.endswith("cpu")
-           for text in overrides):
+    devices = [value.strip("\"'") for key, value in map(parse_override, overrides)
+               if key == "train.device"]
+    if any(device != "cpu" for device in devices):
         raise ConfigError("kernel_floor times its replays on the host, so it runs on the CPU "
                           'only; valid: train.device = "cpu" (the default).')
     config, _ = bench_config(SUITES[suite_name], overrides, steps + 2)
