@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace, run_dir: str):
     """The validated one-process meshtrain :class:`~meshtrain.config.Config` of the run."""
     from meshtrain.config import Config, parse_override, set_key
-    from meshtrain.validation import validate_config
+    from meshtrain.validation.run_config import validate_config
 
     config = Config()
     values = {**COMMON, **(SHAPE_TINY if args.tiny else SHAPE_1B),
@@ -114,8 +114,8 @@ def measure(args: argparse.Namespace) -> dict:
     """Train ``warmup + steps`` steps and return the JSON document."""
     import torch
 
-    from meshtrain.mesh import ParallelMesh
     from meshtrain.model import count_parameters, flops_per_token
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.metrics import peak_memory_bytes
     from meshtrain.training.trainer import Trainer
 

@@ -1,7 +1,8 @@
 """The multi-process test harness: ``run_distributed(world_size, fn, *args)`` on gloo ranks.
 
 Every multi-process test runs its ranks through :func:`run_distributed` here. It runs them as
-:func:`meshtrain.distributed_run.run_distributed` does (spawned workers, gloo on a free loopback
+:func:`meshtrain.host.local_processes.run_distributed` does (spawned workers, gloo on a free
+loopback
 port, one intra-op thread each, a timeout), but with ``MESHTRAIN_REUSE_WORKERS=1`` (which
 ``tests/conftest.py`` sets) it reuses a :class:`WorkerPool` across tests: spawning a worker costs
 an interpreter start and a ``torch`` import, seconds each on a busy 2-core machine, and that
@@ -23,8 +24,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import meshtrain.distributed_run as meshtrain_workers
-from meshtrain.distributed_run import WorkerError, collect_results, free_port, join_local_group
+import meshtrain.host.local_processes as meshtrain_workers
+from meshtrain.host.local_processes import WorkerError, collect_results, free_port, join_local_group
 
 REUSE_ENV = "MESHTRAIN_REUSE_WORKERS"
 """``1``: pool the workers (the suite's default, set in ``tests/conftest.py``)."""
@@ -194,7 +195,7 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
 
 
 def use_pool_for_meshtrain_commands() -> None:
-    """Make :func:`meshtrain.distributed_run.run_distributed` this module's
+    """Make :func:`meshtrain.host.local_processes.run_distributed` this module's
     :func:`run_distributed`, so commands run in the test process reuse the pool too (the
     package's callers import it when they run, so they all see the replacement)."""
     meshtrain_workers.run_distributed = run_distributed

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from meshtrain.config import Config, load_config
-from meshtrain.validation import validate_config
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from meshtrain.config import Config, config_from_dict, load_config
+from meshtrain.validation.run_config import validate_config
 
 
 def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None = None) -> Config:
@@ -23,15 +28,15 @@ def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None =
 def train_many(config_dicts: list[dict], steps: int) -> list[list[dict]]:
     """Run several configs one after another in one spawned world (saves start-up time);
     returns each config's metric records (rank 0's; other ranks return empty lists)."""
-    from meshtrain.verify import train_steps
+    from meshtrain.commands.verify import train_steps
 
     return [train_steps(c, steps) for c in config_dicts]
 
 
 def assert_matches_one_process(records: list[dict], config: Config, steps: int) -> None:
     """Assert a layout's per-step records (losses, gradient norms) match ``config``'s
-    one-process reference run within meshtrain.verify's fp32 tolerances."""
-    from meshtrain.verify import (
+    one-process reference run within meshtrain.commands.verify's fp32 tolerances."""
+    from meshtrain.commands.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
         compare,
@@ -47,7 +52,8 @@ def assert_matches_one_process(records: list[dict], config: Config, steps: int) 
 def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int,
                                      timeout: float = 900) -> list[list[dict]]:
     """Train each config on ``world`` processes and assert its losses and gradient norms match
-    its one-process reference within meshtrain.verify's fp32 tolerances; returns the records."""
+    its one-process reference within meshtrain.commands.verify's fp32 tolerances; returns the
+    records."""
     from tests.distributed import run_distributed
 
     results = run_distributed(world, train_many, [c.to_dict() for c in cases], steps,
@@ -90,10 +96,10 @@ def adjacent_communication(compute: list, stage_to_rank: list[int]) -> list:
 def build_trainer(config_dict: dict):
     """A :class:`~meshtrain.training.trainer.Trainer` of ``config_dict`` on this process's mesh
     (call inside a worker of :func:`tests.distributed.run_distributed`, or alone)."""
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     return Trainer(config, build_mesh(config))
 
 
@@ -107,3 +113,17 @@ def train_and_save(config_dict: dict, steps: int, final: bool = False) -> list[f
     if final:
         trainer.save_final()
     return losses
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The standalone measurement script ``benchmarks/<name>.py``, imported as a module."""
+    key = f"meshtrain_benchmarks_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]

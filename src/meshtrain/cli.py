@@ -2,7 +2,8 @@
 
 Exit statuses: 0 done; 2 a config or usage error (one paragraph on stderr, no traceback);
 1 a failure during the run; 75 ``meshtrain train`` stopped by SIGTERM/SIGUSR1 after saving a
-checkpoint (:mod:`meshtrain.preemption`), 128 + signal when a second signal stopped it at once.
+checkpoint (:mod:`meshtrain.training.preemption`), 128 + signal when a second signal stopped it at
+once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, default_config_path, load_config
-from meshtrain.validation import validate_config
+from meshtrain.validation.run_config import validate_config
 
 
 def _replicas_note(par) -> str:
@@ -117,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "warm-up fills this one's drain), so only idle inside each rank's "
                           "busy span is slack")
     _add_convert_parser(sub)
-    from meshtrain.lighthouse import add_lighthouse_options
+    from meshtrain.commands.lighthouse import add_lighthouse_options
 
     add_lighthouse_options(sub.add_parser(
         "lighthouse", help="serve the torchft lighthouse that fault-tolerant replica groups "
@@ -142,8 +143,8 @@ def _add_convert_parser(sub) -> None:
 
 
 def _add_planner_parsers(sub) -> None:
-    """``estimate``, ``plan`` and ``calibrate`` (options in :mod:`meshtrain.planner.commands`)."""
-    from meshtrain.planner.commands import (
+    """``estimate``, ``plan`` and ``calibrate`` (options in :mod:`meshtrain.commands.planner`)."""
+    from meshtrain.commands.planner import (
         add_calibrate_options,
         add_estimate_options,
         add_hardware_options,
@@ -185,27 +186,27 @@ def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[
         config.train.max_restarts = args.max_restarts
     nproc = args.nproc
     if in_job:
-        from meshtrain.launch import job_world_size
+        from meshtrain.run.launch import job_world_size
 
         if nproc is not None and nproc != job_world_size():
             raise ConfigError(f"--nproc {nproc} does not match the {job_world_size()} processes "
                               f"that torchrun/SLURM started; drop --nproc under torchrun/srun.")
         nproc = job_world_size()
-    if config.parallel.elastic:  # re-plan when the world changed (meshtrain.elastic)
-        from meshtrain.elastic import adapt, start_world
-        from meshtrain.launch import job_rank
+    if config.parallel.elastic:  # re-plan when the world changed (meshtrain.replan.elastic)
+        from meshtrain.replan.elastic import adapt, start_world
+        from meshtrain.run.launch import job_rank
 
         nproc = start_world(config, nproc)
         adapt(config, nproc, in_job, verbose=job_rank() == 0)
-    elif config.parallel.auto:  # the planner picks the layout (meshtrain.planner.auto)
-        from meshtrain.planner.auto import choose_layout
+    elif config.parallel.auto:  # the planner picks the layout (meshtrain.replan.auto)
+        from meshtrain.replan.auto import choose_layout
 
         nproc = choose_layout(config, nproc, in_job)
-    from meshtrain.replan import apply_saved, validate_replan
+    from meshtrain.replan.on_measurement import apply_saved, validate_replan
 
     validate_replan(config)
     if in_job and config.parallel.replan_every:  # torchrun restarted this worker after a replan
-        from meshtrain.launch import job_rank
+        from meshtrain.run.launch import job_rank
 
         apply_saved(config, nproc, verbose=job_rank() == 0)
     world = validate_config(config, nproc)
@@ -220,7 +221,7 @@ def requested_device(args: argparse.Namespace) -> str:
 
 def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
     """``(train.device, parallel.zero)`` of a train-like command (what its host allocator
-    settings depend on, :func:`meshtrain.host_allocator.allocator_env`), read before anything
+    settings depend on, :func:`meshtrain.host.allocator.allocator_env`), read before anything
     imports torch."""
     path = args.config if args.config else default_config_path()
     config = load_config(path, args.overrides)
@@ -229,11 +230,11 @@ def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``meshtrain train``."""
-    from meshtrain.launch import in_existing_job, job_rank, launch, write_run_config
-    from meshtrain.preflight import check_before_launch
+    from meshtrain.run.launch import in_existing_job, job_rank, launch, write_run_config
+    from meshtrain.validation.preflight import check_before_launch
 
     if args.dry_run or args.world is not None or args.rank is not None:
-        from meshtrain import dry_run  # one rank's objects on meta; nothing is launched
+        from meshtrain.commands import dry_run  # one rank's objects on meta; nothing is launched
 
         dry_run.check_args(args)
         config, world = resolve_run_config(args)
@@ -259,7 +260,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``meshtrain verify``: exit 0 when the layout matches one process, 1 when it does not."""
-    from meshtrain.verify import format_report, to_json, verify
+    from meshtrain.commands.verify import format_report, to_json, verify
 
     steps_given = args.steps
     config, world = resolve_run_config(args)
@@ -271,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``meshtrain generate``."""
-    from meshtrain.generate import generate, load_for_generation
+    from meshtrain.commands.generate import generate, load_for_generation
 
     model, tokenizer, _ = load_for_generation(args.checkpoint)
     text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
@@ -284,7 +285,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``meshtrain bench``."""
     import json
 
-    from meshtrain.bench import BenchOptions, format_table, run_bench
+    from meshtrain.commands.bench import BenchOptions, format_table, run_bench
 
     try:
         procs = tuple(int(n) for n in args.procs.split(",") if n.strip())
@@ -301,21 +302,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """``meshtrain estimate``."""
-    from meshtrain.planner.commands import run_estimate
+    from meshtrain.commands.planner import run_estimate
 
     return run_estimate(args)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``meshtrain plan``."""
-    from meshtrain.planner.commands import run_plan
+    from meshtrain.commands.planner import run_plan
 
     return run_plan(args)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``meshtrain calibrate``."""
-    from meshtrain.planner.commands import run_calibrate
+    from meshtrain.commands.planner import run_calibrate
 
     return run_calibrate(args)
 
@@ -331,7 +332,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     v = args.virtual_stages if args.virtual_stages is not None else \
         default_virtual_stages(args.schedule)
     from meshtrain.parallel.pipeline.simulator import StageTimes, simulate
-    from meshtrain.planner.energy_schedule import format_energy_schedule, simulate_energy
+    from meshtrain.planner.energy.schedule import format_energy_schedule, simulate_energy
 
     schedule, result, report = simulate_named(args.schedule, args.pp, args.microbatches, v,
                                               parse_times(args.times), args.comm)
@@ -360,7 +361,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """``meshtrain convert --from-hf HF_DIR | --to-hf DIR --out DIR``."""
-    from meshtrain.checkpoint.hf import convert_from_hf, convert_to_hf, parse_dtype
+    from meshtrain.checkpoint.hf.io import convert_from_hf, convert_to_hf, parse_dtype
 
     dtype = parse_dtype(args.dtype) if args.dtype else None
     if args.from_hf:
@@ -385,8 +386,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_lighthouse(args: argparse.Namespace) -> int:
-    """``meshtrain lighthouse``: see :mod:`meshtrain.lighthouse`."""
-    from meshtrain.lighthouse import serve
+    """``meshtrain lighthouse``: see :mod:`meshtrain.commands.lighthouse`."""
+    from meshtrain.commands.lighthouse import serve
 
     return serve(args)
 
@@ -401,12 +402,12 @@ COMMANDS = {"lighthouse": cmd_lighthouse, "prepare": cmd_prepare, "train": cmd_t
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     from meshtrain.errors import RunFailure
-    from meshtrain.launch import LaunchError
+    from meshtrain.run.launch import LaunchError
 
     args = build_parser().parse_args(argv)
     try:
         if argv is None and args.command == "train":  # the real command line, not a test's call
-            from meshtrain.host_allocator import reexec_with_allocator_env
+            from meshtrain.host.allocator import reexec_with_allocator_env
 
             reexec_with_allocator_env(*requested_allocator_job(args))
         status = COMMANDS[args.command](args)
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         # or torchrun task, a one-process run): leave as a spawned worker does, past the
         # interpreter's finalisation that can abort a run that finished. A command that never
         # imported torch (help, estimate, plan) ran none and exits normally.
-        from meshtrain.worker import leave_process
+        from meshtrain.run.worker import leave_process
 
         leave_process(status)
     return status

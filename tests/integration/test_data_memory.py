@@ -1,6 +1,7 @@
 """A rank's memory does not grow with the corpus: training data is read through memory maps.
 
-Measured from outside (the kernel's VmHWM of every worker, see :mod:`meshtrain.bench.memory_peak`):
+Measured from outside (the kernel's VmHWM of every worker, see
+:mod:`meshtrain.commands.bench.memory_peak`):
 dp 2, a tiny model, a 512 MiB pre-tokenized ``.bin`` corpus against a 1 MiB one. Each worker's
 peak may be at most 96 MiB above the small corpus's run (the bound of the data-at-scale issue).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshtrain.bench.memory_peak import RUN, TINY_MODEL, measure_train_peaks
+from meshtrain.commands.bench.memory_peak import RUN, TINY_MODEL, measure_train_peaks
 
 MIB = 2**20
 

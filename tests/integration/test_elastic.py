@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main
-from meshtrain.launch import free_port
+from meshtrain.run.launch import free_port
 
 STEPS = 12
 ARGS = ["--steps", str(STEPS), "--set", "model.dim=32", "--set", "model.n_layers=2",

@@ -12,7 +12,7 @@ For each family a tiny random ``transformers`` model (:mod:`tests.hf_families`) 
   each other for these random weights, and a flipped choice would move a logit by far more;
 - ``convert --to-hf`` gives back every tensor bit for bit, and the same config;
 - training from the converted weights at tp2 x pp2 (Qwen2.5 also with sequence parallelism)
-  gives the one-process losses and gradient norms within meshtrain.verify's fp32 tolerances
+  gives the one-process losses and gradient norms within meshtrain.commands.verify's fp32 tolerances
   (2e-4 on the loss, 1e-3 relative on the norm: tensor parallelism sums the matmuls' partial
   products in another order, so the results differ by fp32 rounding, not more);
 - under tp2 each rank holds exactly its columns' slice of every bias, and the QK-norm weight
@@ -32,18 +32,18 @@ import torch
 pytest.importorskip("transformers")
 
 from meshtrain.checkpoint import iter_weights, weights_config  # noqa: E402
-from meshtrain.checkpoint.hf_config import hf_to_model_config  # noqa: E402
+from meshtrain.checkpoint.hf.config import hf_to_model_config  # noqa: E402
 from meshtrain.checkpoint.safetensors_io import TensorReader  # noqa: E402
 from meshtrain.cli import main  # noqa: E402
-from meshtrain.config import CheckpointConfig, Config, load_config  # noqa: E402
-from meshtrain.model import build_model  # noqa: E402
-from meshtrain.validation import validate_config  # noqa: E402
-from meshtrain.verify import (  # noqa: E402
+from meshtrain.commands.verify import (  # noqa: E402
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
 )
+from meshtrain.config import CheckpointConfig, Config, config_from_dict, load_config  # noqa: E402
+from meshtrain.model import build_model  # noqa: E402
+from meshtrain.validation.run_config import validate_config  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.hf_families import (  # noqa: E402
     CONTEXT,
@@ -136,10 +136,10 @@ def _train_config(mesh_dir, run_dir, *overrides: str) -> Config:
 def _restored_trainer(config_dict: dict):
     """This rank's trainer for ``config_dict``, started from its ``checkpoint.init_from``
     weights as ``meshtrain train`` starts."""
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     trainer.restore()
     return trainer

@@ -10,7 +10,8 @@ dense ones, that meshtrain's logits equal ``transformers``' to 1e-5 relative (fp
   other ``moe_norm_topk``, or the shared expert without its gate, moves the logits by far more
   than the tolerance;
 - training from the converted weights at dp2 x ep2 (ZeRO-1; each rank holds 2 of the 4 experts)
-  gives the one-process losses and gradient norms within meshtrain.verify's fp32 tolerances, the
+  gives the one-process losses and gradient norms within meshtrain.commands.verify's fp32
+  tolerances, the
   gradient reaches the shared-expert gate, and the training checkpoint converts to a Hugging Face
   model whose ``transformers`` logits equal meshtrain's on the checkpoint's weights (1e-5
   relative: the same computation in another order of fp32 operations), every expert in its place;
@@ -28,13 +29,13 @@ pytest.importorskip("transformers")
 
 from meshtrain.checkpoint import iter_weights, read_checkpoint_tensors, weights_config  # noqa: E402
 from meshtrain.cli import main  # noqa: E402
-from meshtrain.model import build_model  # noqa: E402
-from meshtrain.verify import (  # noqa: E402
+from meshtrain.commands.verify import (  # noqa: E402
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
 )
+from meshtrain.model import build_model  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.hf_families import CONTEXT, MOE_FAMILIES, VOCAB, hf_logits, make_hf_model  # noqa: E402
 from tests.integration.test_hf_families import (  # noqa: E402

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from meshtrain.bench.memory_peak import (
+from meshtrain.commands.bench.memory_peak import (
     LARGE_MODEL,
     RUN,
     TINY_MODEL,
@@ -26,10 +26,11 @@ from meshtrain.bench.memory_peak import (
     measure_train_peaks,
 )
 from meshtrain.config import load_config
-from meshtrain.planner.estimate import estimate
-from meshtrain.planner.hardware import PROFILES, Cluster
-from meshtrain.planner.workload import Workload
-from meshtrain.training.tokenizer import tokenizer_vocab_size
+from meshtrain.data.tokenizer import tokenizer_vocab_size
+from meshtrain.planner.cost.estimate import estimate
+from meshtrain.planner.cost.workload import Workload
+from meshtrain.planner.hardware.profile import Cluster
+from meshtrain.planner.tables.profiles import PROFILES
 
 MIB = 2**20
 

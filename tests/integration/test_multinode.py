@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cli import main
-from meshtrain.launch import free_port
+from meshtrain.run.launch import free_port
 
 ARGS = ["--steps", "3", "--set", "model.dim=32", "--set", "model.n_layers=2",
         "--set", "model.n_heads=4", "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64",

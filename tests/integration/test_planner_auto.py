@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from meshtrain.config import load_config
-from meshtrain.planner.auto import BUILTIN_CPU, choose_layout
-from meshtrain.validation import validate_config
+from meshtrain.replan.auto import BUILTIN_CPU, choose_layout
+from meshtrain.validation.run_config import validate_config
 
 TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_dim=64", "train.seq_len=16", "train.global_batch=8", "train.warmup_steps=0",
@@ -71,10 +71,10 @@ def test_auto_prices_the_configured_pipeline_split(monkeypatch):
     that split (and only layouts it fits: here two stages), as the run will use it."""
     import importlib
 
-    from meshtrain.planner.auto import rank_layouts
-    from meshtrain.planner.hardware import Cluster
+    from meshtrain.planner.hardware.profile import Cluster
+    from meshtrain.replan.auto import rank_layouts
 
-    estimate_module = importlib.import_module("meshtrain.planner.estimate")
+    estimate_module = importlib.import_module("meshtrain.planner.cost.estimate")
     config = load_config(None, TINY + ["model.n_layers=4", "parallel.pp_split=3,1"])
     priced = []
     real = estimate_module.estimate

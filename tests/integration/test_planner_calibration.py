@@ -2,7 +2,7 @@
 times of a small model (one process, dp2, tp2, pp2 1F1B) are within 2x of measured.
 
 The target on a quiet machine is 15 % (see the table in docs/planner.md, made with
-``python -m meshtrain.planner.cpu_check``). This test runs on a shared 2-core machine where other
+``python -m meshtrain.commands.cpu_check``). This test runs on a shared 2-core machine where other
 jobs change the CPU share a process gets by several times within a minute, so it only checks
 that the model is not grossly wrong: a prediction outside [measured / 2, 2 x measured] is
 re-measured once (a fresh calibration and run) before failing. ``MESHTRAIN_SKIP_TIMING=1`` skips
@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from meshtrain.planner.calibrate import calibrate
-from meshtrain.planner.cpu_check import LAYOUTS, format_table, measure, predict, small_config
+from meshtrain.commands.cpu_check import LAYOUTS, format_table, measure, predict, small_config
+from meshtrain.planner.calibrate.measure import calibrate
 
 pytestmark = pytest.mark.skipif(os.environ.get("MESHTRAIN_SKIP_TIMING") == "1",
                                 reason="MESHTRAIN_SKIP_TIMING=1: timing tests skipped")

@@ -145,7 +145,7 @@ def test_h800_and_h100_96g_profiles(meshtrain, name, memory):
 
 
 def test_estimate_prices_the_stack_it_is_given(meshtrain):
-    from meshtrain.planner.workload import STACKS
+    from meshtrain.planner.cost.workload import STACKS
 
     args = ["estimate", "--model", "llama3-8b", "--hardware", "h100-96g", "--gpus", "8",
             "--json", "--set", "train.seq_len=8192", "--set", "train.global_batch=16",
@@ -166,7 +166,7 @@ def test_estimate_prices_the_stack_it_is_given(meshtrain):
     assert titan["memory_gb_per_gpu"] < ours["memory_gb_per_gpu"] and titan["fits"]
     import argparse
 
-    from meshtrain.planner.commands import add_hardware_options
+    from meshtrain.commands.planner import add_hardware_options
 
     parser = argparse.ArgumentParser()
     add_hardware_options(parser, gpus_required=False)
@@ -202,10 +202,11 @@ def test_estimate_refuses_a_layout_its_stack_cannot_run(meshtrain):
 
 
 def test_every_layout_plan_searches_for_a_stack_is_one_it_can_run():
-    from meshtrain.planner.hardware import PROFILES, Cluster
-    from meshtrain.planner.presets import preset_config
-    from meshtrain.planner.search import enumerate_layouts
-    from meshtrain.planner.workload import STACKS, Workload, check_stack_offers
+    from meshtrain.planner.cost.workload import STACKS, Workload, check_stack_offers
+    from meshtrain.planner.hardware.profile import Cluster
+    from meshtrain.planner.search.layouts import enumerate_layouts
+    from meshtrain.planner.tables.presets import preset_config
+    from meshtrain.planner.tables.profiles import PROFILES
 
     config = preset_config("gpt3-175b")
     for name, traits in STACKS.items():

@@ -34,8 +34,8 @@ import statistics
 
 import pytest
 
-from meshtrain.planner.calibrate import calibrate
-from meshtrain.planner.cpu_check import predict, small_config
+from meshtrain.commands.cpu_check import predict, small_config
+from meshtrain.planner.calibrate.measure import calibrate
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.environ.get("MESHTRAIN_SKIP_TIMING") == "1",
@@ -58,8 +58,8 @@ def _profile():
 
 
 def _row(name: str, profile, run_dir) -> dict:
-    from meshtrain.host_allocator import allocator_environment
-    from meshtrain.verify import run_layout
+    from meshtrain.commands.verify import run_layout
+    from meshtrain.host.allocator import allocator_environment
 
     config = small_config(LAYOUTS[name], 2, run_dir=str(run_dir), **SHAPE)
     predicted = predict(config, 2, profile)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import faults, preemption
+from meshtrain import faults
+from meshtrain.training import preemption
 from tests.integration.test_reliability import TINY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import pytest
 
 from meshtrain import faults
 from meshtrain.cli import main
-from meshtrain.diagnostics import explain_failure, hang_summary
+from meshtrain.run.diagnostics import explain_failure, hang_summary
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64", "--set", "train.seq_len=16",
@@ -256,7 +256,7 @@ def test_worker_error_file_is_written_whole_in_torch_elastics_format(tmp_path, m
     at all (written aside and renamed), in the JSON torch elastic's agent parses."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from meshtrain.worker import record_error_file
+    from meshtrain.run.worker import record_error_file
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))

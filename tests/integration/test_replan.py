@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import faults, replan
+from meshtrain import faults
+from meshtrain.replan import on_measurement as replan
 from tests.integration.test_reliability import TINY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import launch
+from meshtrain.run import launch
 
 ARGS = ["--steps", "2", "--set", "model.dim=32", "--set", "model.n_layers=2",
         "--set", "model.n_heads=4", "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64",

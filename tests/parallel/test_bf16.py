@@ -2,7 +2,8 @@
 
 Every layout runs in bf16 (bf16 parameters and activations, fp32 master weights, gradients
 accumulated over micro-batches and reduced in fp32) and is compared with the *fp32* one-process
-run by :func:`meshtrain.verify.compare` at the bf16 tolerances of :mod:`meshtrain.verify`
+run by :func:`meshtrain.commands.verify.compare` at the bf16 tolerances of
+:mod:`meshtrain.commands.verify`
 (5e-2 on the loss, 5e-2 relative on the gradient norm): bf16 rounding alone moves these tiny
 models' losses by up to ~1.5e-2 and their gradient norms by ~3 % in five steps.
 """
@@ -14,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from meshtrain.verify import (
+from meshtrain.commands.verify import (
     GRAD_NORM_RTOL_BF16,
     LOSS_TOLERANCE_BF16,
     compare,
@@ -53,8 +54,8 @@ def test_bf16_layouts_match_the_fp32_one_process_reference(axis):
 
 
 def _engine_dtypes(*overrides: str) -> tuple[set, set, dict]:
-    from meshtrain.mesh import ParallelMesh
     from meshtrain.parallel import data_parallel_engine
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.trainer import Trainer
 
     trainer = Trainer(tiny_config(*overrides, "parallel.microbatches=2"), ParallelMesh())
@@ -78,8 +79,8 @@ def test_bf16_gradient_buffers_are_fp32_unless_asked_for_bf16():
 def test_bf16_accumulates_micro_batches_in_fp32():
     """Eight micro-batches' gradients summed into the fp32 buffer equal their fp32 sum of the
     bf16 per-micro-batch gradients; a bf16 buffer rounds after every addition."""
-    from meshtrain.mesh import ParallelMesh
     from meshtrain.parallel import data_parallel_engine
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.trainer import Trainer
 
     def buffer_after_backward(*overrides):
@@ -107,8 +108,8 @@ def test_grad_reduce_dtype_bf16_needs_bf16_precision():
 
 
 def test_planner_prices_fp32_gradients_of_bf16_runs():
-    from meshtrain.planner.memory import rank_memory
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.cost.memory import rank_memory
+    from meshtrain.planner.cost.workload import Workload
 
     config = tiny_config(*BF16)
     default = Workload.from_config(config)

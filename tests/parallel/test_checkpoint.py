@@ -1,7 +1,8 @@
 """Layout-free checkpoints: exact resume, resharding across layouts, corruption, refusal.
 
 fp32 throughout. Resuming at the same layout must be bitwise identical; at another layout the
-losses must agree within meshtrain.verify's tolerance (2e-4), the same bound as layout parity.
+losses must agree within meshtrain.commands.verify's tolerance (2e-4), the same bound as layout
+parity.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 
 import pytest
 
-from meshtrain.verify import LOSS_TOLERANCE_FP32
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
+from meshtrain.config import config_from_dict
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -23,17 +25,16 @@ TOTAL, SPLIT = 6, 4
 
 
 def _trainer(config):
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     return Trainer(config, build_mesh(config))
 
 
 def train_then_stop(config_dict: dict, stop: int) -> list[float]:
     """Run ``stop`` of ``train.steps`` steps, checkpoint, and stop (a preempted job)."""
-    from meshtrain.config import Config
 
-    trainer = _trainer(Config.from_dict(config_dict))
+    trainer = _trainer(config_from_dict(config_dict))
     losses = [trainer.train_step()["loss"] for _ in range(stop)]
     trainer.save_checkpoint()
     return losses
@@ -41,15 +42,13 @@ def train_then_stop(config_dict: dict, stop: int) -> list[float]:
 
 def resume_and_finish(config_dict: dict) -> list[float]:
     """Resume (checkpoint.resume must be set) and train to ``train.steps``."""
-    from meshtrain.config import Config
 
-    return [r["loss"] for r in _trainer(Config.from_dict(config_dict)).fit()]
+    return [r["loss"] for r in _trainer(config_from_dict(config_dict)).fit()]
 
 
 def uninterrupted(config_dict: dict) -> list[float]:
-    from meshtrain.config import Config
 
-    return [r["loss"] for r in _trainer(Config.from_dict(config_dict)).fit()]
+    return [r["loss"] for r in _trainer(config_from_dict(config_dict)).fit()]
 
 
 def _cfg(run_dir, *overrides, nproc=None):

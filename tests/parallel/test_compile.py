@@ -1,6 +1,7 @@
 """``train.compile``: compiled blocks train to the same numbers as eager ones (fp32).
 
-Tolerance: meshtrain.verify's fp32 one (2e-4 absolute on the loss, 1e-3 relative on the gradient
+Tolerance: meshtrain.commands.verify's fp32 one (2e-4 absolute on the loss, 1e-3 relative on the
+gradient
 norm): inductor may fuse and reorder fp32 element-wise arithmetic, which moves the last bits.
 """
 
@@ -8,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.config import ConfigError
-from meshtrain.verify import (
+from meshtrain.commands.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
     run_layout,
 )
+from meshtrain.config import ConfigError
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 

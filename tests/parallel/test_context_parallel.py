@@ -1,6 +1,7 @@
 """Context parallelism (``parallel.cp``): every layout with cp matches one process.
 
-Parity is checked on fp32 with meshtrain.verify's tolerances (2e-4 on the loss, 1e-3 relative on
+Parity is checked on fp32 with meshtrain.commands.verify's tolerances (2e-4 on the loss, 1e-3
+relative on
 the gradient norm): cp changes only the order of floating-point sums (attention per query chunk
 against gathered keys, gradients reduced over dp × cp), so the curves agree to rounding.
 """
@@ -12,9 +13,9 @@ import shutil
 import pytest
 import torch
 
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
 from meshtrain.config import ConfigError
 from meshtrain.parallel.context import chunks_of_rank, local_positions, shard_sequence
-from meshtrain.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
@@ -112,7 +113,7 @@ def test_cp_alone_and_with_document_masking_and_evaluation_match_one_process(tmp
              tiny_config("parallel.cp=2", *OPTIONS, nproc=2)]  # biases, QK-norm, yarn RoPE
     records = assert_layouts_match_one_process(2, cases, 3)
     evals = [r["eval_loss"] for r in records[1] if "eval_loss" in r]
-    from meshtrain.verify import reference_config, run_layout
+    from meshtrain.commands.verify import reference_config, run_layout
 
     reference = [r["eval_loss"] for r in run_layout(reference_config(cases[1]), 1, 3)
                  if "eval_loss" in r]
@@ -144,8 +145,8 @@ def test_cp_composes_with_every_axis():
     # whole sequence's keys/values, 3/4 of each crossing the links (bus bytes), 2 layers
     assert records[0][0]["comm_bytes"]["cp"] == 2 * 4 * kv_bytes * 3 // 4
     # the planner's count of the same traffic (rank 0: its pipeline stage's layers) agrees
-    from meshtrain.planner.context_parallel import step_bus_bytes
-    from meshtrain.planner.workload import Workload, stage_layers
+    from meshtrain.planner.cost.context_parallel import step_bus_bytes
+    from meshtrain.planner.cost.workload import Workload, stage_layers
 
     for config, run in zip(cases, records, strict=True):
         layers = len(stage_layers(config.model, config.parallel.layout())[0])
@@ -184,11 +185,15 @@ def test_long_sequence_memory_falls_with_cp_as_the_planner_says(tmp_path):
     """seq 8192, a small model: each rank's activation memory (VmHWM at seq 8192 minus at 512,
     measured from outside) at cp 2 and 4 is near 1/cp of cp 1's, and within 15 % of the
     planner's estimate of the same difference."""
-    from meshtrain.bench.long_context import MODEL, RUN, SHORT_SEQ, measure
+    from tests.helpers import load_benchmark
+
+    long_context = load_benchmark("long_context")
+    MODEL, RUN, SHORT_SEQ, measure = (long_context.MODEL, long_context.RUN,
+                                      long_context.SHORT_SEQ, long_context.measure)
     from meshtrain.config import load_config
-    from meshtrain.planner.memory import rank_memory
-    from meshtrain.planner.workload import Workload
-    from meshtrain.training.tokenizer import tokenizer_vocab_size
+    from meshtrain.data.tokenizer import tokenizer_vocab_size
+    from meshtrain.planner.cost.memory import rank_memory
+    from meshtrain.planner.cost.workload import Workload
 
     def planned(cp: int, seq: int) -> float:
         config = load_config(None, [*MODEL, *RUN, f"parallel.cp={cp}", f"train.seq_len={seq}"])

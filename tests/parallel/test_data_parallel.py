@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO 1/2/3 on several CPU processes against one process (fp32).
 
 Tolerance: 2e-4 absolute on the loss, 1e-3 relative on the gradient norm (see
-:mod:`meshtrain.verify` for why); measured differences are ~1e-6.
+:mod:`meshtrain.commands.verify` for why); measured differences are ~1e-6.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32, run_layout
 from meshtrain.parallel.data.checks import check_replicas_in_sync
-from meshtrain.verify import LOSS_TOLERANCE_FP32, run_layout
 from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config, train_many
 
@@ -59,7 +59,7 @@ def test_dp4_zero3_and_microbatch_combinations():
 def test_bf16_trains_stably_and_model_states_follow_zero():
     """bf16 + fp32 Adam, N = 2, bf16 gradients (``parallel.grad_reduce_dtype = bf16``): model
     states per rank are the ZeRO paper's 16P (DP), 4P + 12P/N (stage 1), 2P + 14P/N (stage 2)
-    and 16P/N (stage 3), §5, read from the runtime's buffers."""
+    and 16P/N (stage 3), 5, read from the runtime's buffers."""
     cases = [tiny_config("train.precision=bf16", "parallel.grad_reduce_dtype=bf16",
                          f"parallel.zero={z}", "train.steps=10", nproc=2) for z in range(4)]
     results = run_distributed(2, train_many, [c.to_dict() for c in cases], 10, timeout=600)[0]
@@ -69,8 +69,8 @@ def test_bf16_trains_stably_and_model_states_follow_zero():
         assert losses[-3:].mean() < losses[:3].mean()
     import dataclasses
 
+    from meshtrain.data.tokenizer import ByteTokenizer
     from meshtrain.model import count_parameters
-    from meshtrain.training.tokenizer import ByteTokenizer
 
     model_config = dataclasses.replace(cases[0].model, vocab_size=ByteTokenizer().vocab_size)
     p = count_parameters(model_config)["total"]
@@ -84,8 +84,8 @@ def test_bf16_trains_stably_and_model_states_follow_zero():
 
 def check_replica_divergence_detected() -> str:
     from meshtrain.parallel import data_parallel_engine
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     config = tiny_config("parallel.zero=1", nproc=2)
     mesh = build_mesh(config)

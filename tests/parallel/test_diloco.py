@@ -20,7 +20,7 @@ import shutil
 import pytest
 import torch
 
-from meshtrain.verify import LOSS_TOLERANCE_FP32
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
@@ -67,11 +67,11 @@ def test_h1_outer_sgd_equals_synchronous_dp():
 
 def _train_and_fingerprint(config_dict: dict, steps: int) -> tuple[list[dict], list[float]]:
     """Train ``steps`` steps; return rank 0's records and every rank's master checksums."""
-    from meshtrain.config import Config
+    from meshtrain.config import config_from_dict
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     mesh = build_mesh(config)
     trainer = Trainer(config, mesh)
     records = [trainer.train_step() for _ in range(steps)]
@@ -100,8 +100,8 @@ def test_rounds_traffic_and_groups_end_in_sync():
             assert moved == metrics_only
     import dataclasses
 
+    from meshtrain.data.tokenizer import ByteTokenizer
     from meshtrain.model import count_parameters
-    from meshtrain.training.tokenizer import ByteTokenizer
 
     model = dataclasses.replace(fp32.model, vocab_size=ByteTokenizer().vocab_size)
     params = count_parameters(model)["total"]
@@ -115,7 +115,7 @@ def test_rounds_traffic_and_groups_end_in_sync():
 
 
 def test_mesh_puts_replica_groups_outermost():
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(replicas=2, dp=2, tp=2, rank=5)  # replica 1, dp 0, tp 1
     assert (mesh.replica_rank, mesh.dp_rank, mesh.tp_rank, mesh.world_size) == (1, 0, 1, 8)
@@ -221,7 +221,7 @@ def test_streaming_fragments_spread_the_traffic():
 
 
 def test_fragments_split_blocks_in_order():
-    from meshtrain.training.diloco import fragment_of_parameters
+    from meshtrain.config.runtime_facts import fragment_of_parameters
 
     sizes = [("tok_embeddings.weight", 10)] + [(f"layers.{i}.w", 10) for i in range(6)] + [
         ("norm.weight", 1), ("output.weight", 9)]
@@ -241,8 +241,8 @@ def test_verify_refuses_replica_groups(meshtrain):
 def test_outer_step_is_torch_nesterov_sgd():
     """The outer step on one process (one group: the average is the group's own pseudo-
     gradient) against ``torch.optim.SGD(nesterov=True)`` over three rounds."""
-    from meshtrain.mesh import ParallelMesh
-    from meshtrain.training.diloco import OuterOptimizer
+    from meshtrain.parallel.mesh import ParallelMesh
+    from meshtrain.training.diloco.outer import OuterOptimizer
     from meshtrain.training.trainer import Trainer
 
     trainer = Trainer(tiny_config(), ParallelMesh())

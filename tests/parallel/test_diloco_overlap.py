@@ -23,11 +23,11 @@ AVERAGE = ("parallel.replicas=2", "parallel.sync_every=3", "parallel.sync_overla
 
 def _masters_per_step(config_dict: dict, steps: int) -> tuple[list[dict], list[torch.Tensor]]:
     """Train ``steps`` steps; return rank 0's records and this rank's masters after each."""
-    from meshtrain.config import Config
+    from meshtrain.config import config_from_dict
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     mesh = build_mesh(config)
     trainer = Trainer(config, mesh)
     records, masters = [], []

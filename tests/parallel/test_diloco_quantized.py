@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshtrain.config import config_from_dict
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -27,11 +28,10 @@ def _inputs(rank: int) -> torch.Tensor:
 
 def _mean_and_bytes(config_dict: dict, kind: str) -> tuple[torch.Tensor, int, int]:
     """This rank's quantized mean and the bytes it and an fp32 all-reduce moved."""
-    from meshtrain.config import Config
-    from meshtrain.training.quantized_reduce import quantized_mean
-    from meshtrain.worker import build_mesh
+    from meshtrain.run.worker import build_mesh
+    from meshtrain.training.diloco.quantized_reduce import quantized_mean
 
-    mesh = build_mesh(Config.from_dict(config_dict))
+    mesh = build_mesh(config_from_dict(config_dict))
     comm = mesh.comm("replica")
     values = _inputs(mesh.replica_rank)
     mesh.comm_log.reset()
@@ -44,7 +44,7 @@ def _mean_and_bytes(config_dict: dict, kind: str) -> tuple[torch.Tensor, int, in
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_mean_is_identical_everywhere_and_within_its_rounding(kind):
-    from meshtrain.training.quantized_reduce import BLOCK
+    from meshtrain.training.diloco.quantized_reduce import BLOCK
 
     config = tiny_config("parallel.replicas=4", "parallel.sync_every=2", nproc=4)
     results = run_distributed(4, _mean_and_bytes, config.to_dict(), kind)
@@ -69,11 +69,10 @@ def test_quantized_mean_is_identical_everywhere_and_within_its_rounding(kind):
 
 
 def _fingerprint_run(config_dict: dict, steps: int) -> tuple[list[float], float, list[int]]:
-    from meshtrain.config import Config
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     records = [trainer.train_step() for _ in range(steps)]
     weights = sum(float(s.master.double().sum()) for s in trainer.optimizer.shards)

@@ -57,7 +57,7 @@ def _short_documents(tmp_path) -> str:
 
 
 def test_document_mask_matches_one_process_under_every_axis(tmp_path):
-    from meshtrain.verify import (
+    from meshtrain.commands.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
         compare,
@@ -91,8 +91,8 @@ def test_document_mask_matches_one_process_under_every_axis(tmp_path):
 
 
 def test_document_mask_needs_an_eos(monkeypatch):
-    from meshtrain.mesh import ParallelMesh
-    from meshtrain.training import tokenizer
+    from meshtrain.data import tokenizer
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.trainer import Trainer
 
     monkeypatch.setattr(tokenizer.ByteTokenizer, "eos_id", None)

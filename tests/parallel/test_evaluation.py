@@ -1,13 +1,14 @@
 """Held-out evaluation (``train.eval_every``) under every layout against one process (fp32;
-meshtrain.verify's loss tolerance, 2e-4: the forward is the training forward, so differences
+meshtrain.commands.verify's loss tolerance, 2e-4: the forward is the training forward, so
+differences
 are the ~1e-6 of summing in another order)."""
 
 from __future__ import annotations
 
 import pytest
 
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32, reference_config, run_layout
 from meshtrain.config import ConfigError
-from meshtrain.verify import LOSS_TOLERANCE_FP32, reference_config, run_layout
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 
@@ -70,7 +71,7 @@ def test_evaluation_changes_nothing_in_training():
 
 
 def test_held_out_tail_is_never_trained_on_and_starts_a_document():
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.trainer import Trainer
 
     whole = Trainer(tiny_config(), ParallelMesh()).data.tokens
@@ -103,7 +104,7 @@ def test_bad_evaluation_configs(overrides, message):
 
 
 def test_too_little_held_out_data_is_refused(tmp_path):
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.training.trainer import Trainer
 
     tiny = tmp_path / "valid.txt"

@@ -2,7 +2,8 @@
 
 At dp2 × tp2 with ep 4 every rank holds one of the 4 experts (read from its own parameter
 tensors) and computes only its share of the assignments, and the run matches one process in
-fp32 within :mod:`meshtrain.verify`'s tolerances (loss 2e-4: the layouts sum the same terms in
+fp32 within :mod:`meshtrain.commands.verify`'s tolerances (loss 2e-4: the layouts sum the same
+terms in
 another order; gradient norm relative 1e-3), with and without sequence parallelism, and at
 pp2 × tp2 with ep 2 spanning the tp ranks. The measured ``comm_bytes.ep`` equals the planner's
 ``ep_comm_bytes``, and a checkpoint saved at dp2 × tp2 × ep4 resumes on one process, then at
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
 from meshtrain.config import Config, ConfigError, load_config
-from meshtrain.validation import validate_config
-from meshtrain.verify import LOSS_TOLERANCE_FP32
+from meshtrain.validation.run_config import validate_config
 from tests.distributed import run_distributed
 from tests.helpers import (
     assert_matches_one_process,
@@ -63,8 +64,8 @@ def train_cases(config_dicts: list[dict], steps: int) -> list[dict]:
 
 def _planned_ep_bytes(config: Config) -> float:
     """The planner's ``comm_bytes.ep`` per rank and step, averaged over the pipeline stages."""
-    from meshtrain.planner.expert_parallel import ep_step_bus_bytes
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.cost.expert_parallel import ep_step_bus_bytes
+    from meshtrain.planner.cost.workload import Workload
 
     layers = list(range(config.model.n_layers))
     workload = Workload.from_config(config)
@@ -163,7 +164,7 @@ def test_tp_shares_cover_the_sorted_rows_once(total, size):
 
 
 def test_expert_groups_fold_over_tp_and_keep_the_dp_split_at_tp1():
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
 
     def groups(axis, **degrees):
         world = degrees.get("dp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1)

@@ -1,5 +1,5 @@
 """Expert parallelism, and MoE layers under tensor / pipeline parallelism, on several CPU
-processes against one process (fp32; tolerances of :mod:`meshtrain.verify`).
+processes against one process (fp32; tolerances of :mod:`meshtrain.commands.verify`).
 
 Each test spawns one world and runs all its cases in it (start-up dominates on 2 cores).
 """
@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtrain.config import Config
-from meshtrain.verify import (
+from meshtrain.commands.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
     run_layout,
 )
+from meshtrain.config import Config, config_from_dict
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -29,12 +29,12 @@ AUX = ("model.moe_balance=aux-loss", "model.moe_aux_coef=0.5")  # large: a misse
 def train_cases(config_dicts: list[dict], steps: int, save: list[bool]) -> list[list[dict]]:
     """Train each config for ``steps`` in this worker; every rank returns its own records (for
     per-rank communication volumes); ``save[i]`` also writes case i's final weights."""
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     out = []
     for config_dict, do_save in zip(config_dicts, save, strict=True):
-        config = Config.from_dict(config_dict)
+        config = config_from_dict(config_dict)
         trainer = Trainer(config, build_mesh(config))
         out.append([trainer.train_step() for _ in range(steps)])
         if do_save:
@@ -115,9 +115,9 @@ def test_ep4_zero1_and_ep2_over_four_data_parallel_ranks():
 
 def test_4d_dp2_ep2_tp2_pp2_matches_one_process_and_saves_full_weights(tmp_path):
     from meshtrain.checkpoint import iter_weights
-    from meshtrain.generate import load_for_generation
+    from meshtrain.commands.generate import load_for_generation
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     config = tiny_config("parallel.ep=2", "parallel.tp=2", "parallel.pp=2",
                          "parallel.microbatches=2", "parallel.zero=1",

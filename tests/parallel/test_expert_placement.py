@@ -5,7 +5,8 @@ rebalance with a skewed router, parity with one process, checkpoints and validat
 The skewed router is honest routing with a fixed selection bias: ``moe_balance = "bias"`` with
 ``moe_bias_rate = 0`` and the test setting the bias of experts 0 and 1 (ep rank 0's at start)
 to 1, above any softmax score, so every token picks both. fp32; tolerances of
-:mod:`meshtrain.verify`. Each multi-process test spawns one world and runs all its cases in it.
+:mod:`meshtrain.commands.verify`. Each multi-process test spawns one world and runs all its cases
+in it.
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import shutil
 import pytest
 import torch
 
-from meshtrain.config import Config, ConfigError, load_config
-from meshtrain.parallel.comm import CommLog, CountedComm
-from meshtrain.parallel.expert import ExpertParallelExperts
-from meshtrain.parallel.expert.move import param_segments
-from meshtrain.parallel.expert.placement import plan_placement, rank_loads
-from meshtrain.validation import validate_config
-from meshtrain.verify import (
+from meshtrain.commands.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
 )
+from meshtrain.config import Config, ConfigError, config_from_dict, load_config
+from meshtrain.parallel.comm import CommLog, CountedComm
+from meshtrain.parallel.expert import ExpertParallelExperts
+from meshtrain.parallel.expert.move import param_segments
+from meshtrain.parallel.expert.placement import plan_placement, rank_loads
+from meshtrain.validation.run_config import validate_config
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -135,10 +136,10 @@ def test_rebalance_key_is_validated(overrides, fragment, capsys):
 # ------------------------------------------------------------------ multi-process
 def _trainer(config_dict: dict, skew: bool):
     from meshtrain.model import moe_layers
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     if skew:
         for layer in moe_layers(trainer.model):
@@ -273,7 +274,7 @@ def test_checkpoint_after_rebalance_resumes_at_any_layout(tmp_path):
     assert result["placements"] == {0: [0, 3, 2, 1], 1: [0, 3, 2, 1]}  # re-placed at step 2
     assert result["restored"] == result["placements"]  # same ep: the saved placement is back
     assert result["restored_step"] == ASSIGNMENTS / 2  # and balances the very next step
-    one = Config.from_dict(cfg("one", *resume, nproc=1))
+    one = config_from_dict(cfg("one", *resume, nproc=1))
     reference = [r["loss"] for r in _trainer(cfg("reference", nproc=1), skew=True).fit()]
     shutil.copytree(root, tmp_path / "copy")  # the one-process resume must not touch it
     one.checkpoint.dir = str(tmp_path / "copy")

@@ -25,7 +25,7 @@ import torch
 
 from meshtrain.checkpoint.final_weights import file_names, plan_stage_files
 from meshtrain.checkpoint.safetensors_io import INDEX_NAME, TensorReader
-from meshtrain.config import Config, ConfigError
+from meshtrain.config import ConfigError, config_from_dict
 from meshtrain.parallel.gather import TensorSpec
 from tests.distributed import DistributedTestError, run_distributed
 from tests.helpers import tiny_config
@@ -91,10 +91,10 @@ def reference_gather(model, engine, mesh) -> dict[str, torch.Tensor] | None:
 
 def _trainer(config_dict: dict, skew: bool = False):
     from meshtrain.model import moe_layers
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     if skew:  # every token picks experts 0 and 1 (ep rank 0's): the first rebalance moves them
         for layer in moe_layers(trainer.model):
@@ -269,7 +269,7 @@ def test_init_from_sharded_weights_starts_bit_identical_at_another_layout(world2
 
 def test_generate_and_convert_read_sharded_and_single_file_dirs(world2, tmp_path):
     from meshtrain.checkpoint import convert_to_hf, load_hf
-    from meshtrain.generate import generate, load_for_generation
+    from meshtrain.commands.generate import generate, load_for_generation
 
     root, _, configs = world2
     saved = _read(root / "pp2" / "final")
@@ -355,7 +355,7 @@ def test_a_failed_writer_leaves_no_index_and_fails_the_run(tmp_path):
     assert not list(final.glob("*.tmp"))
     assert len(list(final.glob("model-*.safetensors"))) >= 2  # rank 0's files and one of rank 1's
     from meshtrain.checkpoint import iter_weights
-    from meshtrain.generate import find_weights_dir
+    from meshtrain.commands.generate import find_weights_dir
 
     with pytest.raises(ConfigError):
         find_weights_dir(tmp_path)

@@ -1,7 +1,7 @@
 """Fine-grained MoE shapes (dense first blocks, many small experts, top-4, a shared expert (also
 wider than an expert and sigmoid-gated, with raw top-k gates: Qwen2-MoE),
 node-limited routing over expert groups) match one process under expert, data and pipeline
-parallelism (fp32; meshtrain.verify's tolerances: 2e-4 on the loss, 1e-3 relative on the
+parallelism (fp32; meshtrain.commands.verify's tolerances: 2e-4 on the loss, 1e-3 relative on the
 gradient norm)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Layout-free token dropping: with a capacity factor, every layout drops the same assignments
 as one process with one micro-batch (capacity is decided per routing group of one sequence,
-``model.moe_capacity_group``), so losses and gradient norms match it within meshtrain.verify's
+``model.moe_capacity_group``), so losses and gradient norms match it within
+meshtrain.commands.verify's
 fp32 tolerances (2e-4 on the loss, 1e-3 relative on the gradient norm) and the dropped counts
 are equal.
 
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.config import ConfigError
-from meshtrain.verify import (
+from meshtrain.commands.verify import (
     GRAD_NORM_RTOL_FP32,
     LOSS_TOLERANCE_FP32,
     compare,
     reference_config,
     run_layout,
 )
+from meshtrain.config import ConfigError
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config, train_many
 

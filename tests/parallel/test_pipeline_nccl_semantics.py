@@ -4,7 +4,7 @@ gloo matches messages by tag and buffers sends; NCCL matches them per pair of ra
 order and may hold a send until its receive is posted. Here tags are stripped by patching
 ``torch.distributed`` itself (not through meshtrain's switch), and the suite's default
 ``MESHTRAIN_P2P_SEMANTICS=nccl-rendezvous`` makes sends wait for their receives. Parity is
-meshtrain.verify's fp32 tolerance (2e-4 on the loss, 1e-3 relative on the gradient norm).
+meshtrain.commands.verify's fp32 tolerance (2e-4 on the loss, 1e-3 relative on the gradient norm).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def train_gloo_only_placement(config_dicts: list[dict], steps: int, semantics: s
 
 
 def _assert_match(cases, results) -> None:
-    from meshtrain.verify import (
+    from meshtrain.commands.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
         compare,
@@ -128,7 +128,7 @@ def test_gloo_only_placement_of_zb_v_swaps_messages_under_nccl_order():
     """Receives placed right before their consumers: with tags gloo delivers the right
     tensors; matched as NCCL matches (untagged, per pair in order) rank 1 gets ACT2 where it
     expects GRAD0 (same shape) and trains a different model."""
-    from meshtrain.verify import reference_config, run_layout
+    from meshtrain.commands.verify import reference_config, run_layout
 
     (case,) = [c for c in _cases(2, "train.lr=3e-2") if c.parallel.pp_schedule == "zb-v"]
     reference = [r["loss"] for r in run_layout(reference_config(case), 1, STEPS)]

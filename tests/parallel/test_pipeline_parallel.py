@@ -1,5 +1,5 @@
 """Pipeline parallelism on several CPU processes against one process (fp32; tolerances of
-meshtrain.verify: 2e-4 on the loss, 1e-3 relative on the gradient norm)."""
+meshtrain.commands.verify: 2e-4 on the loss, 1e-3 relative on the gradient norm)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from meshtrain.config import ConfigError
+from meshtrain.config import ConfigError, config_from_dict
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -33,11 +33,10 @@ def _write_sites(tmp_path) -> list[str]:
 def _batches_and_records(config_dict: dict, steps: int) -> tuple[int, list[set], list[dict]]:
     """Train ``steps`` steps; return this rank's replica group, the token ids of each step's
     batches, and the metric records."""
-    from meshtrain.config import Config
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     mesh = build_mesh(config)
     trainer = Trainer(config, mesh)
     seen, records = [], []
@@ -54,7 +53,7 @@ def _site_ids(tokenizer, text: str) -> set[int]:
 
 
 def test_each_group_reads_only_its_own_source(tmp_path):
-    from meshtrain.training.tokenizer import load_tokenizer
+    from meshtrain.data.tokenizer import load_tokenizer
 
     sites = _write_sites(tmp_path)
     config = tiny_config("parallel.replicas=2", "parallel.sync_every=2",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from meshtrain.config import Config
+from meshtrain.config import config_from_dict
 from tests.distributed import run_distributed
 from tests.helpers import tiny_config
 
@@ -24,11 +24,11 @@ def describe(config_dicts: list[dict]) -> list[dict]:
     record's fields and any ``_meshtrain_*`` attribute found on it or on a module."""
     from meshtrain.model import Transformer
     from meshtrain.parallel import ParallelPlan, parallel_state, parallelize
-    from meshtrain.worker import build_mesh
+    from meshtrain.run.worker import build_mesh
 
     out = []
     for config_dict in config_dicts:
-        config = Config.from_dict(config_dict)
+        config = config_from_dict(config_dict)
         config.model.vocab_size = 264  # no tokenizer here (divisible by tp)
         mesh = build_mesh(config)
         with torch.device("meta"):

@@ -3,7 +3,7 @@
 The reducer's results are compared bit for bit: with gloo for two ranks (a two-operand sum does
 not depend on the order), and with the rank-order sum the module promises for three and four.
 Training through it is compared bit for bit with training through gloo (two ranks), and with one
-process within meshtrain.verify's fp32 tolerances (as every data-parallel layout is).
+process within meshtrain.commands.verify's fp32 tolerances (as every data-parallel layout is).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def test_absent_rank_fails_the_wait_naming_it(exits):
 
 def train_with_and_without_shared_memory(zero: int) -> tuple[list, list, bool, bool]:
     from meshtrain.parallel import data_parallel_engine
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
     runs = []
     for shared in (True, False):

@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism on several CPU processes against one process (fp32).
 
-Tolerances: whole-run parity uses meshtrain.verify's (2e-4 absolute on the loss, 1e-3 relative
+Tolerances: whole-run parity uses meshtrain.commands.verify's (2e-4 absolute on the loss, 1e-3
+relative
 on the gradient norm). Layer-by-layer checks compare one forward/backward at 1e-5: the only
 difference from one process is the summation order of split matmuls (fp32 rounding, ~1e-7).
 """
@@ -29,7 +30,7 @@ def test_tp2_with_and_without_sequence_parallel():
              tiny_config("parallel.tp=2", "model.tie_embeddings=true", "model.mlp=gelu",
                          nproc=2)]
     results = _parity(2, cases)
-    # Megatron's count (Narayanan et al. 2021 §3.2): 8·b·s·h·(t−1)/t elements per layer per
+    # Megatron's count (Narayanan et al. 2021 3.2): 8·b·s·h·(t−1)/t elements per layer per
     # micro-batch; plus the embedding's forward all-reduce and the head input's backward
     # all-reduce (2·b·s·h·(t−1)/t each) and the loss's max + (sum-exp, target) all-reduces.
     config = cases[0]
@@ -62,7 +63,7 @@ def layer_by_layer(sequence_parallel: bool) -> dict[str, float]:
     from meshtrain.parallel import ParallelPlan, parallelize
     from meshtrain.parallel.tensor.apply import tp_vocab_start
     from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
-    from meshtrain.worker import build_mesh
+    from meshtrain.run.worker import build_mesh
 
     config = tiny_config("parallel.tp=2", f"parallel.sequence_parallel={sequence_parallel}",
                          nproc=2)
@@ -125,7 +126,7 @@ def test_each_layer_forward_and_backward(sequence_parallel):
 
 
 def rng_streams() -> tuple[int, int, float]:
-    from meshtrain.worker import build_mesh
+    from meshtrain.run.worker import build_mesh
 
     mesh = build_mesh(tiny_config("parallel.tp=2", nproc=4))
     sample = torch.rand(4, generator=mesh.generator("dropout", vary_along=("dp", "pp")))

@@ -1,12 +1,14 @@
 """Tied embeddings under pipeline parallelism: the first and the last stage each hold the shared
 matrix and sum its gradient over the mesh's ``tied`` group. Every layout matches one process
-within meshtrain.verify's fp32 tolerances (2e-4 on the loss, 1e-3 relative on the gradient norm,
+within meshtrain.commands.verify's fp32 tolerances (2e-4 on the loss, 1e-3 relative on the gradient
+norm,
 which counts the matrix once)."""
 
 from __future__ import annotations
 
 import torch
 
+from meshtrain.config import config_from_dict
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
 STEPS = 3
@@ -41,11 +43,10 @@ def test_tied_pp2_with_tp2_zero_cp_ep_and_pp4():
 
 def train_save(config_dict: dict, steps: int) -> list[float]:
     """Train ``steps`` steps, then save a checkpoint and the final weights."""
-    from meshtrain.config import Config
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
     trainer.save_checkpoint()
@@ -55,11 +56,10 @@ def train_save(config_dict: dict, steps: int) -> list[float]:
 
 def resume(config_dict: dict) -> list[float]:
     """Resume from the run's checkpoint and train to ``train.steps``."""
-    from meshtrain.config import Config
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     return [r["loss"] for r in Trainer(config, build_mesh(config)).fit()]
 
 
@@ -72,7 +72,7 @@ def test_tied_checkpoint_and_final_weights_hold_the_matrix_once(tmp_path):
     import pytest
 
     from meshtrain.checkpoint import iter_weights, read_checkpoint_tensors
-    from meshtrain.verify import LOSS_TOLERANCE_FP32
+    from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
     from tests.distributed import run_distributed
 
     def cfg(run, *overrides, nproc):
@@ -114,7 +114,7 @@ def test_tied_checkpoint_and_final_weights_hold_the_matrix_once(tmp_path):
 
 
 def test_tied_groups_join_the_ranks_of_the_first_and_last_stage():
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
     from meshtrain.parallel.pipeline import build_schedule
 
     assert build_schedule("1f1b", 4, 4, 1).embedding_ranks == (0, 3)
@@ -132,11 +132,10 @@ def test_tied_groups_join_the_ranks_of_the_first_and_last_stage():
 
 def embedding_after(config_dict: dict, steps: int):
     """This rank's copy of the tied matrix after ``steps`` steps (None where there is none)."""
-    from meshtrain.config import Config
+    from meshtrain.run.worker import build_mesh
     from meshtrain.training.trainer import Trainer
-    from meshtrain.worker import build_mesh
 
-    config = Config.from_dict(config_dict)
+    config = config_from_dict(config_dict)
     trainer = Trainer(config, build_mesh(config))
     for _ in range(steps):
         trainer.train_step()

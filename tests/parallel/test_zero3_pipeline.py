@@ -3,7 +3,8 @@ micro-batch's forward and backward, reduce-scattered per micro-batch; the stage'
 parameters (embedding, head, split blocks' norms) held for the step and reduced once.
 
 Every layout is checked against one process on the same data and weights in fp32 within
-:mod:`meshtrain.verify`'s tolerances (loss 2e-4: the layouts sum the same terms in another order;
+:mod:`meshtrain.commands.verify`'s tolerances (loss 2e-4: the layouts sum the same terms in another
+order;
 gradient norm relative 1e-3), and after its steps every full parameter buffer of every rank must
 hold nothing (a unit prefetched but never run, left gathered, would serve stale weights after the
 optimizer step). A checkpoint saved at pp2 × dp2 ZeRO-3 resumes on one process and back at
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshtrain.verify import LOSS_TOLERANCE_FP32
+from meshtrain.commands.verify import LOSS_TOLERANCE_FP32
 from tests.distributed import run_distributed
 from tests.helpers import (
     assert_matches_one_process,

@@ -1,7 +1,7 @@
 """Checkpoints that move between layouts (``torch.distributed.checkpoint``), exact resume, and
 Hugging Face interop. See ``docs/checkpoints.md``."""
 
-from meshtrain.checkpoint.hf import (
+from meshtrain.checkpoint.hf.io import (
     convert_from_hf,
     convert_to_hf,
     iter_weights,

@@ -163,7 +163,7 @@ def check_compatible(config: Config, directory: Path, vocab_size: int) -> None:
 def preflight(config: Config) -> Path | None:
     """Before any worker starts: find the checkpoint to resume (if any) and refuse one from a
     different model shape (exit 2). Returns it, or None for a fresh start."""
-    from meshtrain.training.tokenizer import tokenizer_vocab_size
+    from meshtrain.data.tokenizer import tokenizer_vocab_size
 
     directory = resolve_resume(config, warn=True)
     if directory is not None:

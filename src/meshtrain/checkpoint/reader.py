@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.checkpoint import manager
 from meshtrain.checkpoint.dcp import Chunk, ChunkLoadPlanner
-from meshtrain.config import Config, ConfigError
+from meshtrain.config import Config, ConfigError, config_from_dict
 
 
 def read_checkpoint_tensors(path: str | Path) -> tuple[Config, Iterator[tuple[str, torch.Tensor]]]:
@@ -32,7 +32,7 @@ def read_checkpoint_tensors(path: str | Path) -> tuple[Config, Iterator[tuple[st
     metadata = reader.read_metadata()
     planner = ChunkLoadPlanner([], ["meta"])
     dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
-    config = Config.from_dict(json.loads(planner.blobs["meta"])["config"])
+    config = config_from_dict(json.loads(planner.blobs["meta"])["config"])
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for key, md in metadata.state_dict_metadata.items():

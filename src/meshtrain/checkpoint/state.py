@@ -145,7 +145,7 @@ def init_from_weights(trainer, path: str) -> None:
     """Start from full weights (a meshtrain weights dir, sharded or one file, or a Hugging Face
     dir) at any layout: each rank reads them tensor by tensor and copies just the boxes it owns
     into its fp32 masters, and persistent buffers (MoE expert biases) whole."""
-    from meshtrain.checkpoint.hf import iter_weights
+    from meshtrain.checkpoint.hf.io import iter_weights
 
     chunks: dict[str, list] = {}
     for chunk in optimizer_chunks(trainer.optimizer) + buffer_chunks(trainer.model):

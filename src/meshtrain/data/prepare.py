@@ -1,6 +1,6 @@
 """``meshtrain prepare``: tokenize text sources once into a directory of memory-mappable shards.
 
-The directory's layout is in :mod:`meshtrain.data` and ``docs/data.md``.
+The directory's layout is in :mod:`meshtrain.data.prepared` and ``docs/data.md``.
 The sources are cut into pieces of about ``shard_bytes`` input bytes: ``.txt``/``.jsonl`` files
 at line starts, ``.parquet`` files at row groups; consecutive small pieces share a job. Each job
 becomes one shard, written by one of ``workers`` processes that read its pieces in bounded chunks,
@@ -8,7 +8,7 @@ so memory does not grow with the input and several workers share one large file.
 do not depend on ``workers``, so the output is the same for any number of workers.
 
 The token stream is the one training from the same raw files builds
-(:func:`meshtrain.training.data.load_token_stream`): files in sorted order, each document (a
+(:func:`meshtrain.data.stream.load_token_stream`): files in sorted order, each document (a
 ``.txt`` file, a non-blank ``.jsonl`` line, a non-null parquet row) followed by the eos id (if
 any). A ``.txt`` document is tokenized piece by piece, cut after a newline followed by a non-space
 character: the same ids for the byte tokenizer and for Hugging Face tokenizers whose pre-tokenizer
@@ -31,7 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data import (
+from meshtrain.data.prepare_readers import (
+    batches,
+    jsonl_texts,
+    parquet_texts,
+    text_chunks,
+)
+from meshtrain.data.prepared import (
     FORMAT,
     MARKER,
     META,
@@ -40,12 +46,6 @@ from meshtrain.data import (
     read_meta,
     token_dtype,
     tokenizer_hash,
-)
-from meshtrain.data.prepare_readers import (
-    batches,
-    jsonl_texts,
-    parquet_texts,
-    text_chunks,
 )
 
 SHARD_BYTES = 16 << 20
@@ -71,7 +71,7 @@ class _Encoder:
     """Tokenizes text into ``dtype`` arrays the way :func:`encode_documents` does."""
 
     def __init__(self, spec: str, dtype: str):
-        from meshtrain.training.tokenizer import ByteTokenizer, load_tokenizer
+        from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
         self.tokenizer = load_tokenizer(spec)
         self.bytes = isinstance(self.tokenizer, ByteTokenizer)
@@ -283,7 +283,7 @@ def _plan(files: list[Path], field: str, shard_bytes: int,
 def _source_files(sources: list[str], out: Path) -> list[Path]:
     """The text files ``sources`` name, sorted as training sorts them; files under ``out``
     (an earlier output) are left out. ConfigError for a missing, unreadable or empty one."""
-    from meshtrain.training.data import find_source_files
+    from meshtrain.data.stream import find_source_files
 
     found: dict[Path, Path] = {}
     for source in sources:
@@ -351,7 +351,7 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_
     > 1 the workers are started with multiprocessing's "spawn" (they do not inherit ``torch``),
     so a script calling this must do so under ``if __name__ == "__main__":``.
     """
-    from meshtrain.training.tokenizer import load_tokenizer
+    from meshtrain.data.tokenizer import load_tokenizer
 
     if workers < 1:
         raise ConfigError(f"--workers = {workers} must be at least 1.")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from meshtrain.config import ModelConfig
+from meshtrain.config.model_size import count_parameters, flops_per_token
 from meshtrain.model.init import init_tensor, init_weights
 from meshtrain.model.moe import MoE, moe_layers
 from meshtrain.model.transformer import Transformer
-from meshtrain.model_size import count_parameters, flops_per_token
 
 
 def meta_model(config: ModelConfig) -> Transformer:

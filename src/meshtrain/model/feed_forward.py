@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtrain.model_config import MLP_KINDS
+from meshtrain.config.model import MLP_KINDS
 
 
 class MLPActivation(nn.Module):

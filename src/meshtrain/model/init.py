@@ -7,7 +7,8 @@ parameter of one block keeps the value of a whole-tensor draw), where ``name`` i
 parameter's full name in the unsharded model (e.g. ``layers.3.attention.wq.weight``). So the
 value never depends on which modules a rank built or in what order, and any part of a parameter
 can be generated alone: a range (:func:`init_range`: a ZeRO-3 rank's shard, a dim-0 piece) or a
-box (:func:`init_box`: a tensor-parallel piece along any dim, an expert-parallel rank's experts),
+box (:func:`init_box`: a tensor-parallel piece along any dim, an expert-parallel rank's experts;
+:mod:`meshtrain.parallel.initial_values` draws a parallel layout's pieces with them),
 drawing one block at a time. Every parallel layout starts from the same model as one process,
 and no rank draws a full tensor it does not hold.
 
@@ -30,15 +31,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshtrain.config import ModelConfig
-
-if TYPE_CHECKING:
-    from meshtrain.parallel.sharding import ParamSharding, ShardingTable
 
 # Wrapper prefixes that activation checkpointing / torch.compile insert into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
@@ -152,45 +149,6 @@ def init_tensor(name: str, shape: Sequence[int], seed: int, config: ModelConfig)
     return init_range(name, shape, 0, math.prod(shape), seed, config).view(tuple(shape))
 
 
-def initial_value(name: str, param: torch.Tensor, seed: int, config: ModelConfig,
-                  sharding: ParamSharding | None = None,
-                  flat_range: tuple[int, int] | None = None) -> torch.Tensor:
-    """The initial value (fp32, CPU) of this rank's piece of parameter ``name``, or with
-    ``flat_range = (start, stop)`` only elements ``[start, stop)`` of the flattened piece (1-D).
-
-    A parallel layout may have replaced a parameter by this rank's piece; its sharding record
-    (``sharding``, :class:`~meshtrain.parallel.sharding.ParamSharding`) then gives the full shape
-    and where the piece sits, so the values match the unsplit model's. Only the piece is
-    generated, block by block (:func:`init_box`; a range of a whole parameter or of a piece that
-    is one contiguous range of the full tensor with :func:`init_range`): no rank ever draws a
-    full tensor it does not hold. Experts re-placed out of order are drawn one expert at a time.
-    """
-    piece = sharding is not None and sharding.is_piece
-    if not piece:
-        if flat_range is None:
-            return init_tensor(name, param.shape, seed, config)
-        return init_range(name, param.shape, *flat_range, seed, config)
-    full, shape = tuple(sharding.full_shape), tuple(param.shape)
-    offset = sharding.global_offset(len(full))
-    rows = sharding.expert_rows()
-    dim = sharding.ep_dim
-    in_order = rows is None or rows == list(range(rows[0], rows[0] + len(rows)))
-    if flat_range is not None and in_order and full[1:] == shape[1:] and not any(offset[1:]):
-        base = offset[0] * math.prod(full[1:])  # the piece is rows offset[0]... of the full one
-        return init_range(name, full, base + flat_range[0], base + flat_range[1], seed, config)
-    if in_order:
-        first = list(offset)
-        if rows is not None:
-            first[dim] = rows[0]
-        value = init_box(name, full, first, shape, seed, config)
-    else:
-        one = list(shape)
-        one[dim] = 1
-        value = torch.cat([init_box(name, full, [*offset[:dim], row, *offset[dim + 1:]], one,
-                                    seed, config) for row in rows], dim=dim)
-    return value if flat_range is None else value.reshape(-1)[flat_range[0]:flat_range[1]]
-
-
 def reset_buffers(model: nn.Module) -> None:
     """Reset every module's buffers through its ``reset_buffers()`` (MoE ``expert_bias`` to
     zeros, RoPE caches cleared)."""
@@ -201,15 +159,14 @@ def reset_buffers(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, shardings: ShardingTable | None = None) -> None:
-    """Fill every parameter of ``model`` with :func:`initial_value` and reset its buffers.
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every (whole) parameter of ``model`` with :func:`init_tensor` and reset its buffers.
 
-    ``model`` must carry its ``ModelConfig`` as ``model.config``; ``shardings``: the sharding
-    records of a parallelised model's parameters (None: every parameter is whole).
+    ``model`` must carry its ``ModelConfig`` as ``model.config``. A parallelised model's pieces
+    are initialised by :func:`meshtrain.parallel.initial_values.initial_value`.
     """
     config = model.config
     for name, param in model.named_parameters():
-        value = initial_value(name, param, seed, config,
-                              shardings[name] if shardings is not None else None)
+        value = init_tensor(name, param.shape, seed, config)
         param.copy_(value.to(device=param.device, dtype=param.dtype))
     reset_buffers(model)

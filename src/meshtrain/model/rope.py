@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from meshtrain.model_config import ROPE_SCALING_KEYS
+from meshtrain.config.model import ROPE_SCALING_KEYS
 
 
 def normalized_scaling(scaling: dict[str, Any] | None) -> dict[str, Any]:

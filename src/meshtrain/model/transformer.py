@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtrain.config.model import MLP_KINDS, ModelConfig
 from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.init import init_weights
 from meshtrain.model.moe import MoE
 from meshtrain.model.rope import rope_frequencies
-from meshtrain.model_config import MLP_KINDS, ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,7 @@ from meshtrain.parallel.sharding import ShardingTable
 from meshtrain.parallel.state import attach_parallel_state, parallel_state
 
 if TYPE_CHECKING:
-    from meshtrain.mesh import ParallelMesh
+    from meshtrain.parallel.mesh import ParallelMesh
 
 
 
@@ -90,7 +90,7 @@ def _mark_tied_embedding(model: torch.nn.Module, mesh: ParallelMesh, schedule,
     if len(ends) > 1 and mesh.tied_pp_ranks != ends:
         raise ValueError(f"the mesh's tied_pp_ranks {mesh.tied_pp_ranks} are not the pipeline "
                          f"ranks of the first and last stage {ends} (build "
-                         f"the mesh with them: meshtrain.worker.build_mesh does)")
+                         f"the mesh with them: meshtrain.run.worker.build_mesh does)")
     if model.tok_embeddings is None or not mesh.comm("tied").active:
         return  # a middle stage, or one rank holds both ends
     first = mesh.pp_rank == schedule.rank_of(schedule.first_stage)
@@ -107,10 +107,11 @@ def _materialize(model: torch.nn.Module, device: torch.device, plan: ParallelPla
     rank ever holds more than its buckets plus one full parameter. The parameters' sharding
     records (``shardings``, by name) say which piece each one is.
 
-    On the meta device itself (a dry run, :mod:`meshtrain.dry_run`) only the dtype changes:
+    On the meta device itself (a dry run, :mod:`meshtrain.commands.dry_run`) only the dtype changes:
     no storage, no init (returns None)."""
     from meshtrain.model import moe_layers
-    from meshtrain.model.init import initial_value, reset_buffers
+    from meshtrain.model.init import reset_buffers
+    from meshtrain.parallel.initial_values import initial_value
 
     # Moving off the meta device replaces the Parameter objects; the records are keyed by name.
     model.to(torch.bfloat16 if plan.param_dtype == "bf16" else torch.float32)  # still meta: free

@@ -16,7 +16,8 @@ and the number of calls. :class:`CommLog` also keeps each rank's last few collec
 shape, dtype, call site, training step, and a per-axis **sequence number**) so that a hang can be
 explained by what each rank was last doing: every rank of a group issues the group's collectives
 in the same order, so in a hang the ranks whose sequence number on an axis is behind the others'
-are the ones that did not arrive (:mod:`meshtrain.diagnostics`). Point-to-point sends and receives
+are the ones that did not arrive (:mod:`meshtrain.run.diagnostics`). Point-to-point sends and
+receives
 are numbered separately (the two ends of a pipeline issue different counts).
 
 With ``CommLog.debug`` on (``train.debug_collectives``), every collective is preceded by a small
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain import faults
+from meshtrain.config.runtime_facts import bus_bytes
 from meshtrain.errors import CollectiveMismatchError
 
 # torch >= 2.10 renamed the flat-tensor collectives; use whichever this torch has.
@@ -87,22 +89,6 @@ def _call_site() -> str:
     if frame is None:
         return "?"
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-
-
-def bus_bytes(op: str, full_bytes: int, group_size: int) -> int:
-    """Bus bytes per rank of one collective on a full tensor of ``full_bytes`` (see module doc)."""
-    n = group_size
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * full_bytes // n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * full_bytes // n
-    if op in ("send", "recv", "broadcast"):
-        return full_bytes
-    if op in ("all_gather_object", "barrier"):  # diagnostics / sync only: not counted
-        return 0
-    raise ValueError(f"unknown collective {op!r}")
 
 
 class CommLog:

@@ -21,7 +21,8 @@ compiled pieces (explicit graph breaks, so nothing is traced that must not be):
 
 Supported: dense and MoE models under dp / ZeRO 0-3 / tp (+SP) / pp / ep, activation
 checkpointing ``none`` or ``full``. Not yet: ``selective`` checkpointing (checkpointed
-submodules inside a compiled graph; :func:`meshtrain.validation.validate_train` refuses it).
+submodules inside a compiled graph; :func:`meshtrain.validation.run_config.validate_train` refuses
+it).
 
 What it buys, measured on the 2-vCPU development VM (dim 256 × 4 layers, seq 256, batch 8, fp32,
 one thread, dense, one process): forward + backward 0.845 s against 0.884 s eager (−4.5 %),

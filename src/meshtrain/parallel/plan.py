@@ -1,7 +1,7 @@
 """``ParallelPlan``: the one contract between the planner (or a user) and the runtime.
 
 A plan is data. Hand-written, read from a config, or produced by the planner, it goes through the
-same :func:`meshtrain.parallel.parallelize`. It is a :class:`~meshtrain.layout.Layout` (the
+same :func:`meshtrain.parallel.parallelize`. It is a :class:`~meshtrain.config.layout.Layout` (the
 degrees of every axis and how the step is scheduled) with the tensor-parallel sharding rules as
 (module-name pattern -> style) pairs, so the plain model never needs to know it is being split.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import Config
-from meshtrain.layout import Layout
+from meshtrain.config.layout import Layout
 
 # How each module of the plain model is split under tensor parallelism (Megatron-LM's layout):
 # a TP region is entered once per sub-layer (attention, MLP, head), the first matmul of each pair
@@ -39,7 +39,8 @@ DEFAULT_TP_RULES: tuple[tuple[str, str], ...] = (
 
 @dataclasses.dataclass
 class ParallelPlan(Layout):
-    """A :class:`~meshtrain.layout.Layout` (degrees and schedule) with what the runtime needs to
+    """A :class:`~meshtrain.config.layout.Layout` (degrees and schedule) with what the runtime
+    needs to
     apply it: the sharding rules, bucket options, seed and dtypes."""
 
     dp_bucket_mb: float = 25.0

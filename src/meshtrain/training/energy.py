@@ -55,7 +55,7 @@ def _nvml_index(device: torch.device) -> int:
 
 def estimated_power_w(device: torch.device, threads: int) -> float:
     """Watts one rank is taken to draw when nothing measures it (see the module doc)."""
-    from meshtrain.planner.hardware import PROFILES
+    from meshtrain.planner.tables.profiles import PROFILES
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
@@ -63,8 +63,8 @@ def estimated_power_w(device: torch.device, threads: int) -> float:
             if key.split("-")[0] in name.replace(" ", "") and profile.gpu_tdp_w:
                 return profile.gpu_tdp_w
         return PROFILES["h100-80g"].gpu_tdp_w
-    from meshtrain.planner.calibrate import default_profile_path
-    from meshtrain.planner.hardware import load_profile
+    from meshtrain.planner.calibrate.measure import default_profile_path
+    from meshtrain.planner.tables.profiles import load_profile
 
     path = default_profile_path()
     if path.is_file():

@@ -1,6 +1,6 @@
 """``train.energy_schedule``: run each pipeline action at the GPU clock its energy schedule gives.
 
-The planner's energy schedule (:mod:`meshtrain.planner.energy_schedule`) gives every compute
+The planner's energy schedule (:mod:`meshtrain.planner.energy.schedule`) gives every compute
 action of a pipeline step a clock: full clock on the critical path, lower ones where an action
 has slack, so the step stays within 1 % of the full-clock step. The stage times come from
 ``meshtrain estimate`` of this run's own config on the GPU's profile (``parallel.auto_profile``
@@ -31,10 +31,10 @@ def action_clocks(config: Config, profile, pp_rank: int, gpus_per_node: int = 8
                   ) -> dict[Action, float]:
     """The clock (MHz) of each compute action of pipeline rank ``pp_rank`` for ``config``'s
     layout on ``profile``."""
-    from meshtrain.planner.energy_schedule import layout_energy_schedule
-    from meshtrain.planner.estimate import estimate
-    from meshtrain.planner.hardware import Cluster
-    from meshtrain.planner.workload import Workload
+    from meshtrain.planner.cost.estimate import estimate
+    from meshtrain.planner.cost.workload import Workload
+    from meshtrain.planner.energy.schedule import layout_energy_schedule
+    from meshtrain.planner.hardware.profile import Cluster
 
     layout = config.parallel.layout()
     gpus = layout.world_size
@@ -74,7 +74,7 @@ def install_energy_schedule(config: Config, device: torch.device, pp_rank: int,
     if device.type != "cuda":
         return (f"not applied: the {device.type} device has no GPU clocks to set; the run goes "
                 "on unchanged")
-    from meshtrain.planner.hardware import PROFILES, load_profile, profile_for_gpu
+    from meshtrain.planner.tables.profiles import PROFILES, load_profile, profile_for_gpu
     from meshtrain.training.energy import apply_clock_limit
 
     given = config.parallel.auto_profile

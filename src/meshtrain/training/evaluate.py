@@ -2,7 +2,7 @@
 
 ``train.eval_every = N`` evaluates after every N-th optimizer step and after the last one, on
 ``data.valid_source`` or on the tail that ``data.valid_fraction`` holds out of the training
-source (:func:`meshtrain.training.data.hold_out_tail`). Every evaluation reads the same
+source (:func:`meshtrain.data.stream.hold_out_tail`). Every evaluation reads the same
 ``train.eval_batches`` global batches: held-out sample ``i`` of batch ``b`` is sample
 ``(b × global_batch + i) mod n`` of the packed held-out stream, split over data-parallel ranks and
 micro-batches exactly as a training step's batch is, so the sequences evaluated do not depend on
@@ -28,15 +28,15 @@ import math
 import torch
 
 from meshtrain.config import ConfigError
+from meshtrain.data.stream import PackedDataset, load_token_stream, rank_microbatches
 from meshtrain.model import moe_layers
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.pipeline.schedules import forward_only
-from meshtrain.training.data import PackedDataset, load_token_stream, rank_microbatches
 
 
 def held_out_tokens(data_cfg, tokenizer, held_out, cache_dir=None):
     """The evaluation stream: ``data.valid_source`` tokenized like the training source, or the
-    tail :class:`~meshtrain.training.train_data.TrainData` held out (``data.valid_fraction``); None
+    tail :class:`~meshtrain.data.train_data.TrainData` held out (``data.valid_fraction``); None
     when neither is set (a :class:`~meshtrain.data.shards.TokenShards`)."""
     if data_cfg.valid_source:
         import dataclasses

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from meshtrain.mesh import ParallelMesh
+from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline import StageTimes, simulate
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.pipeline.schedule import ActionKind
@@ -49,7 +49,7 @@ def write_measured_timeline(executor: PipelineExecutor, mesh: ParallelMesh,
                             run_dir: Path) -> dict | None:
     """Gather this step's events over the pp group; the logging rank writes
     ``timeline.json`` (Chrome trace), ``timeline.png`` and ``timeline_summary.json``."""
-    from meshtrain.training.timing import events_to_seconds
+    from meshtrain.parallel.timing import events_to_seconds
 
     # CUDA event stamps become host seconds here, once per step (a sync after the step's work)
     gathered = mesh.comm("pp").all_gather_object(events_to_seconds(executor.events))

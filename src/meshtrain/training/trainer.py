@@ -8,7 +8,8 @@ Loss normalisation: each micro-batch's summed token cross-entropy is divided by 
 target tokens in the **global** batch (all data-parallel ranks, all micro-batches), counted before
 any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
 gradient of the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
-groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco`) each group is such a job on
+groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco.outer`) each group is such a job
+on
 its own part of every global batch, and its outer step averages the groups every round.
 """
 
@@ -23,23 +24,27 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
+from meshtrain.data.prefetch import BatchPrefetcher
+from meshtrain.data.tokenizer import load_tokenizer
+from meshtrain.data.train_data import trainer_data
 from meshtrain.errors import NonFiniteError
-from meshtrain.layout_change import take_change
-from meshtrain.mesh import ParallelMesh
 from meshtrain.model import flops_per_token, meta_model, moe_layers
 from meshtrain.parallel import (
     ParallelPlan,
     data_parallel_engine,
     parallelize,
     pipeline_stages,
+    timing,
 )
 from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_summary
 from meshtrain.parallel.expert.placement import ExpertPlacer
+from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
-from meshtrain.preemption import save_on_signal
-from meshtrain.training import straggler, timing
-from meshtrain.training.diloco import reduce_over_groups
+from meshtrain.replan.layout_change import take_change
+from meshtrain.replan.monitor import ReplanMonitor
+from meshtrain.training import straggler
+from meshtrain.training.diloco.outer import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
 from meshtrain.training.lr_schedule import learning_rate
@@ -51,11 +56,8 @@ from meshtrain.training.metrics import (
 from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
-from meshtrain.training.prefetch import BatchPrefetcher
-from meshtrain.training.replan_monitor import ReplanMonitor
+from meshtrain.training.preemption import save_on_signal
 from meshtrain.training.straggler import StragglerDetector
-from meshtrain.training.tokenizer import load_tokenizer
-from meshtrain.training.train_data import trainer_data
 
 IGNORE_INDEX = -100
 
@@ -73,7 +75,7 @@ class Trainer:
     def __init__(self, config: Config, mesh: ParallelMesh, with_data: bool = True):
         """``with_data = False`` builds the model state alone (model, engine, optimizer,
         pipeline executor), no training or held-out data: what a dry run needs
-        (:mod:`meshtrain.dry_run`)."""
+        (:mod:`meshtrain.commands.dry_run`)."""
         self.config = config
         self.mesh = mesh
         self.device = mesh.device
@@ -97,13 +99,13 @@ class Trainer:
         self.optimizer = FlatAdamW(self.engine, train)
         self.outer = None  # DiLoCo's outer step between replica groups (replicas > 1)
         if mesh.replicas > 1:
-            from meshtrain.training.diloco import OuterOptimizer
+            from meshtrain.training.diloco.outer import OuterOptimizer
 
             self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
                                         train.outer_momentum, par.outer_grad_dtype,
                                         par.sync_fragments, par.sync_overlap, train.outer_mix)
             if mesh.group_alone and with_data:  # groups as jobs of their own (torchft)
-                from meshtrain.training.replica_ft import ReplicaQuorum
+                from meshtrain.training.diloco.replica_ft import ReplicaQuorum
 
                 self.outer.quorum = ReplicaQuorum(self)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
@@ -123,7 +125,8 @@ class Trainer:
         self.energy = EnergyMeter(self.device, torch.get_num_threads())
         self.energy_total_j = 0.0
         self.stop_signals = None
-        """A :class:`~meshtrain.preemption.StopSignals` whose first signal stops the run after
+        """A :class:`~meshtrain.training.preemption.StopSignals` whose first signal stops the run
+        after
         the current step, with a checkpoint (the worker sets it); None = no signal handling."""
         self.stop_signal = 0
         """The signal some rank received, as all ranks agreed at the end of the last step."""

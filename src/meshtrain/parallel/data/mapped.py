@@ -4,7 +4,7 @@ A ZeRO-3 bucket's full parameter buffer exists only while its block computes. Th
 it between uses; autograd has saved views of it, so it must stay the *same* storage, refilled by
 the next gather. On CUDA that is ``storage.resize_(0)`` and back (the caching allocator reuses
 the blocks). On the CPU, ``malloc`` serves those 10-100 MiB requests from the heap, which
-meshtrain's host allocator settings keep (:mod:`meshtrain.host_allocator`): repeated gathers
+meshtrain's host allocator settings keep (:mod:`meshtrain.host.allocator`): repeated gathers
 and frees of differently sized buckets between the step's other allocations fragment it, and a
 dp 8 ZeRO-3 rank's resident memory grew by hundreds of MiB per step (measured from outside).
 

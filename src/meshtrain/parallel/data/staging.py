@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshtrain.zero_buffers import INITIAL_PAIRS
+from meshtrain.config.runtime_facts import INITIAL_PAIRS
 
 
 class StagingPool:

@@ -18,7 +18,7 @@ handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
 - The root unit (embedding, final norm, head) is gathered when the model's forward starts, freed
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
   are reduced at the end of backward. So every parameter is gathered once for forward and once
-  for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (§7).
+  for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (7).
 - Under pipeline parallelism (every schedule) the stage chunks run the units between
   :meth:`ParameterGatherer.begin_pipelined_step` and :meth:`~ParameterGatherer.
   end_pipelined_step`: each unit is gathered and freed around each micro-batch's forward and

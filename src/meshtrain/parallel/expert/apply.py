@@ -1,7 +1,7 @@
 """Apply expert parallelism: each MoE layer keeps only its ``E / ep`` local experts.
 
 Ep rank ``r`` (the position of this rank in its expert group: ``ep`` consecutive ranks of the
-stage's ``dp × tp`` ranks, see :class:`~meshtrain.mesh.ParallelMesh`) holds experts
+stage's ``dp × tp`` ranks, see :class:`~meshtrain.parallel.mesh.ParallelMesh`) holds experts
 ``[r * E/ep, (r + 1) * E/ep)`` of every MoE layer. The layer's ``experts`` module is replaced
 by :class:`ExpertParallelExperts`, which keeps the parameter names
 (``layers.<i>.moe.experts.w1`` ...) and describes each expert parameter, like a tensor-parallel

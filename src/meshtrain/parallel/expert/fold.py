@@ -2,7 +2,8 @@
 
 Under tensor parallelism the MoE layer is a replicated region: every tp rank holds the same
 (gathered) tokens, routes them alike and sorts the same assignments by expert. With experts
-folded over the tp ranks (:mod:`meshtrain.mesh`), each tp rank then takes **its own share of the
+folded over the tp ranks (:mod:`meshtrain.parallel.mesh`), each tp rank then takes **its own share
+of the
 sorted rows** and dispatches only those over its expert group, so every assignment is dispatched
 once and computed once in the whole stage; the expert outputs are all-gathered over tp back into
 the full sorted order, where the replicated gate-and-sum continues.

@@ -3,7 +3,8 @@
 Under expert parallelism the ``E/ep`` local experts of a layer are rows of its 3-D expert
 parameters (``w1``, ``w2``, ``w3`` ``[E/ep, ...]``), which the data-parallel engine flattens into
 ``edp`` buckets. Every rank of one ``dp_tp`` group (the ``dp × tp`` ranks of one pipeline stage,
-which the expert groups factor, :mod:`meshtrain.mesh`) builds the same bucket layout for these
+which the expert groups factor, :mod:`meshtrain.parallel.mesh`) builds the same bucket layout for
+these
 parameters, since all ep ranks hold the same shapes; "dp rank" below is the place in that group.
 What an optimizer shard holds (fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
 

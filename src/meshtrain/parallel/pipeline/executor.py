@@ -44,7 +44,7 @@ from meshtrain.parallel.pipeline.message_order import Message, exchanges, messag
 from meshtrain.parallel.pipeline.p2p import Exchanger
 from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
 from meshtrain.parallel.pipeline.stage import StageChunk
-from meshtrain.training.timing import stamp
+from meshtrain.parallel.timing import stamp
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

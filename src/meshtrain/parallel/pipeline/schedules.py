@@ -8,7 +8,7 @@ under NCCL's ordered, untagged matching and rendezvous sends. Orders follow the 
 * ``1f1b`` — warm-up of ``pp - rank - 1`` forwards, steady one-forward-one-backward, cool-down
   (Narayanan et al. 2021, non-interleaved; PipeDream-Flush).
 * ``interleaved-1f1b`` — ``virtual_stages`` chunks per rank, round-robin placement, the
-  Megatron-LM order (Narayanan et al. 2021, §2.2).
+  Megatron-LM order (Narayanan et al. 2021, 2.2).
 * ``zb-h1`` — 1F1B with the backward split into ``I`` and ``W``; rank ``r`` defers its ``W`` by
   ``r`` micro-batches so they fill the cool-down (Qi et al. 2024, ZB-H1): same activation memory
   as 1F1B, bubble ``(p-1)/(3m+p-1)`` when ``f = b = w``.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshtrain.config import ConfigError
-from meshtrain.layout import PP_SCHEDULES
+from meshtrain.config.layout import PP_SCHEDULES
 from meshtrain.parallel.pipeline.schedule import (
     Action,
     ActionKind,

@@ -1,0 +1,3 @@
+"""Tensor parallelism (and sequence parallelism): split layers, their collectives and
+the vocab-parallel loss.
+"""

@@ -1,0 +1,106 @@
+"""Pipeline bubble and in-flight micro-batches of each schedule, for the cost model.
+
+When :mod:`meshtrain.parallel.pipeline` (schedules as action lists and their simulator) is
+importable, the bubble and each rank's peak in-flight activations come from simulating the real
+schedule. Otherwise — and for pipelines too large to simulate quickly — closed forms are used:
+
+============================  ====================================================  ==========
+schedule                      bubble time (per rank)                                in flight
+============================  ====================================================  ==========
+gpipe                         (p-1)(f+b+w)                                          m
+1f1b                          (p-1)(f+b+w)  (Narayanan et al. 2021, 2.2)           p - rank
+interleaved-1f1b (v chunks)   (p-1)(f+b+w)/v                                        see below
+zb-h1                         (p-1)(f+b-w)  (Qi et al. 2024, "Zero Bubble PP")      p - rank
+zb-v                          (p-1)(f+b-2w), at least 0                             p - rank
+============================  ====================================================  ==========
+
+``f``, ``b``, ``w`` are one micro-batch's forward, backward-for-inputs and backward-for-weights
+times on one stage (``b + w`` is the whole backward). The interleaved schedule keeps
+``(p - rank - 1) * 2 + (v - 1) * p + 1`` chunks in flight on a rank (Megatron-LM's warm-up count),
+each ``1/v`` of the stage's layers, so rank 0 holds ``1 + (p-1)/(p v)`` times 1F1B's activations
+(Korthikanti et al. 2022, 4.2.3). Memory is counted in *stage-microbatches*: how many
+micro-batches' worth of one full stage's activations a rank holds at its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SIMULATE_MAX_ACTIONS = 6_000
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineEstimate:
+    """Bubble fraction of the step, and peak activations held per pipeline rank."""
+
+    bubble_fraction: float
+    """Idle share of the pipelined part of the step (0 without pipelining)."""
+    makespan_units: float
+    """Pipelined time divided by the time of one micro-batch's f+b+w on one stage."""
+    peak_inflight: list[float]
+    """Per rank, peak activations held, in stage-microbatches (see module doc)."""
+    source: str
+    """``simulator`` or ``closed-form``."""
+
+
+def _closed_form_inflight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+    if schedule == "gpipe":
+        return [float(m)] * pp
+    if schedule == "interleaved-1f1b" and v > 1:
+        return [min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v) / v for rank in range(pp)]
+    return [float(min(pp - rank, m)) for rank in range(pp)]
+
+
+def _closed_form_bubble_time(schedule: str, pp: int, v: int, f: float, b: float,
+                             w: float) -> float:
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) * (f + b + w) / max(v, 1)
+    if schedule == "zb-h1":
+        return (pp - 1) * max(f + b - w, 0.0)
+    if schedule == "zb-v":
+        return (pp - 1) * max(f + b - 2 * w, 0.0)
+    return (pp - 1) * (f + b + w)
+
+
+def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
+              w: float) -> PipelineEstimate | None:
+    """The real schedule through the runtime's simulator, or ``None`` when unavailable."""
+    if pp * m * max(v, 1) * 3 > SIMULATE_MAX_ACTIONS:
+        return None
+    try:
+        from meshtrain.parallel.pipeline import StageTimes, build_schedule, simulate
+    except ImportError:
+        return None
+    try:
+        sched = build_schedule(schedule, pp, m, v)
+        result = simulate(sched, times=StageTimes(f=f / v, b=b / v, w=w / v, comm=0.0))
+    except Exception:  # noqa: BLE001 - a schedule the runtime refuses falls back to the formula
+        return None
+    unit = f + b + w
+    inflight = [float(n) / v for n in result.peak_inflight]
+    return PipelineEstimate(float(result.bubble_fraction), float(result.makespan) / unit,
+                            inflight, "simulator")
+
+
+def pipeline_estimate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
+                      w: float, use_simulator: bool = True) -> PipelineEstimate:
+    """Bubble and peak in-flight activations of ``schedule`` with ``pp`` stages, ``m``
+    micro-batches and ``v`` virtual stages per rank (``f, b, w`` per stage, see module doc)."""
+    v = v if schedule in ("interleaved-1f1b",) else (2 if schedule == "zb-v" else 1)
+    unit = f + b + w
+    if pp <= 1 or unit <= 0:
+        return PipelineEstimate(0.0, float(m), [1.0] * max(pp, 1), "closed-form")
+    if use_simulator:
+        simulated = _simulate(schedule, pp, m, v, f, b, w)
+        if simulated is not None:
+            return simulated
+    busy = m * unit
+    bubble = _closed_form_bubble_time(schedule, pp, v, f, b, w)
+    return PipelineEstimate(bubble / (busy + bubble), (busy + bubble) / unit,
+                            _closed_form_inflight(schedule, pp, m, v), "closed-form")
+
+
+def pipeline_bubble(schedule: str, pp: int, m: int, v: int, f: float, b: float,
+                    w: float) -> float:
+    """Idle fraction of the pipelined part of a step (see :func:`pipeline_estimate`)."""
+    return pipeline_estimate(schedule, pp, m, v, f, b, w).bubble_fraction

@@ -1,0 +1,3 @@
+"""Energy schedules of a pipeline: actions off the critical path at lower clocks
+(:mod:`.schedule`).
+"""

@@ -1,0 +1,3 @@
+"""Searching layouts: enumerate, keep those that fit, rank (:mod:`.layouts`), and plan
+for an objective such as time, energy, cost or carbon (:mod:`.objective`).
+"""

@@ -1,0 +1,282 @@
+"""Enumerate layouts for a workload on a cluster, keep those that fit, rank by tokens/s.
+
+The space: tp over the powers of two that fit in a node and divide the heads; cp over divisors of
+what is left that split the sequence into ``2 cp`` equal chunks (the runtime's check); pp over
+divisors of what is left after both (at most the layer count); dp the rest; ep over divisors of
+dp × tp that divide tp or are multiples of it, and divide the expert count (MoE only, experts
+folded over tp); ZeRO 0-3, a pipelined layout's ZeRO-2 and ZeRO-3 variants priced only when
+its ZeRO-1 variant does not fit (:func:`price_layouts`); with tp > 1 sequence parallelism on and
+off (the same communication volume, less activation memory, but more, smaller kernels);
+schedules 1f1b, interleaved-1f1b (2, 4 and 8 chunks), zb-h1 and zb-v with pipelining (gpipe
+only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; activation
+checkpointing none, selective, full — of these, only what the priced stack offers
+(``RuntimeTraits.zero_stages``, ``context_parallel``, ``pp_schedules``). When nothing fits,
+:func:`explain_nothing_fits` says what dominates memory and how many GPUs the smallest
+feasible layout would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from meshtrain.config import ConfigError
+from meshtrain.config.layout import Layout
+from meshtrain.planner.cost.estimate import estimate
+from meshtrain.planner.cost.memory import GB, model_state_bytes
+from meshtrain.planner.cost.workload import (
+    RuntimeTraits,
+    Workload,
+    context_parallel_fits,
+    layout_from_json,
+)
+from meshtrain.planner.hardware.profile import Cluster
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+CHECKPOINTING = ("none", "selective", "full")
+VIRTUAL_STAGES = (2, 4, 8)
+"""Chunks per rank tried for interleaved 1F1B."""
+MAX_VIRTUAL_STAGES = 8
+"""With equal layer counts per stage (``RuntimeTraits.uniform_pipeline_stages``): every chunk
+count from 2 to this that divides a stage's layers (Megatron-LM's ``--num-layers-per-virtual-
+pipeline-stage``)."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _schedules(pp: int, n_layers: int, microbatches: int,
+               traits: RuntimeTraits) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    options = [("1f1b", 1), ("zb-h1", 1)]
+    if n_layers >= 2 * pp:
+        options.append(("zb-v", 1))
+    if microbatches % pp == 0:
+        if traits.uniform_pipeline_stages:  # Megatron-LM: v divides the stage's layers, pp > 2
+            per_stage = n_layers // pp
+            chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per_stage % v == 0
+                      ] if pp > 2 else []
+        else:
+            chunks = [v for v in VIRTUAL_STAGES if n_layers >= v * pp]
+        options += [("interleaved-1f1b", v) for v in chunks]
+    return [(name, v) for name, v in options if name in traits.pp_schedules]
+
+
+def enumerate_layouts(workload: Workload, cluster: Cluster, *,
+                      micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES,
+                      checkpointing: tuple[str, ...] = CHECKPOINTING,
+                      zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+                      cps: tuple[int, ...] | None = None) -> list[Layout]:
+    """Every layout in the search space that the shapes allow on exactly ``cluster.gpus``
+    (``cps``: only these context-parallel degrees; default every one that fits)."""
+    model, gpus = workload.model, cluster.gpus
+    layouts = []
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and gpus % t == 0
+           and model.n_heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
+           and model.ffn_dim % t == 0]
+    traits = workload.traits  # only what the priced runtime offers
+    cps = cps if traits.context_parallel else (1,)
+    zero_stages = tuple(z for z in zero_stages if z in traits.zero_stages)
+    checkpointing = tuple(c for c in checkpointing if c in traits.checkpointing)
+    sp_options = (True, False) if traits.sequence_parallel else (False,)
+    shapes = [(t, c) for t in tps for c in _divisors(gpus // t)
+              if (cps is None or c in cps) and context_parallel_fits(workload, c, t, t > 1)]
+    for tp, cp in shapes:
+        for pp in _divisors(gpus // (tp * cp)):
+            if pp > model.n_layers or (traits.uniform_pipeline_stages and model.n_layers % pp):
+                continue
+            dp = gpus // (tp * cp * pp)
+            eps = ([e for e in _divisors(dp * tp)
+                    if model.moe_experts % e == 0 and (tp % e == 0 or e % tp == 0)]
+                   if model.moe_experts else [1])
+            for b in micro_batch_sizes:
+                if workload.global_batch % (dp * b):
+                    continue
+                m = workload.global_batch // (dp * b)
+                if pp > 1 and m < pp:
+                    continue
+                for ep in eps:
+                    for zero in zero_stages:
+                        if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
+                            continue
+                        for schedule, v in _schedules(pp, model.n_layers, m, traits):
+                            for sp, ckpt in itertools.product(
+                                    sp_options if tp > 1 else (False,), checkpointing):
+                                layouts.append(Layout(
+                                    dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                    sequence_parallel=sp, pp_schedule=schedule,
+                                    virtual_stages=v, microbatches=m,
+                                    activation_checkpointing=ckpt))
+    return layouts
+
+
+def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
+                  energy: dict | None = None) -> list[tuple[Layout, dict]]:
+    """``(layout, closed-form estimate)`` of every layout in ``layouts``, plus the sharded
+    variants of the pipelined ones that need them.
+
+    A pipelined layout at ZeRO-1 that does not fit is priced again at ZeRO-2 (gradients
+    sharded over dp), and if that does not fit either, at ZeRO-3 (weights too), where the
+    stack offers those stages: the least sharding that fits. Under a pipeline both stages
+    reduce-scatter every micro-batch (ZeRO-3 gathers the weights every micro-batch too), the
+    traffic that makes Megatron-LM and DeepSpeed pair pipelines with ZeRO-1 only; so a
+    variant is priced only where the sharding is what makes the layout fit, which also keeps
+    the search near the size of the unsharded one. A variant whose lower bound (the optimizer
+    shard and activations as at ZeRO-1, plus the whole weights at ZeRO-2) is already over the
+    memory limit is skipped unpriced.
+    """
+    priced = []
+    stages = workload.traits.zero_stages
+    for layout in layouts:
+        result = estimate(workload, layout, cluster, energy, use_simulator=False)
+        priced.append((layout, result))
+        if result["fits"] or layout.pp == 1 or layout.zero != 1 or layout.dp == 1:
+            continue
+        limit = result["memory_limit_gb"] * GB
+        for zero in (2, 3):
+            if zero not in stages or any(
+                    r["optim_bytes"] + r["activation_bytes"] + (r["param_bytes"] if zero == 2
+                                                               else 0) > limit
+                    for r in result["per_rank"]):
+                continue
+            sharded = dataclasses.replace(layout, zero=zero)
+            priced.append((sharded, estimate(workload, sharded, cluster, energy,
+                                             use_simulator=False)))
+            if priced[-1][1]["fits"]:
+                break
+    return priced
+
+
+def _speed(result: dict) -> tuple[float, float]:
+    """Sort key, fastest first: tokens/s, then (among layouts held at the profile's MFU cap)
+    the step time the cost model gave before the cap."""
+    return (-result["tokens_per_s"],
+            result["step_time_s"] - result["breakdown"].get("mfu_cap_s", 0.0))
+
+
+def why(result: dict) -> str:
+    """One line on what bounds a candidate."""
+    step = result["step_time_s"]
+    parts = sorted(((v / step, k.removesuffix("_s")) for k, v in result["breakdown"].items()
+                    if k not in ("compute_s", "dp_comm_total_s") and v > 0.01 * step),
+                   reverse=True)
+    compute = result["breakdown"]["compute_s"] / step
+    text = f"compute {compute:.0%}"
+    if parts:
+        text += "; " + ", ".join(f"{name} {share:.0%}" for share, name in parts[:3])
+    headroom = result["memory_limit_gb"] - result["memory_gb_per_gpu"]
+    text = f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
+    lay = result["layout"]
+    if lay["pp"] > 1 and lay["zero"] >= 2:  # searched only so (price_layouts)
+        text += f"; ZeRO-{lay['zero']} as this pipeline does not fit at ZeRO-1"
+    return text
+
+
+def candidate_row(result: dict) -> dict:
+    """The flat candidate record ``plan --json`` prints."""
+    lay = result["layout"]
+    row = {k: lay[k] for k in ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel")}
+    row.update(schedule=lay["schedule"], virtual_stages=lay["virtual_stages"],
+               microbatches=lay["microbatches"], micro_batch_size=result["micro_batch_size"],
+               activation_checkpointing=lay["activation_checkpointing"])
+    for key in ("memory_gb_per_gpu", "step_time_s", "tokens_per_s", "mfu",
+                "model_tflops_per_gpu", "hardware_tflops_per_gpu", "bubble_fraction",
+                "kwh_per_1b_tokens", "cost_per_1b_tokens", "co2_kg_per_1b_tokens", "bound"):
+        row[key] = result[key]
+    row["why"] = why(result)
+    return row
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """Ranked feasible candidates, or (when empty) the explanation of why nothing fits."""
+
+    candidates: list[dict]
+    searched: int
+    feasible: int
+    nothing_fits: str | None = None
+    priced: list[dict] = dataclasses.field(default_factory=list, repr=False)
+    """Every searched layout's closed-form estimate (fitting or not), for callers that compare
+    the ranking with the rest of the search; not part of the JSON form."""
+
+    def to_dict(self) -> dict:
+        """JSON form (without :attr:`priced`)."""
+        out = dataclasses.asdict(dataclasses.replace(self, priced=[]))
+        out.pop("priced")
+        return out
+
+
+def plan(workload: Workload, cluster: Cluster, top: int = 10,
+         energy: dict | None = None, explain: bool = True) -> PlanResult:
+    """Search, prune what does not fit, rank by predicted tokens/s (``explain``: say why
+    nothing fits, searching larger clusters; else leave ``nothing_fits`` short)."""
+    layouts = enumerate_layouts(workload, cluster)
+    if not layouts:
+        raise ConfigError(f"no layout of {cluster.gpus} GPUs divides this model and batch "
+                          f"(global batch {workload.global_batch}); try a global batch that is "
+                          f"a multiple of the GPU count.")
+    results = [result for _, result in price_layouts(workload, cluster, layouts, energy)]
+    feasible = sorted((r for r in results if r["fits"]), key=_speed)
+    # Re-price the front runners with the schedule simulator (closed forms ranked them); one
+    # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
+    front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy)
+             for r in feasible[:3 * top]]
+    count = len(feasible) - sum(1 for r in front if not r["fits"])
+    feasible = sorted((r for r in front if r["fits"]), key=_speed)
+    rows = [candidate_row(r) for r in feasible[:top]]
+    message = None
+    if not feasible:
+        message = (explain_nothing_fits(workload, cluster, results) if explain
+                   else f"nothing fits on {cluster.gpus} GPUs")
+    return PlanResult(rows, len(results), count, message, results)
+
+
+def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dict]) -> str:
+    """Why no layout fits, and how many GPUs the leanest layout would need."""
+    leanest = min(results, key=lambda r: r["memory_gb_per_gpu"])
+    worst = max(leanest["per_rank"], key=lambda r: r["total_bytes"])
+    states = (worst["param_bytes"] + worst["grad_bytes"] + worst["optim_bytes"]) / GB
+    acts = worst["activation_bytes"] / GB
+    limit = leanest["memory_limit_gb"]
+    lay = leanest["layout"]
+    params = leanest["params"]
+    floor = sum(model_state_bytes(params, 3, cluster.gpus, workload.precision,
+                                  workload.traits.grad_reduce_bytes)) / GB
+    text = (f"nothing fits: {len(results)} layouts searched on {cluster.gpus} x "
+            f"{cluster.profile.name} ({limit:.0f} GB usable each). The leanest "
+            f"(dp={lay['dp']} tp={lay['tp']} pp={lay['pp']} cp={lay['cp']} zero={lay['zero']}, "
+            f"{lay['activation_checkpointing']} checkpointing) needs "
+            f"{leanest['memory_gb_per_gpu']:.0f} GB on pipeline stage {worst['stage']}: "
+            f"{states:.0f} GB of model states and {acts:.0f} GB of activations. Model states "
+            f"alone need 16 bytes x {params / 1e9:.0f}B parameters = "
+            f"{16 * params / GB:.0f} GB, at least {floor:.0f} GB per GPU even fully sharded "
+            f"over {cluster.gpus} GPUs.")
+    needed = smallest_feasible_gpus(workload, cluster)
+    if needed:
+        gpus, best = needed
+        bl = best["layout"]
+        text += (f" It would fit on {gpus} GPUs (e.g. dp={bl['dp']} tp={bl['tp']} pp={bl['pp']}"
+                 f" cp={bl['cp']} zero={bl['zero']}, {bl['activation_checkpointing']} "
+                 f"checkpointing, "
+                 f"{best['memory_gb_per_gpu']:.0f} GB per GPU).")
+    else:
+        text += " No cluster up to 64 times this size fits it with this global batch."
+    return text
+
+
+def smallest_feasible_gpus(workload: Workload, cluster: Cluster,
+                           max_factor: int = 64) -> tuple[int, dict] | None:
+    """The fewest GPUs (doubling) on which a memory-lean layout fits, and that layout."""
+    gpus = cluster.gpus * 2
+    while gpus <= cluster.gpus * max_factor:
+        bigger = Cluster(cluster.profile, gpus, cluster.gpus_per_node)
+        layouts = enumerate_layouts(workload, bigger, micro_batch_sizes=(1,),
+                                    checkpointing=("full",), zero_stages=(1, 3))
+        layouts = [lay for lay in layouts if lay.pp_schedule == "1f1b"]
+        fits = [r for _, r in price_layouts(workload, bigger, layouts) if r["fits"]]
+        if fits:
+            return gpus, max(fits, key=lambda r: r["tokens_per_s"])
+        gpus *= 2
+    return None

@@ -1,0 +1,167 @@
+"""The named hardware profiles: data-sheet figures of each accelerator and its server, the best
+published MFU of each family, and how a reported GPU name or a calibrated JSON file maps to a
+profile. The :class:`~meshtrain.planner.hardware.profile.HardwareProfile` type they fill is in
+:mod:`meshtrain.planner.hardware.profile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from meshtrain.config import ConfigError
+from meshtrain.planner.hardware.profile import HardwareProfile
+from meshtrain.planner.tables.stacks import MEGATRON_2021_A100
+
+PUBLISHED_MFU_CAPS = {
+    "a100": (0.611, "torchtitan docs/performance.md (its 2024 A100 tables): Llama 2 13B, FSDP2 "
+                    "on 64 A100 80 GB, local batch 2, seq 4096, no activation checkpointing, "
+                    "61.1 % MFU (6N + 12 L h s FLOPs per token, 312 TFLOP/s peak), the highest "
+                    "published A100 figure recorded here; Megatron-LM's best, Korthikanti et al. "
+                    "2022 Table 5's 1T GPT on 512 A100, is 56.3 %"),
+    "h100": (0.47, "Megatron-LM README (NVIDIA/Megatron-LM), 'Performance Benchmarking': GPT "
+                   "models of 2B to 462B parameters, seq 4096, vocab 131,072, on up to 6,144 "
+                   "H100 with dp/tp/pp communication overlapped, up to 47 % MFU, the highest "
+                   "published H100 figure recorded here (Llama 3 405B: 38-43 %, Llama Team 2024 "
+                   "Table 4). Applied to every profile with the H100's compute (h100-80g, "
+                   "h100-96g, h100-96g-hbm2e-500w, h800, h200): none has a higher published figure "
+                   "of its own"),
+}
+"""Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
+
+# Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
+# below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU). fp32_rate is the
+# datasheet's FP32 (CUDA-core, no TF32) TFLOP/s over its dense bf16 figure: A100 19.5 / 312,
+# H100 SXM (and H800, H200) 67 / 989, B200 80 / 2250, MI300X 163.4 / 1307.
+# matmul_efficiency and attention_efficiency are the defaults of stacks without an entry of
+# their own for the profile's family (meshtrain.planner.hardware.stack_efficiency); each profile's
+# efficiency_source says where they come from.
+_A100_EFFICIENCY = ("megatron-2021's A100 fit (stack_efficiency.MEGATRON_2021_A100), the "
+                    "A100 figure fitted on the oldest stack in the validation set; attention "
+                    "efficiency 0.75 by analogy (unused by Megatron-LM 2021, which has no fused "
+                    "attention)")
+_H100_EFFICIENCY = ("0.62 set against Llama Team 2024 Table 4 (Llama 3 405B, tp 8 x pp 16, "
+                    "430 and 400 TFLOP/s per GPU on 8,192 and 16,384 H100), a calibration point "
+                    "outside the validation set; attention 0.75 by analogy")
+_ANALOGY = ("by analogy with the H100's 0.62 (Llama Team 2024 Table 4), unvalidated: no "
+            "published run on this GPU is in the validation set")
+PROFILES: dict[str, HardwareProfile] = {
+    profile.name: profile
+    for profile in (
+        HardwareProfile(
+            "a100-40g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=40.0, hbm_gbps=1555.0,
+            matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
+            intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
+            inter_node_latency_us=15.0,
+            gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
+            power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            family="a100", efficiency_source=_A100_EFFICIENCY,
+            source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+        HardwareProfile(
+            "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=80.0, hbm_gbps=2039.0,
+            matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
+            intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
+            inter_node_latency_us=15.0,
+            gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
+            power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
+            family="a100", efficiency_source=_A100_EFFICIENCY,
+            source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
+        HardwareProfile(
+            "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
+            source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
+        HardwareProfile(
+            "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
+            source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
+                   "compute, links and power as h100-80g"),
+        HardwareProfile(
+            "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0,
+            hbm_gbps=2400.0, matmul_efficiency=0.62, kernel_overhead_us=5.0,
+            intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
+            inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
+            min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
+            max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
+            source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
+                   "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
+                   "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
+        HardwareProfile(
+            "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=_H100_EFFICIENCY,
+            source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
+                   "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
+                   "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
+        HardwareProfile(
+            "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=141.0, hbm_gbps=4800.0,
+            matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
+            power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
+            family="h100", efficiency_source=f"0.64 {_ANALOGY}, a little above for its HBM",
+            source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
+        HardwareProfile(
+            "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
+            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
+            inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
+            gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
+            power_w=1790.0, family="b200", efficiency_source=f"0.62 {_ANALOGY}",
+            source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
+        HardwareProfile(
+            "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=192.0, hbm_gbps=5300.0,
+            matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
+            inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
+            gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
+            power_w=1300.0, family="mi300x",
+            efficiency_source=f"0.60 {_ANALOGY}, a little below for a less mature stack",
+            source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
+    )
+}
+
+
+GPU_NAMES = (("gh200", "h100-96g"), ("h200", "h200"), ("h800", "h800"), ("h100", "h100-80g"),
+             ("b200", "b200"), ("mi300", "mi300x"), ("a100", "a100-80g"))
+"""(part of the device name, profile) to match a GPU's reported name to its data-sheet profile,
+first match wins (a GH200 superchip's GPU is an H100 with 96 GB, not an H200)."""
+
+
+def profile_for_gpu(device_name: str) -> str | None:
+    """The data-sheet profile name for a GPU by its reported name (None when there is none)."""
+    name = device_name.lower()
+    return next((profile for key, profile in GPU_NAMES if key in name), None)
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A named profile, or a profile JSON file written by ``meshtrain calibrate``."""
+    key = name_or_path.lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"--hardware {name_or_path}: no such profile file.")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ConfigError(f"--hardware {name_or_path}: not a JSON profile ({error}).") from None
+        fields = {f.name for f in dataclasses.fields(HardwareProfile)}
+        missing = [f.name for f in dataclasses.fields(HardwareProfile)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise ConfigError(f"--hardware {name_or_path}: profile lacks {', '.join(missing)}.")
+        return HardwareProfile(**{k: v for k, v in data.items() if k in fields})
+    raise ConfigError(f'--hardware "{name_or_path}" is neither a known profile nor a file; '
+                      f"known profiles: {', '.join(PROFILES)} (or a calibrate --out JSON file).")
