@@ -3,12 +3,11 @@
 ``python benchmarks/kernel_floor.py [--suite moe] [--steps 6] [--warmup 1] [--set KEY=VALUE]``
 builds a one-process suite's two sides in this process (meshtrain's ``Trainer`` and the peer's
 plain loop of :func:`meshtrain.commands.bench.peers.make_step`, with the suite's shape and
-``--set``),
-times ``--steps`` steps of each, alternating, after ``--warmup`` untimed ones, then records one
-more step of each under a dispatch mode that keeps every matrix-product and attention kernel
-call (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, and the fused attention forward
-and backward) with copies of its inputs, and replays those calls alone, the two sides in turn
-(best of three). It prints one JSON line per side and one for the pair:
+``--set``), times ``--steps`` steps of each, alternating, after ``--warmup`` untimed ones, then
+records one more step of each under a dispatch mode that keeps every matrix-product and attention
+kernel call (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, and the fused attention
+forward and backward) with copies of its inputs, and replays those calls alone, the two sides in
+turn (best of three). It prints one JSON line per side and one for the pair:
 
 - ``step_s``: the median step; ``kernels_s``: the replayed kernels; ``kernel_share``: their
   share of the step; ``calls``: how many there were;

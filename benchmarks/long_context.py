@@ -4,8 +4,7 @@ For each cp degree, ``meshtrain train --nproc cp --set parallel.cp=cp`` trains a
 (dim 256, 4 layers, 8 query / 2 key-value heads, fp32) on one sequence per step at a long
 ``seq_len`` (8,192 by default), and again at a short one (512). Every worker's ``VmHWM`` is read
 from ``/proc`` (:func:`meshtrain.commands.bench.memory_peak.measure_train_peaks`); the difference
-between
-the two runs of the same layout is what the long sequence costs a rank, its **activation
+between the two runs of the same layout is what the long sequence costs a rank, its **activation
 memory**, with the weights, optimizer state, interpreter and libraries cancelled out. Splitting
 the sequence over cp ranks should divide it by about cp (each rank also keeps the whole
 sequence's keys and values for backward, ``2 × seq × n_kv_heads × head_dim`` elements a layer).

@@ -2,8 +2,7 @@
 
 Every multi-process test runs its ranks through :func:`run_distributed` here. It runs them as
 :func:`meshtrain.host.local_processes.run_distributed` does (spawned workers, gloo on a free
-loopback
-port, one intra-op thread each, a timeout), but with ``MESHTRAIN_REUSE_WORKERS=1`` (which
+loopback port, one intra-op thread each, a timeout), but with ``MESHTRAIN_REUSE_WORKERS=1`` (which
 ``tests/conftest.py`` sets) it reuses a :class:`WorkerPool` across tests: spawning a worker costs
 an interpreter start and a ``torch`` import, seconds each on a busy 2-core machine, and that
 dominated the multi-process tests. One pool per world size stays up (:class:`PoolCache`), as the

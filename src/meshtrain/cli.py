@@ -1,4 +1,5 @@
-"""The ``meshtrain`` command: parse arguments, dispatch, map errors to exit statuses.
+"""The ``meshtrain`` command: parse arguments, dispatch to :mod:`meshtrain.commands`, map errors
+to exit statuses.
 
 Exit statuses: 0 done; 2 a config or usage error (one paragraph on stderr, no traceback);
 1 a failure during the run; 75 ``meshtrain train`` stopped by SIGTERM/SIGUSR1 after saving a
@@ -9,24 +10,13 @@ once.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import textwrap
-from pathlib import Path
+from collections.abc import Callable
 
-from meshtrain.config import Config, ConfigError, default_config_path, load_config
-from meshtrain.validation.run_config import validate_config
+from meshtrain.config import ConfigError
 
-
-def _replicas_note(par) -> str:
-    """``; R replica groups synced every H steps`` for DiLoCo runs, else empty."""
-    if par.replicas == 1:
-        return ""
-    if par.replica_fault_tolerance:
-        return (f"; replica group {par.replica_group} of {par.replicas}, synced every "
-                f"{par.sync_every} steps through torchft")
-    fragments = f" in {par.sync_fragments} fragments" if par.sync_fragments > 1 else ""
-    return (f" in each of {par.replicas} replica groups, synced every {par.sync_every} "
-            f"steps{fragments}")
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML run config, or a run's config.json "
@@ -170,233 +160,27 @@ def _add_planner_parsers(sub) -> None:
                                          help="measure this machine into a profile JSON"))
 
 
-def resolve_run_config(args: argparse.Namespace, in_job: bool = False) -> tuple[Config, int]:
-    """Load, override and validate the config of a train-like command; return it and the world.
-
-    ``in_job``: this process is one worker of a torchrun/SLURM job, whose size is the world
-    (``--nproc``, when given, must agree with it).
-    """
-    path = args.config if args.config else default_config_path()
-    config = load_config(path, args.overrides)
-    if args.steps is not None:
-        config.train.steps = args.steps
-    if args.run_dir is not None:
-        config.train.run_dir = args.run_dir
-    if getattr(args, "max_restarts", None) is not None:
-        config.train.max_restarts = args.max_restarts
-    nproc = args.nproc
-    if in_job:
-        from meshtrain.run.launch import job_world_size
-
-        if nproc is not None and nproc != job_world_size():
-            raise ConfigError(f"--nproc {nproc} does not match the {job_world_size()} processes "
-                              f"that torchrun/SLURM started; drop --nproc under torchrun/srun.")
-        nproc = job_world_size()
-    if config.parallel.elastic:  # re-plan when the world changed (meshtrain.replan.elastic)
-        from meshtrain.replan.elastic import adapt, start_world
-        from meshtrain.run.launch import job_rank
-
-        nproc = start_world(config, nproc)
-        adapt(config, nproc, in_job, verbose=job_rank() == 0)
-    elif config.parallel.auto:  # the planner picks the layout (meshtrain.replan.auto)
-        from meshtrain.replan.auto import choose_layout
-
-        nproc = choose_layout(config, nproc, in_job)
-    from meshtrain.replan.on_measurement import apply_saved, validate_replan
-
-    validate_replan(config)
-    if in_job and config.parallel.replan_every:  # torchrun restarted this worker after a replan
-        from meshtrain.run.launch import job_rank
-
-        apply_saved(config, nproc, verbose=job_rank() == 0)
-    world = validate_config(config, nproc)
-    return config, world
+COMMANDS = {
+    "train": "meshtrain.commands.train:run_train",
+    "verify": "meshtrain.commands.verify:run_verify",
+    "generate": "meshtrain.commands.generate:run_generate",
+    "bench": "meshtrain.commands.bench.command:run_command",
+    "estimate": "meshtrain.commands.planner:run_estimate",
+    "plan": "meshtrain.commands.planner:run_plan",
+    "calibrate": "meshtrain.commands.planner:run_calibrate",
+    "simulate": "meshtrain.commands.simulate:run_simulate",
+    "convert": "meshtrain.commands.convert:run_convert",
+    "prepare": "meshtrain.commands.convert:run_prepare",
+    "lighthouse": "meshtrain.commands.lighthouse:serve",
+}
+"""Each subcommand's body, ``module:function`` taking the parsed arguments and returning the exit
+status; imported only when that command runs, so ``meshtrain estimate`` never loads torch."""
 
 
-def requested_device(args: argparse.Namespace) -> str:
-    """The ``train.device`` a train-like command asks for (its config file and ``--set``s), read
-    before anything imports torch."""
-    return requested_allocator_job(args)[0]
-
-
-def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
-    """``(train.device, parallel.zero)`` of a train-like command (what its host allocator
-    settings depend on, :func:`meshtrain.host.allocator.allocator_env`), read before anything
-    imports torch."""
-    path = args.config if args.config else default_config_path()
-    config = load_config(path, args.overrides)
-    return config.train.device, config.parallel.zero
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    """``meshtrain train``."""
-    from meshtrain.run.launch import in_existing_job, job_rank, launch, write_run_config
-    from meshtrain.validation.preflight import check_before_launch
-
-    if args.dry_run or args.world is not None or args.rank is not None:
-        from meshtrain.commands import dry_run  # one rank's objects on meta; nothing is launched
-
-        dry_run.check_args(args)
-        config, world = resolve_run_config(args)
-        return dry_run.main(config, world, args.rank, args.json)
-    in_job = in_existing_job()
-    config, world = resolve_run_config(args, in_job)
-    is_first = job_rank() == 0
-    if is_first:
-        print(f"meshtrain: training {config.model.n_layers}-layer dim-{config.model.dim} model "
-              f"for {config.train.steps} steps on {world} process(es) "
-              f"(dp={config.parallel.dp} tp={config.parallel.tp} pp={config.parallel.pp}"
-              f"{f' cp={config.parallel.cp}' if config.parallel.cp > 1 else ''}"
-              f"{_replicas_note(config.parallel)}); "
-              f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
-    from meshtrain.checkpoint.manager import preflight
-
-    preflight(config)  # a checkpoint of another model shape: exit 2 before anything starts
-    check_before_launch(config)  # run dir writable, data readable and in the vocabulary
-    if is_first:
-        write_run_config(config)
-    return launch(config, world, "train")
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    """``meshtrain verify``: exit 0 when the layout matches one process, 1 when it does not."""
-    from meshtrain.commands.verify import format_report, to_json, verify
-
-    steps_given = args.steps
-    config, world = resolve_run_config(args)
-    steps = steps_given if steps_given is not None else 5
-    report = verify(config, world, steps, loss_tol=args.tolerance)
-    print(to_json(report) if args.json else format_report(report))
-    return 0 if report["ok"] else 1
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    """``meshtrain generate``."""
-    from meshtrain.commands.generate import generate, load_for_generation
-
-    model, tokenizer, _ = load_for_generation(args.checkpoint)
-    text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
-                    args.top_k, args.seed)
-    print(args.prompt + text)
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """``meshtrain bench``."""
-    import json
-
-    from meshtrain.commands.bench import BenchOptions, format_table, run_bench
-
-    try:
-        procs = tuple(int(n) for n in args.procs.split(",") if n.strip())
-    except ValueError:
-        raise ConfigError(f'--procs "{args.procs}" is not a comma list of process counts, '
-                          'e.g. 1,2,4.') from None
-    options = BenchOptions(suites=args.suites, steps=args.steps, warmup=args.warmup,
-                           repeats=args.repeats, overrides=args.overrides, procs=procs,
-                           plot=args.plot, same_allocator=args.same_allocator)
-    results = run_bench(options)  # a failing worker: WorkerError, exit status 1
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
-    return 0
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    """``meshtrain estimate``."""
-    from meshtrain.commands.planner import run_estimate
-
-    return run_estimate(args)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    """``meshtrain plan``."""
-    from meshtrain.commands.planner import run_plan
-
-    return run_plan(args)
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``meshtrain calibrate``."""
-    from meshtrain.commands.planner import run_calibrate
-
-    return run_calibrate(args)
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """``meshtrain simulate``: build, check and time a pipeline schedule."""
-    import json
-
-    from meshtrain.parallel.pipeline.schedules import default_virtual_stages
-    from meshtrain.parallel.pipeline.simulator import format_report, parse_times, simulate_named
-    from meshtrain.parallel.pipeline.timeline import plot_timeline, write_chrome_trace
-
-    v = args.virtual_stages if args.virtual_stages is not None else \
-        default_virtual_stages(args.schedule)
-    from meshtrain.parallel.pipeline.simulator import StageTimes, simulate
-    from meshtrain.planner.energy.schedule import format_energy_schedule, simulate_energy
-
-    schedule, result, report = simulate_named(args.schedule, args.pp, args.microbatches, v,
-                                              parse_times(args.times), args.comm)
-    times, energy, events = simulate_energy(
-        schedule, StageTimes(**report["stage_times"]), args.slow_stage, args.hardware,
-        args.max_slowdown, args.energy_schedule, args.steady_state)
-    if args.slow_stage:
-        result = simulate(schedule, times)
-        report.update(slow_stage=args.slow_stage, makespan=result.makespan,
-                      bubble_fraction=result.bubble_fraction, closed_form_bubble=None)
-    title = (f"{args.schedule} pp={args.pp} m={args.microbatches} v={v}: bubble "
-             f"{result.bubble_fraction:.3f}")
-    if energy is not None:
-        report["energy_schedule"] = energy
-        title += f"; energy schedule saves {energy['saving']:.1%} ({energy['slowdown']:+.2%})"
-    if args.plot:
-        plot_timeline(events or result.events, args.pp, args.plot, title)
-    if args.trace:
-        write_chrome_trace(events or result.events, args.trace)
-    text = format_report(report)
-    if energy is not None:
-        text += "\n" + format_energy_schedule(energy)
-    print(json.dumps(report, indent=2) if args.json else text)
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    """``meshtrain convert --from-hf HF_DIR | --to-hf DIR --out DIR``."""
-    from meshtrain.checkpoint.hf.io import convert_from_hf, convert_to_hf, parse_dtype
-
-    dtype = parse_dtype(args.dtype) if args.dtype else None
-    if args.from_hf:
-        out = convert_from_hf(args.from_hf, args.out, dtype)
-    else:
-        out = convert_to_hf(args.to_hf, args.out, dtype, int(args.max_shard_gb * 2**30))
-    print(f"meshtrain convert: wrote {out}", file=sys.stderr)
-    return 0
-
-
-def cmd_prepare(args: argparse.Namespace) -> int:
-    """``meshtrain prepare``: see :mod:`meshtrain.data.prepare`."""
-    from meshtrain.data.prepare import prepare
-
-    meta = prepare(args.sources, args.out, args.tokenizer, args.text_field, args.workers,
-                   progress=sys.stderr.isatty())
-    state = "up to date (same sources, tokenizer and field; nothing rewritten)" \
-        if meta["up_to_date"] else "prepared"
-    print(f"meshtrain prepare: {args.out} {state}: {meta['tokens']} tokens, "
-          f"{meta['documents']} documents, {len(meta['shards'])} shards ({meta['dtype']})")
-    return 0
-
-
-def cmd_lighthouse(args: argparse.Namespace) -> int:
-    """``meshtrain lighthouse``: see :mod:`meshtrain.commands.lighthouse`."""
-    from meshtrain.commands.lighthouse import serve
-
-    return serve(args)
-
-
-COMMANDS = {"lighthouse": cmd_lighthouse, "prepare": cmd_prepare, "train": cmd_train,
-            "verify": cmd_verify,
-            "generate": cmd_generate, "bench": cmd_bench, "estimate": cmd_estimate,
-            "plan": cmd_plan, "calibrate": cmd_calibrate, "simulate": cmd_simulate,
-            "convert": cmd_convert}
+def command_body(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs subcommand ``name``."""
+    module, function = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -407,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if argv is None and args.command == "train":  # the real command line, not a test's call
+            from meshtrain.commands.train import requested_allocator_job
             from meshtrain.host.allocator import reexec_with_allocator_env
 
             reexec_with_allocator_env(*requested_allocator_job(args))
-        status = COMMANDS[args.command](args)
+        status = command_body(args.command)(args)
     except ConfigError as error:
         print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)
         return 2

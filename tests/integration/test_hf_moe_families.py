@@ -11,10 +11,10 @@ dense ones, that meshtrain's logits equal ``transformers``' to 1e-5 relative (fp
   than the tolerance;
 - training from the converted weights at dp2 x ep2 (ZeRO-1; each rank holds 2 of the 4 experts)
   gives the one-process losses and gradient norms within meshtrain.commands.verify's fp32
-  tolerances, the
-  gradient reaches the shared-expert gate, and the training checkpoint converts to a Hugging Face
-  model whose ``transformers`` logits equal meshtrain's on the checkpoint's weights (1e-5
-  relative: the same computation in another order of fp32 operations), every expert in its place;
+  tolerances, the gradient reaches the shared-expert gate, and the training checkpoint converts to
+  a Hugging Face model whose ``transformers`` logits equal meshtrain's on the checkpoint's weights
+  (1e-5 relative: the same computation in another order of fp32 operations), every expert in its
+  place;
 - under tp2 with sequence parallelism and ep2 (4 ranks) Qwen2-MoE trains like one process too.
 """
 

@@ -1,8 +1,8 @@
 """``train.compile``: compiled blocks train to the same numbers as eager ones (fp32).
 
 Tolerance: meshtrain.commands.verify's fp32 one (2e-4 absolute on the loss, 1e-3 relative on the
-gradient
-norm): inductor may fuse and reorder fp32 element-wise arithmetic, which moves the last bits.
+gradient norm): inductor may fuse and reorder fp32 element-wise arithmetic, which moves the last
+bits.
 """
 
 from __future__ import annotations

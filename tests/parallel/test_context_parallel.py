@@ -1,9 +1,8 @@
 """Context parallelism (``parallel.cp``): every layout with cp matches one process.
 
 Parity is checked on fp32 with meshtrain.commands.verify's tolerances (2e-4 on the loss, 1e-3
-relative on
-the gradient norm): cp changes only the order of floating-point sums (attention per query chunk
-against gathered keys, gradients reduced over dp × cp), so the curves agree to rounding.
+relative on the gradient norm): cp changes only the order of floating-point sums (attention per
+query chunk against gathered keys, gradients reduced over dp × cp), so the curves agree to rounding.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 At dp2 × tp2 with ep 4 every rank holds one of the 4 experts (read from its own parameter
 tensors) and computes only its share of the assignments, and the run matches one process in
 fp32 within :mod:`meshtrain.commands.verify`'s tolerances (loss 2e-4: the layouts sum the same
-terms in
-another order; gradient norm relative 1e-3), with and without sequence parallelism, and at
+terms in another order; gradient norm relative 1e-3), with and without sequence parallelism, and at
 pp2 × tp2 with ep 2 spanning the tp ranks. The measured ``comm_bytes.ep`` equals the planner's
 ``ep_comm_bytes``, and a checkpoint saved at dp2 × tp2 × ep4 resumes on one process, then at
 dp2 × ep2, then back at dp2 × tp2 × ep4, with the losses of one uninterrupted process.

@@ -2,8 +2,7 @@
 ``rope_scaling``) under every axis against one process (fp32).
 
 Tolerances: meshtrain.commands.verify's (2e-4 absolute on the loss, 1e-3 relative on the gradient
-norm);
-the layouts differ from one process only in the summation order of split matmuls and reduced
+norm); the layouts differ from one process only in the summation order of split matmuls and reduced
 gradients. The cases cover each place the options meet an axis: column-split biases (tp), kv
 biases and k_norm on replicated kv heads (n_kv_heads < tp: each rank's share of the gradient
 summed over tp), the output bias added after the row-parallel reduce (partial over tp with

@@ -51,8 +51,8 @@ WITH_OTHER_AXES = {
 @pytest.mark.parametrize("axes", list(WITH_OTHER_AXES))
 def test_every_schedule_with_another_axis(axes):
     """Each schedule at pp 2 combined with dp/ZeRO, tp + SP, ep or activation checkpointing;
-    the suite runs these under
-    NCCL's point-to-point semantics (tests/conftest.py), so message order and rendezvous
+    the suite runs these under NCCL's point-to-point semantics (tests/conftest.py), so message
+    order and rendezvous
     sends are exercised with the other axes' collectives interleaved."""
     base = ("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4")
     _parity(4, [tiny_config(*base, *WITH_OTHER_AXES[axes], f"parallel.pp_schedule={name}",

@@ -1,8 +1,7 @@
 """Tensor and sequence parallelism on several CPU processes against one process (fp32).
 
 Tolerances: whole-run parity uses meshtrain.commands.verify's (2e-4 absolute on the loss, 1e-3
-relative
-on the gradient norm). Layer-by-layer checks compare one forward/backward at 1e-5: the only
+relative on the gradient norm). Layer-by-layer checks compare one forward/backward at 1e-5: the only
 difference from one process is the summation order of split matmuls (fp32 rounding, ~1e-7).
 """
 

@@ -4,9 +4,8 @@ Under ZeRO-3 an MoE unit is one bucket per reduction axis: router (and shared ex
 over ``dp``, the experts over ``edp`` (the ``dp × tp / ep`` ranks holding the same experts). Each
 layout is checked against one process on the same data and weights in fp32 within
 :mod:`meshtrain.commands.verify`'s tolerances (loss 2e-4: the layouts sum the same terms in another
-order;
-gradient norm relative 1e-3): dp2 × ep2, dp4 × ep2 with 2 micro-batches, and dp2 × tp2 with ep 4
-folded over the tp ranks. Each rank's share of the expert elements, read off the buffers it
+order; gradient norm relative 1e-3): dp2 × ep2, dp4 × ep2 with 2 micro-batches, and dp2 × tp2 with
+ep 4 folded over the tp ranks. Each rank's share of the expert elements, read off the buffers it
 really holds at rest, is ``1 / (ep · edp)``; a checkpoint saved at dp4 × ep2 ZeRO-3 resumes on one
 process and at tp4 × ep2 ZeRO-3 with the losses of one uninterrupted process, and the final
 weights gathered from a ZeRO-3 layout are one process's tensors.

@@ -4,10 +4,9 @@ parameters (embedding, head, split blocks' norms) held for the step and reduced 
 
 Every layout is checked against one process on the same data and weights in fp32 within
 :mod:`meshtrain.commands.verify`'s tolerances (loss 2e-4: the layouts sum the same terms in another
-order;
-gradient norm relative 1e-3), and after its steps every full parameter buffer of every rank must
-hold nothing (a unit prefetched but never run, left gathered, would serve stale weights after the
-optimizer step). A checkpoint saved at pp2 × dp2 ZeRO-3 resumes on one process and back at
+order; gradient norm relative 1e-3), and after its steps every full parameter buffer of every rank
+must hold nothing (a unit prefetched but never run, left gathered, would serve stale weights after
+the optimizer step). A checkpoint saved at pp2 × dp2 ZeRO-3 resumes on one process and back at
 pp2 × dp2 ZeRO-3 with one process's losses and final weights.
 """
 

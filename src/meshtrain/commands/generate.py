@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -81,3 +82,12 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperatu
             break
         tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
     return tokenizer.decode(tokens[0, len(ids):].tolist())
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``meshtrain generate``."""
+    model, tokenizer, _ = load_for_generation(args.checkpoint)
+    text = generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                    args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0

@@ -3,8 +3,7 @@
 Every replica group of a ``parallel.replica_fault_tolerance`` run (docs/diloco.md, "Groups that
 fail alone") asks this server, at each sync, which groups are alive; it answers with a quorum of
 the groups that asked (:mod:`meshtrain.training.diloco.replica_ft`). One lighthouse serves one run;
-it
-holds no training state, so it can be restarted between syncs.
+it holds no training state, so it can be restarted between syncs.
 """
 
 from __future__ import annotations

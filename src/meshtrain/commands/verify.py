@@ -25,6 +25,7 @@ wrong scale moves the gradient norm by a factor (sqrt 2 or 2 at dp 2).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -164,3 +165,15 @@ def format_report(report: dict) -> str:
 def to_json(report: dict) -> str:
     """The ``--json`` document."""
     return json.dumps(report)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``meshtrain verify``: exit 0 when the layout matches one process, 1 when it does not."""
+    from meshtrain.commands.train import resolve_run_config
+
+    steps_given = args.steps
+    config, world = resolve_run_config(args)
+    steps = steps_given if steps_given is not None else 5
+    report = verify(config, world, steps, loss_tol=args.tolerance)
+    print(to_json(report) if args.json else format_report(report))
+    return 0 if report["ok"] else 1

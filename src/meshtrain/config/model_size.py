@@ -84,9 +84,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     parameters (attention and MLP projections, router, ``top_k`` routed + shared experts, and the
     LM head, which costs ``vocab * dim`` even when tied) — norms (QK-norm included), biases and
     the embedding lookup do no matmul. The second term counts the attention scores ``QK^T``
-    and the weighted sum ``AV``
-    (2 matmuls x 2 FLOPs x 3 for forward+backward); ``dim`` here is ``n_heads * head_dim`` and,
-    by that convention, the causal mask is not credited with halving the work.
+    and the weighted sum ``AV`` (2 matmuls x 2 FLOPs x 3 for forward+backward); ``dim`` here is
+    ``n_heads * head_dim`` and, by that convention, the causal mask is not credited with halving
+    the work.
     """
     matmul = config.vocab_size * config.dim
     for layer in range(config.n_layers):

@@ -1,6 +1,6 @@
 """Weighted mixtures of data sources (``data.sources``), sampled deterministically.
 
-Each source is tokenized and packed on its own (:class:`~meshtrain.data.stream.PackedDataset`);
+Each source is tokenized and packed on its own (:class:`~meshtrain.data.packing.PackedDataset`);
 :class:`MixedDataset` puts their samples in one index space (source ``i``'s sample ``j`` is
 ``offsets[i] + j``), so the rest of the data path (batching, prefetch) is unchanged.
 
@@ -23,13 +23,10 @@ import torch
 from torch import Tensor
 
 from meshtrain.config import ConfigError
+from meshtrain.data.packing import PackedDataset, hold_out_tail
+from meshtrain.data.sampler import rank_microbatches
 from meshtrain.data.shards import TokenShards
-from meshtrain.data.stream import (
-    PackedDataset,
-    hold_out_tail,
-    load_token_stream,
-    rank_microbatches,
-)
+from meshtrain.data.sources import load_token_stream
 
 
 class MixedDataset:
@@ -63,7 +60,7 @@ class MixedDataset:
 
 class MixtureSampler:
     """The global batch of each step drawn from weighted sources (see the module docstring);
-    the same interface as :class:`~meshtrain.data.stream.GlobalBatchSampler`."""
+    the same interface as :class:`~meshtrain.data.sampler.GlobalBatchSampler`."""
 
     def __init__(self, sizes: list[int], weights: list[float], names: list[str],
                  global_batch: int, seed: int, dp_rank: int = 0, dp_size: int = 1,

@@ -8,11 +8,12 @@ so memory does not grow with the input and several workers share one large file.
 do not depend on ``workers``, so the output is the same for any number of workers.
 
 The token stream is the one training from the same raw files builds
-(:func:`meshtrain.data.stream.load_token_stream`): files in sorted order, each document (a
-``.txt`` file, a non-blank ``.jsonl`` line, a non-null parquet row) followed by the eos id (if
-any). A ``.txt`` document is tokenized piece by piece, cut after a newline followed by a non-space
-character: the same ids for the byte tokenizer and for Hugging Face tokenizers whose pre-tokenizer
-splits there (:func:`lines_split_safely`; otherwise each ``.txt`` file is tokenized whole).
+(:func:`meshtrain.data.sources.load_token_stream`), read by the same readers
+(:mod:`meshtrain.data.readers`): files in sorted order, each document (a ``.txt`` file, a
+non-blank ``.jsonl`` line, a non-null parquet row) followed by the eos id (if any). A ``.txt``
+document is tokenized piece by piece, cut after a newline followed by a non-space character: the
+same ids for the byte tokenizer and for Hugging Face tokenizers whose pre-tokenizer splits there
+(:func:`lines_split_safely`; otherwise each ``.txt`` file is tokenized whole).
 """
 
 from __future__ import annotations
@@ -31,12 +32,6 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.prepare_readers import (
-    batches,
-    jsonl_texts,
-    parquet_texts,
-    text_chunks,
-)
 from meshtrain.data.prepared import (
     FORMAT,
     MARKER,
@@ -44,12 +39,18 @@ from meshtrain.data.prepared import (
     is_complete,
     is_prepared_dir,
     read_meta,
-    token_dtype,
     tokenizer_hash,
 )
+from meshtrain.data.readers import jsonl_texts, open_parquet, parquet_texts, text_chunks
+from meshtrain.data.shards import token_dtype
+from meshtrain.data.sources import find_source_files
 
 SHARD_BYTES = 16 << 20
 """Input bytes per shard (a job of one worker)."""
+BATCH_CHARS = 1 << 20
+"""Characters of ``.jsonl``/``.parquet`` documents tokenized together."""
+OPTION_TEXT_FIELD = "--text-field"
+"""How error messages name the text field (the command-line option)."""
 _SCAN_BYTES = 1 << 16
 _SAFE_LINE_START = re.compile(rb"\n(?=[\x21-\x7e])")  # a newline, then printable non-space ASCII
 _OWN_FILE = re.compile(r"(shard-\d{5}\.(bin|idx)|meta\.json|COMPLETE)(\.partial)?")
@@ -64,11 +65,25 @@ def _safe_cut(text: str) -> int:
     return cut + 1
 
 
+def _batches(texts, limit: int = BATCH_CHARS):
+    """``texts`` in consecutive lists of at least ``limit`` characters (the last one shorter)."""
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 # ------------------------------------------------------------------------------------- encoding
 
 
 class _Encoder:
-    """Tokenizes text into ``dtype`` arrays the way :func:`encode_documents` does."""
+    """Tokenizes text into ``dtype`` arrays the way
+    :func:`~meshtrain.data.sources.encode_documents` does."""
 
     def __init__(self, spec: str, dtype: str):
         from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -154,6 +169,7 @@ class _ShardWriter:
         self.tokens = self.documents = 0
 
     def write(self, tokens: np.ndarray, ends: np.ndarray | None = None) -> None:
+        """Append ``tokens``, and the ends (relative to ``tokens``) of documents ending in it."""
         tokens.tofile(self.bin)
         if ends is not None and len(ends):
             (np.asarray(ends, dtype=np.int64) + self.tokens).astype("<i8").tofile(self.idx)
@@ -161,6 +177,7 @@ class _ShardWriter:
         self.tokens += len(tokens)
 
     def finish(self) -> None:
+        """Flush and fsync both files, then rename them to their final names."""
         for handle in (self.bin, self.idx):
             handle.flush()
             os.fsync(handle.fileno())
@@ -188,9 +205,9 @@ def _tokenize_job(job: dict) -> dict:
                 if ends_file:
                     writer.write(encoder.eos_array(), np.array([len(encoder.eos_array())]))
                 continue
-            texts = (jsonl_texts(path, start, end, job["field"], _report) if kind == "jsonl"
-                     else parquet_texts(path, start, end, job["field"], _report))
-            for batch in batches(texts):
+            read = jsonl_texts if kind == "jsonl" else parquet_texts
+            texts = read(path, job["field"], start, end, report=_report, setting=OPTION_TEXT_FIELD)
+            for batch in _batches(texts):
                 writer.write(*encoder.documents(batch))
         writer.finish()
     finally:
@@ -230,21 +247,10 @@ def _cut_points(path: Path, size: int, step: int, pattern: re.Pattern) -> list[i
 
 
 def _parquet_groups(path: Path, field: str) -> list[int]:
-    """Uncompressed bytes of each row group; ConfigError when unreadable or without ``field``."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f'reading {path} needs the "pyarrow" package '
-                          '(pip install "meshtrain[data]").') from None
-    try:
-        handle = pq.ParquetFile(path)
-    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for damaged files
-        raise ConfigError(f"{path}: not a readable Parquet file ({error}).") from None
-    schema = handle.schema_arrow
-    if field not in schema.names:
-        raise ConfigError(f'{path}: no column "{field}" (--text-field); columns: '
-                          f"{', '.join(schema.names)}.")
-    kind = str(schema.field(field).type)
+    """Uncompressed bytes of each row group; ConfigError when unreadable, without ``field`` or
+    when ``field`` does not hold strings."""
+    handle = open_parquet(path, field, OPTION_TEXT_FIELD)
+    kind = str(handle.schema_arrow.field(field).type)
     if "string" not in kind:  # string, large_string, dictionary<values=string, ...>
         raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings.')
     meta = handle.metadata
@@ -283,8 +289,6 @@ def _plan(files: list[Path], field: str, shard_bytes: int,
 def _source_files(sources: list[str], out: Path) -> list[Path]:
     """The text files ``sources`` name, sorted as training sorts them; files under ``out``
     (an earlier output) are left out. ConfigError for a missing, unreadable or empty one."""
-    from meshtrain.data.stream import find_source_files
-
     found: dict[Path, Path] = {}
     for source in sources:
         if is_prepared_dir(Path(source).expanduser()):

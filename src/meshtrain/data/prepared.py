@@ -8,8 +8,9 @@ A prepared directory (the format ``docs/data.md`` describes)::
     meta.json         format, tokenizer name/hash, vocab size, dtype, counts, per-shard counts
     COMPLETE          written last (atomically); a directory without it is not finished
 
-This module only reads (numpy and the standard library; no torch), so tokenizer worker
-processes can import the package cheaply.
+The shards' element type is :func:`~meshtrain.data.shards.token_dtype` of the vocabulary size,
+as for ``.bin`` sources. This module only reads (numpy and the standard library; no torch), so
+tokenizer worker processes can import the package cheaply.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
+from meshtrain.data.shards import open_bin
 
 FORMAT = "meshtrain-tokens-1"
 """The ``format`` field of a prepared directory's ``meta.json``."""
@@ -32,11 +34,6 @@ def tokenizer_hash(tokenizer) -> str:
     path = getattr(tokenizer, "path", None)
     data = Path(path).read_bytes() if path is not None else f"meshtrain-{tokenizer.name}".encode()
     return hashlib.sha256(data).hexdigest()
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` ids, or ``uint32`` when the vocabulary exceeds 65535 (as ``.bin`` sources)."""
-    return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
 
 
 def read_meta(directory: str | Path) -> dict | None:
@@ -85,8 +82,6 @@ def open_prepared(directory: str | Path, tokenizer) -> list[np.ndarray]:
     Raises :class:`ConfigError` when it is unfinished, was written with another tokenizer or
     vocabulary, or a shard (or its index) is missing or truncated.
     """
-    from meshtrain.data.shards import open_bin
-
     directory = Path(directory)
     if not is_prepared_dir(directory):
         raise ConfigError(f"{directory}: not a prepared corpus (no {META} of meshtrain prepare).")

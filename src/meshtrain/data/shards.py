@@ -1,21 +1,37 @@
-"""Token streams kept on disk and read through memory maps.
+"""Token files on disk and the token streams read from them through memory maps.
+
+Token ids are stored as headerless little-endian ``uint16`` arrays, or ``uint32`` when the
+vocabulary exceeds 65535 (:func:`token_dtype`, the one rule for both pre-tokenized ``.bin``
+sources and the shards of ``meshtrain prepare``). :func:`write_token_bin` writes a ``.bin``
+source and :func:`read_token_bin` reads one back after checking it.
 
 A :class:`TokenShards` is a sequence of 1-D ``uint16``/``uint32`` arrays (usually ``np.memmap``
 views of ``.bin`` or ``.npy`` files) seen as one token stream. Reading a window copies only that
 window into an ``int64`` array, so a process's memory does not grow with the corpus: the file
-pages stay in the page cache and are shared by every process on the host.
+pages stay in the page cache and are shared by every process on the host. torch is imported only
+where a tensor is made, so ``meshtrain prepare``'s workers can import this module cheaply.
 """
 
 from __future__ import annotations
 
 import bisect
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
+
+from meshtrain.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 _SCAN_CHUNK = 1 << 22  # tokens read per chunk when checking a file's ids (4-16 MiB)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The element type of stored token ids for a vocabulary of ``vocab_size`` ids: little-endian
+    ``uint16``, or ``uint32`` when the vocabulary exceeds 65535."""
+    return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
 
 
 def open_bin(path: Path, dtype: np.dtype) -> np.ndarray:
@@ -41,6 +57,33 @@ def max_token(path: Path, dtype: np.dtype, offset: int = 0) -> int:
             top = max(top, int(chunk.max()))
 
 
+def write_token_bin(path: str | Path, tokens, vocab_size: int) -> None:
+    """Write ``tokens`` as a pre-tokenized ``.bin`` source (headerless :func:`token_dtype` ids)."""
+    array = np.asarray(tokens)
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) to be written to {path}")
+    array.astype(token_dtype(vocab_size)).tofile(path)
+
+
+def read_token_bin(path: Path, vocab_size: int) -> np.ndarray:
+    """The ``.bin`` source ``path`` memory-mapped as token ids, after checking its size and its
+    largest id (:class:`ConfigError` for a ragged size or an id outside the vocabulary)."""
+    dtype = token_dtype(vocab_size)
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ConfigError(
+            f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte tokens; "
+            f"expected little-endian {dtype.name} ids for a vocabulary of {vocab_size}."
+        )
+    top = max_token(path, dtype)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"{path}: token id {top} is outside the tokenizer's vocabulary "
+            f"({vocab_size}); was it written with a different tokenizer?"
+        )
+    return open_bin(path, dtype)
+
+
 class TokenShards:
     """Several 1-D token arrays seen as one stream, read window by window as ``int64``."""
 
@@ -58,9 +101,11 @@ class TokenShards:
     @classmethod
     def of(cls, tokens) -> TokenShards:
         """``tokens`` (a TokenShards, a tensor or an array) as a :class:`TokenShards`."""
+        import torch
+
         if isinstance(tokens, TokenShards):
             return tokens
-        if isinstance(tokens, Tensor):
+        if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
                 raise ValueError(f"expected a 1-D token stream, got shape {tuple(tokens.shape)}")
             tokens = tokens.numpy()
@@ -108,6 +153,8 @@ class TokenShards:
 
     def to_tensor(self) -> Tensor:
         """The whole stream as one ``int64`` tensor (copies it all; for small streams and tests)."""
+        import torch
+
         return torch.from_numpy(self.window(0, self.total))
 
     def tolist(self) -> list[int]:

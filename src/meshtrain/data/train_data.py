@@ -10,13 +10,10 @@ from torch import Tensor
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
 from meshtrain.data.mixture import mixture_data
+from meshtrain.data.packing import PackedDataset, hold_out_tail
+from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.data.shards import TokenShards
-from meshtrain.data.stream import (
-    GlobalBatchSampler,
-    PackedDataset,
-    hold_out_tail,
-    load_token_stream,
-)
+from meshtrain.data.sources import load_token_stream
 
 
 class TrainData:

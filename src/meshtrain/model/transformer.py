@@ -10,8 +10,7 @@ The module tree (and therefore every parameter name) follows Llama / torchtitan:
     layers.<i>.ffn_norm.weight
     layers.<i>.feed_forward.{w1,w2,w3}.weight      (dense block; + parameter-free ``act``)
     layers.<i>.moe.{router.weight, experts.w1, ...} (MoE block, see :mod:`meshtrain.model.moe`)
-    norm.weight
-    output.weight                                  (absent with ``tie_embeddings``)
+    norm.weight output.weight                                  (absent with ``tie_embeddings``)
 
 Parallelism is applied from outside by wrapping or replacing these submodules, so every
 piece that a strategy touches is its own small, named module, and the forwards infer head counts

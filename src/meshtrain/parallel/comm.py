@@ -17,8 +17,7 @@ shape, dtype, call site, training step, and a per-axis **sequence number**) so t
 explained by what each rank was last doing: every rank of a group issues the group's collectives
 in the same order, so in a hang the ranks whose sequence number on an axis is behind the others'
 are the ones that did not arrive (:mod:`meshtrain.run.diagnostics`). Point-to-point sends and
-receives
-are numbered separately (the two ends of a pipeline issue different counts).
+receives are numbered separately (the two ends of a pipeline issue different counts).
 
 With ``CommLog.debug`` on (``train.debug_collectives``), every collective is preceded by a small
 all-gather of (sequence number, op, shape, dtype, call site) over its group, and the first

@@ -52,6 +52,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from meshtrain.config.layout_rules import check_expert_degree, world_size
 from meshtrain.parallel.comm import CommLog, CountedComm
 
 COUNTED_AS = {"dp_cp": "dp", "edp_cp": "edp", "tied": "pp", "dp_tp": "dp",
@@ -91,13 +92,13 @@ class ParallelMesh:
             raise ValueError(f"replicas = {replicas} must be at least 1")
         self.dp, self.tp, self.pp, self.ep, self.cp = dp, tp, pp, ep, cp
         self.replicas = replicas
-        self.inner_size = dp * cp * tp * pp
+        self.inner_size = world_size(dp, tp, pp, cp)
         """Ranks of one replica group (its inner layout's world)."""
         self.group_alone = replica_group is not None
         """This world is one replica group of a fault-tolerant run (the others are other jobs)."""
         if self.group_alone and not 0 <= replica_group < replicas:
             raise ValueError(f"replica_group {replica_group} outside replicas = {replicas}")
-        self.world_size = self.inner_size if self.group_alone else replicas * self.inner_size
+        self.world_size = world_size(dp, tp, pp, cp, 1 if self.group_alone else replicas)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -151,7 +152,7 @@ class ParallelMesh:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         groups = 1 if replica_group is not None else replicas
-        if world != groups * dp * cp * tp * pp:
+        if world != world_size(dp, tp, pp, cp, groups):
             raise ValueError(f"world size {world} != replicas × dp × cp × tp × pp = "
                              f"{groups} × {dp} × {cp} × {tp} × {pp}")
         return cls(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, rank=rank, device=device, seed=seed,
@@ -298,16 +299,6 @@ class ParallelMesh:
             entry.done = True
 
 
-def check_expert_degree(ep: int, dp: int, tp: int) -> None:
-    """Refuse an expert-parallel degree the folded layout cannot place: ``ep`` must divide
-    ``dp · tp`` and either divide ``tp`` or be a multiple of it (ValueError otherwise)."""
-    if ep < 1 or (dp * tp) % ep:
-        raise ValueError(f"ep = {ep} must divide dp × tp = {dp} × {tp} = {dp * tp}")
-    if tp % ep and ep % tp:
-        raise ValueError(f"ep = {ep} must divide tp = {tp} or be a multiple of it (an expert "
-                         f"group is a slice of one tp group or a run of whole tp groups)")
-
-
 def init_distributed(device: torch.device, timeout_s: float = 600.0,
                      dry_run: tuple[int, int] | None = None) -> None:
     """Join the process group described by the environment (torchrun's RANK/WORLD_SIZE/...).
@@ -320,8 +311,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0,
     training's collectives get ``timeout_s`` itself (:class:`ParallelMesh`).
 
     ``dry_run = (rank, world)`` (:mod:`meshtrain.commands.dry_run`): join torch's *fake* process
-    group as
-    that rank instead (no peers, nothing moved; it serves the meta device too).
+    group as that rank instead (no peers, nothing moved; it serves the meta device too).
     """
     import datetime
 

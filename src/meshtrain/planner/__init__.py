@@ -2,8 +2,7 @@
 bubble) that prices a parallel layout, and a search that ranks layouts for a model and cluster.
 
 See ``docs/planner.md``. Entry points: :func:`meshtrain.planner.cost.estimate.estimate` (one
-layout),
-:func:`meshtrain.planner.search.layouts.plan` (the search),
+layout), :func:`meshtrain.planner.search.layouts.plan` (the search),
 :mod:`meshtrain.planner.calibrate.measure`,
 :func:`meshtrain.replan.auto.choose_layout` (``train --set parallel.auto=true``).
 """

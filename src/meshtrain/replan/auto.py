@@ -1,12 +1,11 @@
 """``parallel.auto = true``: choose the parallel layout for this model on this machine.
 
-:func:`choose_layout` runs in :func:`meshtrain.cli.resolve_run_config` before anything launches.
-It prices every layout of ``nproc`` processes (``--nproc``; else the visible GPUs, or
+:func:`choose_layout` runs in :func:`meshtrain.commands.train.resolve_run_config` before anything
+launches. It prices every layout of ``nproc`` processes (``--nproc``; else the visible GPUs, or
 ``os.cpu_count()`` on CPU) with the planner's cost model, drops those that do not fit in memory,
 ranks the rest by predicted tokens/s, and takes the fastest one that
 :func:`meshtrain.validation.run_config.validate_parallel` accepts — so only layouts this runtime
-implements
-and this model's shape allows are chosen. It then sets ``parallel.{dp, tp, pp, zero,
+implements and this model's shape allows are chosen. It then sets ``parallel.{dp, tp, pp, zero,
 microbatches, pp_schedule, virtual_stages, sequence_parallel, activation_checkpointing}`` and
 prints one paragraph on stderr: the layout, its predicted step time and tokens/s, what bounds it,
 and the runner-up. ``parallel.ep``, ``parallel.cp`` (and ``pp_split``) are kept as configured:
@@ -41,6 +40,7 @@ import sys
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.config.layout import Layout
+from meshtrain.config.layout_rules import model_parallel_size
 from meshtrain.planner.cost.workload import Workload, layout_from_json
 from meshtrain.planner.hardware.profile import Cluster, HardwareProfile
 from meshtrain.planner.tables.profiles import PROFILES, load_profile, profile_for_gpu
@@ -216,7 +216,7 @@ def predict(config: Config, world: int, cluster: Cluster) -> dict:
     validate_shapes(shaped)
     if shaped.parallel.dp == 0:
         par = shaped.parallel
-        par.dp = world // (par.replicas * par.cp * par.tp * par.pp)
+        par.dp = world // model_parallel_size(par.tp, par.pp, par.cp, par.replicas)
     return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster)
 
 

@@ -14,7 +14,7 @@ chooses the layout for this world:
   that fits in memory and that this runtime accepts. ``train.global_batch`` is kept: on fewer
   ranks each one takes more micro-batches (gradient accumulation), so the optimizer sees the same
   batches in the same order (the data order does not depend on dp,
-  :class:`~meshtrain.data.stream.GlobalBatchSampler`).
+  :class:`~meshtrain.data.sampler.GlobalBatchSampler`).
 
 The checkpoint then loads at the new layout (checkpoints load at any layout,
 :mod:`meshtrain.checkpoint`). Every change is printed once by rank 0::
@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
+from meshtrain.config.layout_rules import model_parallel_size, world_fits, world_size
 from meshtrain.replan.layout_change import remember_change
 
 PLANNED_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedule",
@@ -80,7 +81,7 @@ def _config_world(config: Config) -> int | None:
     par = config.parallel
     if par.dp == 0:
         return None
-    return par.replicas * par.dp * par.cp * par.tp * par.pp
+    return world_size(par.dp, par.tp, par.pp, par.cp, par.replicas)
 
 
 def start_world(config: Config, nproc: int | None) -> int:
@@ -94,14 +95,14 @@ def start_world(config: Config, nproc: int | None) -> int:
 
         return default_processes(config)
     par = config.parallel
-    return _config_world(config) or par.replicas * par.cp * par.tp * par.pp
+    return _config_world(config) or model_parallel_size(par.tp, par.pp, par.cp, par.replicas)
 
 
 def _fits(config: Config, world: int) -> bool:
     par = config.parallel
     needed = _config_world(config)
     if needed is None:
-        return world % (par.replicas * par.cp * par.tp * par.pp) == 0
+        return world_fits(world, tp=par.tp, pp=par.pp, cp=par.cp, replicas=par.replicas)
     return needed == world
 
 

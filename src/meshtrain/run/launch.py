@@ -20,10 +20,8 @@ collective timeout which rank(s) did not arrive and where every rank waits.
 
 SIGTERM and SIGUSR1 to the launcher are passed on to its workers (as SIGUSR1), which finish
 their step, save a checkpoint and stop (:mod:`meshtrain.training.preemption`); the launcher then
-exits
-with :data:`~meshtrain.training.preemption.PREEMPTED_EXIT` and says so. A second signal is passed
-on too
-and stops everything at once (``128 + signal``).
+exits with :data:`~meshtrain.training.preemption.PREEMPTED_EXIT` and says so. A second signal is
+passed on too and stops everything at once (``128 + signal``).
 
 The resolved config travels to the workers as ``RUN_DIR/config.json``; it was validated before
 any process started. Each worker gets ``threads_per_worker`` intra-op threads (by default the

@@ -2,7 +2,7 @@
 
 ``train.eval_every = N`` evaluates after every N-th optimizer step and after the last one, on
 ``data.valid_source`` or on the tail that ``data.valid_fraction`` holds out of the training
-source (:func:`meshtrain.data.stream.hold_out_tail`). Every evaluation reads the same
+source (:func:`meshtrain.data.packing.hold_out_tail`). Every evaluation reads the same
 ``train.eval_batches`` global batches: held-out sample ``i`` of batch ``b`` is sample
 ``(b × global_batch + i) mod n`` of the packed held-out stream, split over data-parallel ranks and
 micro-batches exactly as a training step's batch is, so the sequences evaluated do not depend on
@@ -28,7 +28,9 @@ import math
 import torch
 
 from meshtrain.config import ConfigError
-from meshtrain.data.stream import PackedDataset, load_token_stream, rank_microbatches
+from meshtrain.data.packing import PackedDataset
+from meshtrain.data.sampler import rank_microbatches
+from meshtrain.data.sources import load_token_stream
 from meshtrain.model import moe_layers
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
 from meshtrain.parallel.pipeline.schedules import forward_only

@@ -8,9 +8,8 @@ the slowest, so a slow rank shows as more compute and the others as more waiting
 At the end of every step the trainer makes **one** small all-gather over the whole world
 (:func:`exchange`): three numbers per rank (compute, wait, and the stop signal it received, 0 for
 none; :mod:`meshtrain.training.preemption`). Every rank gets the same table, so every rank takes
-the same
-stop decision. From the compute column, :class:`StragglerDetector` names the slowest rank and
-its *excess*: its compute minus the median compute of the other ranks, about how long each of
+the same stop decision. From the compute column, :class:`StragglerDetector` names the slowest rank
+and its *excess*: its compute minus the median compute of the other ranks, about how long each of
 them waited for it this step (``metrics.jsonl`` field ``straggler``). A rank whose compute is
 above ``train.straggler_factor`` times the other ranks' median for ``train.straggler_steps``
 steps in a row is named in a warning on rank 0's log.

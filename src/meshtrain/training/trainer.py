@@ -9,8 +9,7 @@ target tokens in the **global** batch (all data-parallel ranks, all micro-batche
 any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
 gradient of the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
 groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco.outer`) each group is such a job
-on
-its own part of every global batch, and its outer step averages the groups every round.
+on its own part of every global batch, and its outer step averages the groups every round.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
+from meshtrain.config.layout_rules import batch_readers
 from meshtrain.data.prefetch import BatchPrefetcher
 from meshtrain.data.tokenizer import load_tokenizer
 from meshtrain.data.train_data import trainer_data
@@ -144,7 +144,8 @@ class Trainer:
             return None
         schedule, chunks = stages
         train, par = self.config.train, self.config.parallel
-        micro = train.global_batch // (self.mesh.replicas * self.mesh.dp * par.microbatches)
+        readers = batch_readers(self.mesh.dp, self.mesh.replicas)
+        micro = train.global_batch // (readers * par.microbatches)
         seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
         executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)

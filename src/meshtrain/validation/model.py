@@ -1,7 +1,7 @@
 """Checks of the ``[model]`` section (shapes, rotary scaling, MoE routing), before any worker
 starts; :func:`meshtrain.validation.run_config.validate_config` runs them with the rest. Each
-refusal is a
-:class:`~meshtrain.config.ConfigError` naming the key, the value given and what would be valid.
+refusal is a :class:`~meshtrain.config.ConfigError` naming the key, the value given and what would
+be valid.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from meshtrain.config import Config, ConfigError
+from meshtrain.config.layout_rules import at_least, choice, divisors
 from meshtrain.config.model import (
     MLP_KINDS,
     MOE_BALANCE_KINDS,
@@ -18,24 +19,6 @@ from meshtrain.config.model import (
 )
 
 MAX_LAYERS = 100_000  # sanity bound: a larger value is a typo, and splitting it would take minutes
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (O(sqrt n): configs may hold huge values)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-def choice(value: str, options: tuple[str, ...], key: str) -> None:
-    """Refuse ``key = value`` unless it is one of ``options``."""
-    if value not in options:
-        raise ConfigError(f'{key} = "{value}" is not valid; choose one of: {", ".join(options)}.')
-
-
-def at_least(value: float, minimum: float, key: str) -> None:
-    """Refuse ``key = value`` below ``minimum``."""
-    if value < minimum:
-        raise ConfigError(f"{key} = {value} is too small; it must be at least {minimum}.")
 
 
 def validate_model(config: Config, tokenizer_vocab: int | None) -> None:

@@ -1,11 +1,11 @@
 """Checks of the environment a valid config will run in, before any worker starts.
 
 :func:`meshtrain.validation.run_config.validate_config` judges the config by itself; these checks
-look at the
-machine: that the run directory can be written, that every data file can be read, is not empty,
-and (for pre-tokenized ``.bin`` files) holds ids inside the tokenizer's vocabulary and at least one
-whole sample. Each failure is a :class:`~meshtrain.config.ConfigError` (exit 2) that names the path
-and what to do, raised before anything in the run directory is written or overwritten.
+look at the machine: that the run directory can be written, that every data file can be read, is
+not empty, and (for pre-tokenized ``.bin`` files) holds ids inside the tokenizer's vocabulary and
+at least one whole sample. Each failure is a :class:`~meshtrain.config.ConfigError` (exit 2) that
+names the path and what to do, raised before anything in the run directory is written or
+overwritten.
 """
 
 from __future__ import annotations
@@ -62,10 +62,9 @@ def _check_readable(path: Path) -> int:
 
 def _check_bin(path: Path, vocab_size: int) -> int:
     """Number of tokens in a ``.bin`` file; ConfigError on a ragged size or an id >= vocab."""
-    from meshtrain.data.shards import max_token
-    from meshtrain.data.stream import bin_dtype
+    from meshtrain.data.shards import max_token, token_dtype
 
-    dtype = bin_dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise ConfigError(f"data.source: {path} has {size} bytes, not a whole number of "
@@ -92,7 +91,7 @@ def check_data_files(config: Config) -> None:
     if data.source == "builtin":
         return
     from meshtrain.data.prepared import is_prepared_dir, open_prepared
-    from meshtrain.data.stream import find_source_files
+    from meshtrain.data.sources import find_source_files
     from meshtrain.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 
     if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output

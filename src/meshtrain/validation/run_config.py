@@ -13,18 +13,28 @@ from meshtrain.config import (
     GRAD_REDUCE_DTYPES,
     LR_SCHEDULES,
     NONFINITE_POLICIES,
-    OUTER_GRAD_DTYPES,
     PRECISIONS,
     Config,
     ConfigError,
 )
 from meshtrain.config.layout import ACTIVATION_CHECKPOINTING_KINDS, PP_SCHEDULES
-from meshtrain.validation.model import (
+from meshtrain.config.layout_rules import (
+    ALL_REDUCE_OUTER_DTYPES,
     at_least,
+    check_context_parallel,
+    check_expert_degree,
+    check_global_batch,
+    check_replica_groups_needed,
+    check_replica_keys,
+    check_sequence_parallel,
+    check_tensor_parallel,
+    check_world_size,
+    check_zero_stage,
     choice,
-    divisors,
-    validate_model,
+    dp_for_world,
+    model_parallel_size,
 )
+from meshtrain.validation.model import validate_model
 
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
 
@@ -42,47 +52,24 @@ def resolve_world(config: Config, nproc: int | None) -> int:
     at_least(par.replicas, 1, "parallel.replicas")
     # Fault-tolerant replica groups are jobs of their own: this world is one group's.
     groups = 1 if par.replica_fault_tolerance else par.replicas
-    model_parallel = groups * par.cp * par.tp * par.pp
-    shown = [("replicas", groups), ("cp", par.cp)]
-    shown = [(k, v) for k, v in shown if v > 1] + [("tp", par.tp), ("pp", par.pp)]
-    names = " × ".join(k for k, _ in shown)
-    values = " × ".join(str(v) for _, v in shown)
+    degrees = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "replicas": groups}
     if nproc is None:
         par.dp = par.dp or 1
-        return par.dp * model_parallel
+        return par.dp * model_parallel_size(**degrees)
     at_least(nproc, 1, "--nproc")
     if par.dp == 0:
-        if nproc % model_parallel:
-            raise ConfigError(
-                f"--nproc {nproc} is not a multiple of {names} = {values} = "
-                f"{model_parallel}; valid process counts are multiples of {model_parallel}."
-            )
-        par.dp = nproc // model_parallel
-    if par.dp * model_parallel != nproc:
-        raise ConfigError(
-            f"dp × {names} = {par.dp} × {values} = {par.dp * model_parallel} does not "
-            f"equal --nproc {nproc}; set --nproc {par.dp * model_parallel}, or leave parallel.dp "
-            f"at 0 to fill the remaining processes with data parallelism."
-        )
+        par.dp = dp_for_world(nproc, **degrees)
+    check_world_size(nproc, dp=par.dp, **degrees)
     return nproc
 
 
 def validate_replicas(config: Config) -> None:
     """DiLoCo replica groups (``parallel.replicas``) and their outer optimizer."""
     par, train = config.parallel, config.train
-    at_least(par.replicas, 1, "parallel.replicas")
-    at_least(par.sync_every, 1, "parallel.sync_every")
-    choice(par.outer_grad_dtype, OUTER_GRAD_DTYPES, "parallel.outer_grad_dtype")
-    at_least(par.sync_fragments, 1, "parallel.sync_fragments")
-    most = min(par.sync_every, config.model.n_layers)
-    if par.sync_fragments > most:
-        raise ConfigError(
-            f"parallel.sync_fragments = {par.sync_fragments} is more than parallel.sync_every = "
-            f"{par.sync_every} or model.n_layers = {config.model.n_layers} allow: each fragment "
-            f"is whole blocks and ends its rounds at its own inner step; valid: 1 to {most}.")
-    if par.sync_fragments > 1 and par.replicas == 1:
-        raise ConfigError("parallel.sync_fragments > 1 needs parallel.replicas > 1 (fragments "
-                          "are synchronised between replica groups); valid here: 1.")
+    check_replica_keys(replicas=par.replicas, sync_every=par.sync_every,
+                       sync_fragments=par.sync_fragments, outer_grad_dtype=par.outer_grad_dtype,
+                       sync_overlap=par.sync_overlap, n_layers=config.model.n_layers)
+    check_replica_groups_needed(par.replicas, par.sync_fragments, par.sync_overlap)
     validate_sync_overlap(config)
     if train.outer_lr <= 0:
         raise ConfigError(f"train.outer_lr = {train.outer_lr} must be positive (DiLoCo's "
@@ -110,29 +97,14 @@ def validate_replicas(config: Config) -> None:
 
 
 def validate_sync_overlap(config: Config) -> None:
-    """``parallel.sync_overlap`` (τ) and ``train.outer_mix``."""
+    """``train.outer_mix``, and ``parallel.sync_overlap`` (τ) with fault tolerance (its range
+    and dtypes: :func:`~meshtrain.config.layout_rules.check_replica_keys`)."""
     par, train = config.parallel, config.train
-    at_least(par.sync_overlap, 0, "parallel.sync_overlap")
     if not 0 <= train.outer_mix < 1:
         raise ConfigError(f"train.outer_mix = {train.outer_mix} must be in [0, 1): the share of "
                           "a group's own weights in the merge after a delayed outer step "
                           "(Streaming DiLoCo uses 0.5; 0 = take the outer result).")
-    if not par.sync_overlap:
-        return
-    if par.replicas == 1:
-        raise ConfigError("parallel.sync_overlap > 0 needs parallel.replicas > 1 (it overlaps "
-                          "the exchange between replica groups); valid here: 0.")
-    if par.sync_overlap >= par.sync_every:
-        raise ConfigError(f"parallel.sync_overlap = {par.sync_overlap} must be below "
-                          f"parallel.sync_every = {par.sync_every}: a fragment's mean is applied "
-                          "before its next round ends; valid: 0 to "
-                          f"{par.sync_every - 1}.")
-    if par.outer_grad_dtype not in ("fp32", "bf16"):
-        raise ConfigError(f"parallel.outer_grad_dtype = {par.outer_grad_dtype} takes two "
-                          "dependent exchanges (all-to-all, then all-gather), which do not run "
-                          "in the background; with parallel.sync_overlap > 0 the valid values "
-                          "are fp32 and bf16.")
-    if par.replica_fault_tolerance:
+    if par.sync_overlap and par.replica_fault_tolerance:
         raise ConfigError("parallel.sync_overlap > 0 is not combined with "
                           "parallel.replica_fault_tolerance (torchft's quorum is taken at the "
                           "sync itself); valid with fault tolerance: 0.")
@@ -152,7 +124,7 @@ def validate_replica_fault_tolerance(config: Config) -> None:
         raise ConfigError(f"parallel.replica_group = {par.replica_group} is not a group of "
                           f"parallel.replicas = {par.replicas}; valid: 0 to {par.replicas - 1} "
                           "(one launch per group).")
-    if par.outer_grad_dtype not in ("fp32", "bf16"):
+    if par.outer_grad_dtype not in ALL_REDUCE_OUTER_DTYPES:
         raise ConfigError(f"parallel.outer_grad_dtype = {par.outer_grad_dtype} is exchanged in "
                           "two steps (all-to-all, all-gather) that torchft's fault-tolerant "
                           "all-reduce does not offer; with parallel.replica_fault_tolerance the "
@@ -175,8 +147,7 @@ def validate_parallel(config: Config) -> None:
     choice(par.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
     choice(par.activation_checkpointing, ACTIVATION_CHECKPOINTING_KINDS,
             "parallel.activation_checkpointing")
-    if not 0 <= par.zero <= 3:
-        raise ConfigError(f"parallel.zero = {par.zero} is not a ZeRO stage; valid: 0, 1, 2, 3.")
+    check_zero_stage(par.zero)
     at_least(par.virtual_stages, 1, "parallel.virtual_stages")
     at_least(par.microbatches, 1, "parallel.microbatches")
     if par.dp_bucket_mb <= 0:
@@ -192,22 +163,10 @@ def validate_parallel(config: Config) -> None:
             f"moves experts between expert-parallel ranks. Set parallel.ep > 1 (an MoE model), "
             f"or parallel.ep_rebalance_every = 0."
         )
-    if par.sequence_parallel and par.tp == 1:
-        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
+    check_sequence_parallel(par.sequence_parallel, par.tp)
     dp = max(par.dp, 1)
-    # Replica groups read disjoint parts of each global batch, like extra dp ranks.
-    readers = dp * max(par.replicas, 1)
-    per_step = readers * par.microbatches
-    if train.global_batch % per_step:  # first: it bounds microbatches for the schedule below
-        valid = [m for m in divisors(train.global_batch // readers)
-                 if train.global_batch % readers == 0]
-        what = "replicas × dp" if par.replicas > 1 else "dp"
-        hint = (f"valid parallel.microbatches for {what}={readers}: {', '.join(map(str, valid))}"
-                if valid else f"choose a global_batch that is a multiple of {per_step}")
-        raise ConfigError(
-            f"train.global_batch = {train.global_batch} is not divisible by {what} × "
-            f"microbatches = {readers} × {par.microbatches} = {per_step}; {hint}."
-        )
+    # first: it bounds microbatches for the schedule below
+    check_global_batch(train.global_batch, dp, par.microbatches, max(par.replicas, 1))
     if par.tp > 1:
         validate_tensor_parallel(config)
     validate_pipeline(config)
@@ -218,93 +177,35 @@ def validate_parallel(config: Config) -> None:
 
 
 def validate_context_parallel(config: Config) -> None:
-    """cp splits every sequence into 2 × cp chunks (each rank one early and one late chunk)."""
-    par, train, m = config.parallel, config.train, config.model
-    cp, seq = par.cp, train.seq_len
-    sp = par.tp if par.sequence_parallel else 1
-
-    def fits(c: int) -> bool:  # 2c equal chunks, and each rank's part splits over tp (SP)
-        return seq % (2 * c) == 0 and (seq // c) % sp == 0
-
-    if not fits(cp):
-        what = (f"2 × cp = {2 * cp} with each rank's seq_len / cp divisible by tp = {sp} "
-                "(sequence parallel)" if sp > 1 else f"2 × cp = {2 * cp}")
-        valid = [c for c in range(2, min(seq, 64) + 1) if fits(c)]
-        hint = (f"valid cp for seq_len {seq}: {', '.join(map(str, valid))}" if valid
-                else f"choose a seq_len that is a multiple of {2 * cp * sp}")
-        raise ConfigError(
-            f"train.seq_len = {seq} is not divisible by {what}: each context-parallel rank holds "
-            f"two of the 2 × cp equal chunks of every sequence; {hint}.")
-    chunk = seq // (2 * cp)
-    group = m.moe_capacity_group
-    if m.moe_experts and m.moe_capacity_factor > 0 and (not group or chunk % group):
-        valid = ", ".join(map(str, divisors(chunk)))
-        now = f"{group}" if group else "0 = the whole sequence"
-        raise ConfigError(
-            f"model.moe_capacity_factor = {m.moe_capacity_factor} with parallel.cp = {cp} needs "
-            f"routing groups inside one context-parallel chunk of seq_len / (2 × cp) = {chunk} "
-            f"tokens (model.moe_capacity_group = {now}); set model.moe_capacity_group to a "
-            f"divisor of {chunk}: {valid}, or use "
-            f"model.moe_capacity_factor = 0 (dropless) or parallel.cp = 1.")
-
-
-def valid_expert_degrees(dp: int, tp: int, experts: int) -> list[int]:
-    """The ``parallel.ep`` the folded expert layout can place: divisors of ``dp × tp`` that
-    divide ``tp`` or are a multiple of it, and divide ``experts``."""
-    return [e for e in divisors(dp * tp) if (tp % e == 0 or e % tp == 0) and experts % e == 0]
+    """cp splits every sequence into 2 × cp chunks (each rank one early and one late chunk)
+    (:func:`~meshtrain.config.layout_rules.check_context_parallel`)."""
+    par = config.parallel
+    check_context_parallel(config.train.seq_len, par.cp,
+                           par.tp if par.sequence_parallel else 1, config.model)
 
 
 def validate_expert_parallel(config: Config, dp: int) -> None:
-    """ep splits the experts of an MoE model over groups of a stage's dp × tp ranks."""
-    par, m = config.parallel, config.model
-    tp = par.tp
-    if not m.moe_experts:
-        raise ConfigError(f"parallel.ep = {par.ep} needs a Mixture-of-Experts model "
-                          f"(model.moe_experts > 0); use parallel.ep = 1 for a dense model.")
-    valid = ", ".join(map(str, valid_expert_degrees(dp, tp, m.moe_experts)))
-    if (dp * tp) % par.ep:
-        raise ConfigError(f"parallel.ep = {par.ep} does not divide parallel.dp × parallel.tp = "
-                          f"{dp} × {tp} = {dp * tp} (expert parallelism splits the data- and "
-                          f"tensor-parallel ranks of a stage); valid ep: {valid}.")
-    if tp % par.ep and par.ep % tp:
-        raise ConfigError(f"parallel.ep = {par.ep} neither divides parallel.tp = {tp} nor is a "
-                          f"multiple of it (an expert group is a slice of one tp group or a run "
-                          f"of whole tp groups); valid ep: {valid}.")
-    if m.moe_experts % par.ep:
-        raise ConfigError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = "
-                          f"{par.ep}; every expert-parallel rank must hold the same number of "
-                          f"experts. Valid ep: {valid}.")
+    """ep splits the experts of an MoE model over groups of a stage's dp × tp ranks
+    (:func:`~meshtrain.config.layout_rules.check_expert_degree`)."""
+    check_expert_degree(config.parallel.ep, dp, config.parallel.tp, config.model.moe_experts)
 
 
-def tp_problems(config: Config, tp: int) -> list[str]:
-    """Why ``tp`` cannot split this model (empty when it can)."""
+def tp_shape(config: Config) -> dict[str, int | None]:
+    """What ``parallel.tp`` must split in this run (the keywords of
+    :func:`~meshtrain.config.layout_rules.tp_problems`): the model's shape, its (padded)
+    vocabulary, and the sequence under sequence parallelism."""
     from meshtrain.data.tokenizer import tokenizer_vocab_size
 
     m = config.model
-    vocab = m.vocab_size or tokenizer_vocab_size(config.data.tokenizer)
-    problems = []
-    if m.n_heads % tp:
-        problems.append(f"n_heads = {m.n_heads}")
-    if m.ffn_dim % tp:
-        problems.append(f"ffn_dim = {m.ffn_dim}")
-    if vocab % tp:
-        problems.append(f"the (padded) vocabulary {vocab} (set model.vocab_size to a multiple "
-                        f"of {tp} to pad it)")
-    if m.kv_heads % tp and tp % m.kv_heads:
-        problems.append(f"n_kv_heads = {m.kv_heads} (must divide tp, or tp must divide it)")
-    if config.parallel.sequence_parallel and config.train.seq_len % tp:
-        problems.append(f"seq_len = {config.train.seq_len} (sequence parallel)")
-    return problems
+    return {"n_heads": m.n_heads, "kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim,
+            "vocab": m.vocab_size or tokenizer_vocab_size(config.data.tokenizer),
+            "seq_len": config.train.seq_len if config.parallel.sequence_parallel else None}
 
 
 def validate_tensor_parallel(config: Config) -> None:
-    """tp must split heads, MLP width and vocabulary evenly; kv heads split or replicated."""
-    tp = config.parallel.tp
-    problems = tp_problems(config, tp)
-    if problems:
-        valid = [t for t in divisors(config.model.n_heads) if not tp_problems(config, t)]
-        raise ConfigError(f"parallel.tp = {tp} does not evenly split {'; '.join(problems)}. "
-                          f"Valid tp for this model: {', '.join(map(str, valid))}.")
+    """tp must split heads, MLP width and vocabulary evenly; kv heads split or replicated
+    (:func:`~meshtrain.config.layout_rules.check_tensor_parallel`)."""
+    check_tensor_parallel(config.parallel.tp, **tp_shape(config))
 
 
 def validate_pipeline(config: Config) -> None:
@@ -409,7 +310,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
     """Paths that must exist, and checkpoint cadence."""
     d, c = config.data, config.checkpoint
     if d.source != "builtin":
-        from meshtrain.data.stream import find_source_files
+        from meshtrain.data.sources import find_source_files
 
         find_source_files(d.source)  # raises ConfigError when nothing matches
     if d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
@@ -420,7 +321,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
         if d.source != "builtin":
             raise ConfigError(f'data.sources (a mixture) and data.source = "{d.source}" are both '
                               "set; give one: clear data.source or data.sources.")
-        from meshtrain.data.stream import find_source_files
+        from meshtrain.data.sources import find_source_files
 
         for item in d.sources:
             if not item["weight"] > 0:
@@ -438,7 +339,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
         raise ConfigError("data.valid_source and data.valid_fraction are both set; held-out data "
                           "comes from one of them: clear one.")
     if d.valid_source:
-        from meshtrain.data.stream import find_source_files
+        from meshtrain.data.sources import find_source_files
 
         if not (Path(d.valid_source).expanduser() / "meta.json").is_file():
             find_source_files(d.valid_source)  # raises ConfigError when nothing matches
@@ -464,7 +365,7 @@ def validate_replica_sources(config: Config) -> None:
     if d.sources or d.source != "builtin":
         raise ConfigError("data.replica_sources replaces data.source and data.sources (each group "
                           "reads its own); clear data.source and data.sources.")
-    from meshtrain.data.stream import find_source_files
+    from meshtrain.data.sources import find_source_files
 
     for path in d.replica_sources:
         if path != "builtin" and not (Path(path).expanduser() / "meta.json").is_file():

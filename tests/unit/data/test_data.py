@@ -10,13 +10,10 @@ import torch
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
 from meshtrain.data.builtin_corpus import builtin_corpus_texts
-from meshtrain.data.stream import (
-    GlobalBatchSampler,
-    PackedDataset,
-    find_source_files,
-    load_token_stream,
-    write_token_bin,
-)
+from meshtrain.data.packing import PackedDataset
+from meshtrain.data.sampler import GlobalBatchSampler
+from meshtrain.data.shards import write_token_bin
+from meshtrain.data.sources import find_source_files, load_token_stream
 from meshtrain.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -144,7 +141,7 @@ def test_bin_source_uint16_and_uint32(tmp_path):
 
 
 def test_disk_cache_skips_tokenizing_again(tmp_path, monkeypatch):
-    from meshtrain.data import stream as data_module
+    from meshtrain.data import sources as data_module
 
     class CountingTokenizer:
         vocab_size, eos_id, name, calls = 264, 256, "counting", 0

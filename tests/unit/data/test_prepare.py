@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from meshtrain.config import ConfigError, DataConfig
-from meshtrain.data.prepared import MARKER, META, document_ends, is_complete, open_prepared
 from meshtrain.data import prepare as prep
-from meshtrain.data.stream import find_source_files, load_token_stream
+from meshtrain.data.prepared import MARKER, META, document_ends, is_complete, open_prepared
+from meshtrain.data.sources import find_source_files, load_token_stream
 from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from meshtrain.validation.preflight import check_data_files
 from tests.helpers import tiny_config
@@ -73,9 +73,9 @@ def hf_tokenizer(tmp_path_factory) -> str:
 @pytest.fixture
 def small_reads(monkeypatch):
     """Tiny read chunks, so chunk edges fall inside characters, CRLF pairs and lines."""
-    from meshtrain.data import prepare_readers
+    from meshtrain.data import readers
 
-    monkeypatch.setattr(prepare_readers, "READ_BYTES", 7)
+    monkeypatch.setattr(readers, "READ_BYTES", 7)
 
 
 # ------------------------------------------------------------------------------- round trips

@@ -153,7 +153,8 @@ def test_no_reexec_for_a_job_on_a_gpu():
 
 
 def test_train_reads_the_device_from_its_config_and_overrides(tmp_path):
-    from meshtrain.cli import build_parser, requested_allocator_job, requested_device
+    from meshtrain.cli import build_parser
+    from meshtrain.commands.train import requested_allocator_job, requested_device
 
     config = tmp_path / "run.toml"
     config.write_text('[train]\ndevice = "cuda"\n')

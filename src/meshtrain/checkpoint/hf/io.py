@@ -10,8 +10,7 @@ first and then writes each tensor at its offset. So a conversion never holds mor
 Two directory formats are involved:
 
 * a **Hugging Face** directory: ``config.json`` (``model_type`` llama / qwen2 / qwen3 / mixtral /
-  qwen2_moe / qwen3_moe) and
-  ``model.safetensors`` or shards with ``model.safetensors.index.json``;
+  qwen2_moe / qwen3_moe) and ``model.safetensors`` or shards with ``model.safetensors.index.json``;
 * a **meshtrain weights** directory: meshtrain names and ``config.json`` holding the full run
   Config, with shards ``model-0000i-of-0000K.safetensors`` + ``model.safetensors.index.json``
   (what ``meshtrain train`` writes to ``RUN_DIR/final``) or one ``model.safetensors`` (what

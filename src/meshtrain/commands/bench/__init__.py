@@ -10,8 +10,7 @@ suites get the same settings). ``scaling`` measures meshtrain alone at 1, 2, 4 p
 against ideal linear scaling (:mod:`meshtrain.commands.bench.scaling`). See
 :mod:`meshtrain.commands.bench.runner`
 for the method and :mod:`meshtrain.commands.bench.suites` for how to add a suite;
-``docs/performance.md``
-for measurements.
+``docs/performance.md`` for measurements.
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@ The shape is :data:`DILOCO_DEFAULTS` (what ``docs/diloco.md`` measures), changed
 ``train.steps`` is the length of both runs, ``parallel.replicas`` (default 4) the number of groups
 and ``parallel.sync_every`` (default 20) the rounds' length. ``--set diloco.warm_start_steps=W``
 (:mod:`meshtrain.commands.bench.diloco_warm_start`) first trains dp alone for ``W`` steps and
-starts both
-runs from its weights; their tokens and bytes are counted from there. The final training loss
-is the mean of the last :data:`FINAL_WINDOW` steps' losses (a single step's is one noisy batch);
-the held-out loss is the last ``eval_loss``.
+starts both runs from its weights; their tokens and bytes are counted from there. The final
+training loss is the mean of the last :data:`FINAL_WINDOW` steps' losses (a single step's is one
+noisy batch); the held-out loss is the last ``eval_loss``.
 """
 
 from __future__ import annotations

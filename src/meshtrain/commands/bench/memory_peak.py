@@ -11,8 +11,7 @@ never meshtrain's own counters. Two sources are combined, per worker:
 The figure kept is the larger of the two (``VmHWM`` only grows, so both are lower bounds of the
 same number). Workers are told apart from the launcher by the ``RANK`` variable torch's elastic
 launcher sets. ``python -m meshtrain.commands.bench.memory_peak`` prints the dp 8 ZeRO-3 figures at
-about
-85M parameters minus a tiny model's run (other layouts by name, among them an MoE model on 4
+about 85M parameters minus a tiny model's run (other layouts by name, among them an MoE model on 4
 processes at ZeRO-2 and ZeRO-3).
 """
 

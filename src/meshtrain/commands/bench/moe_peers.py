@@ -4,8 +4,7 @@
   holding the same weights (meshtrain's own Hugging Face export, loaded by
   ``from_pretrained``), trained on the same sequences by the plain loop of
   :func:`meshtrain.commands.bench.peers.make_step`. The peer runs its fastest experts path for the
-  device
-  and precision (``experts_implementation``, :func:`_best_experts_implementation`), SDPA
+  device and precision (``experts_implementation``, :func:`_best_experts_implementation`), SDPA
   attention and ``AdamW(fused=True)``.
 - ``moe-ep``: two processes, meshtrain ep 2 against meshtrain dp 2 of the same model (experts
   split over the two ranks and tokens dispatched by all-to-all, against every rank holding every

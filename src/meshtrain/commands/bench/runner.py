@@ -17,8 +17,7 @@ memory of each rank.
 
 Adding a suite is one :func:`~meshtrain.commands.bench.base.register_suite` call in
 :mod:`meshtrain.commands.bench.suites`. A suite that is not a meshtrain/peer pair (``scaling``)
-brings its
-own ``run``.
+brings its own ``run``.
 """
 
 from __future__ import annotations

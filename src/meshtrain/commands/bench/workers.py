@@ -2,8 +2,7 @@
 
 Workers are module-level functions ``worker(config_dict, warmup, steps) -> dict`` started on each
 rank by :func:`meshtrain.host.local_processes.run_distributed` (the process group already exists,
-one
-intra-op thread). Each returns the dict of :func:`timed_run`:
+one intra-op thread). Each returns the dict of :func:`timed_run`:
 
 ``step_times``       wall seconds of each *measured* step (the ``warmup`` first ones dropped)
 ``step_cpu_times``   CPU seconds this process used in each measured step (all its threads): less
@@ -34,7 +33,7 @@ def load_bench_config(config_dict: dict) -> Config:
 
 def preload_tokens(config: Config) -> None:
     """Tokenize the corpus now (cached in-process), so it counts in ``base_bytes`` on both sides."""
-    from meshtrain.data.stream import load_token_stream
+    from meshtrain.data.sources import load_token_stream
     from meshtrain.data.tokenizer import load_tokenizer
 
     load_token_stream(config.data, load_tokenizer(config.data.tokenizer))

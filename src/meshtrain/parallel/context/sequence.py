@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.config.layout_rules import context_parallel_fits
 from meshtrain.model.sequence_layout import SequenceLayout
 
 
@@ -26,7 +27,7 @@ def chunks_of_rank(cp: int, rank: int) -> tuple[int, int]:
 def local_positions(seq_len: int, cp: int, rank: int,
                     device: torch.device | str = "cpu") -> torch.Tensor:
     """Positions in the whole sequence of the ``seq_len / cp`` tokens cp rank ``rank`` holds."""
-    if seq_len % (2 * cp):
+    if not context_parallel_fits(seq_len, cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2 × cp = {2 * cp}")
     chunk = seq_len // (2 * cp)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
@@ -37,9 +38,9 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     """The part of ``x`` (whole sequences along ``dim``) that cp rank ``rank`` holds."""
     if cp == 1:
         return x
-    chunk = x.shape[dim] // (2 * cp)
-    if x.shape[dim] != 2 * cp * chunk:
+    if not context_parallel_fits(x.shape[dim], cp):
         raise ValueError(f"sequence length {x.shape[dim]} is not divisible by 2 × cp = {2 * cp}")
+    chunk = x.shape[dim] // (2 * cp)
     return torch.cat([x.narrow(dim, c * chunk, chunk) for c in chunks_of_rank(cp, rank)], dim=dim)
 
 

@@ -33,6 +33,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from meshtrain.config.layout_rules import check_expert_degree
 from meshtrain.model.moe import GroupedExperts, MoE, recomputing_in_backward
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.expert.dispatch import combine, dispatch, plan_dispatch
@@ -54,8 +55,7 @@ class ExpertParallelExperts(GroupedExperts):
     def __init__(self, experts: GroupedExperts, comm: CountedComm, ep_rank: int, ep_size: int,
                  row_comm: CountedComm | None = None, row_rank: int = 0):
         total = experts.num_experts
-        if total % ep_size:
-            raise ValueError(f"{total} experts are not divisible by ep = {ep_size}")
+        check_expert_degree(ep_size, experts=total)  # ValueError when they do not split
         local = total // ep_size
         dim, hidden = experts.w1.shape[1], experts.w1.shape[2]
         with torch.device(experts.w1.device):

@@ -3,10 +3,9 @@
 Under tensor parallelism the MoE layer is a replicated region: every tp rank holds the same
 (gathered) tokens, routes them alike and sorts the same assignments by expert. With experts
 folded over the tp ranks (:mod:`meshtrain.parallel.mesh`), each tp rank then takes **its own share
-of the
-sorted rows** and dispatches only those over its expert group, so every assignment is dispatched
-once and computed once in the whole stage; the expert outputs are all-gathered over tp back into
-the full sorted order, where the replicated gate-and-sum continues.
+of the sorted rows** and dispatches only those over its expert group, so every assignment is
+dispatched once and computed once in the whole stage; the expert outputs are all-gathered over tp
+back into the full sorted order, where the replicated gate-and-sum continues.
 
 The share of tp rank ``t`` of ``N`` rows is ``[t·C, min((t+1)·C, N))`` with ``C = ceil(N/tp)``
 (the last shares may be shorter or empty). Both directions are autograd pairs:

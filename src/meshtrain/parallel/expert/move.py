@@ -4,9 +4,8 @@ Under expert parallelism the ``E/ep`` local experts of a layer are rows of its 3
 parameters (``w1``, ``w2``, ``w3`` ``[E/ep, ...]``), which the data-parallel engine flattens into
 ``edp`` buckets. Every rank of one ``dp_tp`` group (the ``dp × tp`` ranks of one pipeline stage,
 which the expert groups factor, :mod:`meshtrain.parallel.mesh`) builds the same bucket layout for
-these
-parameters, since all ep ranks hold the same shapes; "dp rank" below is the place in that group.
-What an optimizer shard holds (fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
+these parameters, since all ep ranks hold the same shapes; "dp rank" below is the place in that
+group. What an optimizer shard holds (fp32 master, Adam ``exp_avg``, ``exp_avg_sq``) is:
 
 * ZeRO stage 0: the whole bucket, replicated over the ``dp·tp/ep`` edp ranks of each ep rank;
 * ZeRO stages 1-3: the flat range ``[e·S, (e+1)·S)`` of the bucket for edp rank ``e`` (at

@@ -29,13 +29,12 @@ untouched. Its limit: a rank's load cannot fall below its hottest expert's.
 
 **Layout-free state.** Checkpoints store full logical tensors in canonical expert order: the
 checkpoint writer cuts expert parameters into per-expert boxes through the placement (read from
-the parameters' sharding records,
-:meth:`~meshtrain.parallel.sharding.ParamSharding.expert_rows`), and the final-weights gather
-reorders the rows it gathers over ep, so a checkpoint loads into any layout, with or without
-placement. The placements and the current window are saved in the checkpoint's metadata
-(:meth:`ExpertPlacer.state_dict`); resuming at the same ``ep`` moves the experts back to the saved
-placement (so the run continues exactly), at another ``ep`` it starts from the identity, keeping
-the window.
+the parameters' sharding records, :meth:`~meshtrain.parallel.sharding.ParamSharding.expert_rows`),
+and the final-weights gather reorders the rows it gathers over ep, so a checkpoint loads into any
+layout, with or without placement. The placements and the current window are saved in the
+checkpoint's metadata (:meth:`ExpertPlacer.state_dict`); resuming at the same ``ep`` moves the
+experts back to the saved placement (so the run continues exactly), at another ``ep`` it starts
+from the identity, keeping the window.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshtrain.config.layout_rules import check_expert_degree
 from meshtrain.model.moe import layer_index
 from meshtrain.parallel.expert.move import move_expert_state
 from meshtrain.parallel.state import shardings_of
@@ -52,8 +52,7 @@ class LayerPlacement:
     """Which expert sits in each of one MoE layer's ``E`` slots, and this rank's share."""
 
     def __init__(self, num_experts: int, ep_size: int, ep_rank: int):
-        if num_experts % ep_size:
-            raise ValueError(f"{num_experts} experts are not divisible by ep = {ep_size}")
+        check_expert_degree(ep_size, experts=num_experts)  # ValueError when they do not split
         self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
         self.local = num_experts // ep_size
         self.slots = list(range(num_experts))

@@ -9,10 +9,9 @@ Each run of consecutive send/recv actions is one exchange, posted together
 for right before the compute that consumes it; before the next exchange is posted, the earlier
 ones are waited for (CPU) or the completed ones dropped (CUDA), which frees the tensors they sent
 (a backend's work handle keeps its tensor until then); the last one is waited for at the end of
-the step. A stage's
-input and its gradient are dropped once the backward that produced the gradient has handed it
-on, so a rank holds the activations of the micro-batches in flight, not of every micro-batch of
-the step. The schedules put messages in
+the step. A stage's input and its gradient are dropped once the backward that produced the gradient
+has handed it on, so a rank holds the activations of the micro-batches in flight, not of every
+micro-batch of the step. The schedules put messages in
 the same order on both sides of every pair and place exchanges so they complete even when sends
 wait for their receives (:mod:`.message_order`), so this is correct under NCCL's untagged,
 in-order matching; tags (:mod:`.p2p`'s default ``tagged`` semantics) are a second guard on gloo

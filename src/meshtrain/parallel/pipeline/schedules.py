@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from meshtrain.config import ConfigError
 from meshtrain.config.layout import PP_SCHEDULES
+from meshtrain.config.layout_rules import check_interleaved_microbatches
 from meshtrain.parallel.pipeline.schedule import (
     Action,
     ActionKind,
@@ -184,11 +185,7 @@ def _validate(name: str, pp: int, m: int, v: int) -> None:
         if v < 2:
             raise ConfigError(f"interleaved-1f1b needs virtual_stages >= 2 chunks per rank (got "
                               f"{v}); with one chunk use 1f1b")
-        if m % pp:
-            valid = ", ".join(str(pp * k) for k in range(1, 5))
-            raise ConfigError(f"interleaved-1f1b needs microbatches divisible by pp (Megatron-LM's"
-                              f" constraint): {m} is not a multiple of pp = {pp}; valid: {valid}, "
-                              "...")
+        check_interleaved_microbatches(pp, m)
     if name == "zb-v" and v != 2:
         raise ConfigError(f"zb-v places exactly two chunks per rank in a V and needs "
                           f"virtual_stages = 2 (got {v})")

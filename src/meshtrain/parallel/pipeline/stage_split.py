@@ -10,6 +10,7 @@ by the runtime (:mod:`meshtrain.parallel.pipeline.stage`), the validation and th
 from __future__ import annotations
 
 from meshtrain.config import ConfigError, ModelConfig
+from meshtrain.config.layout_rules import check_pipeline_stages
 
 
 def _block_cost(config: ModelConfig, layer: int) -> float:
@@ -41,9 +42,7 @@ def parse_split(text: str, n_layers: int, num_stages: int) -> list[int]:
 def balanced_split(config: ModelConfig, vocab_size: int, num_stages: int) -> list[int]:
     """Layer counts per stage minimising the most expensive stage (each stage >= 1 layer)."""
     n = config.n_layers
-    if n < num_stages:
-        raise ConfigError(f"model.n_layers = {n} is fewer than the {num_stages} pipeline stages "
-                          f"(pp × virtual_stages); use pp × virtual_stages <= {n}.")
+    check_pipeline_stages(num_stages, n)
     costs = [_block_cost(config, i) for i in range(n)]
     head = float(config.dim * vocab_size)
     prefix = [0.0]

@@ -25,9 +25,8 @@ keeps no ``s × s`` scores; unfused attention adds ``2 a s / h`` (the softmax ou
 checkpointing keeps only each block's input (plus one block's working set while it recomputes);
 selective recomputes the attention core and the MLP activation function. At the peak, the
 backward of one block also holds the gradients of what it saved (one block's activations more).
-A MoE layer runs whole
-on every tp rank (as the runtime replicates it over tp), so its parameters and activations are
-not divided by tp. A rank holds its
+A MoE layer runs whole on every tp rank (as the runtime replicates it over tp), so its parameters
+and activations are not divided by tp. A rank holds its
 stage's activations times the schedule's peak in-flight micro-batches
 (:mod:`meshtrain.planner.cost.pipeline`). Under context parallelism a rank's activations are
 those of its ``S / cp`` tokens, plus the gathered full-sequence K and V
@@ -300,8 +299,8 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
     unit (``rank_params`` minus the units: embedding, final norm, head and, when blocks are
     split, their norm weights), gathered from the logits' gradient to the end of backward; the
     unit being used and the one prefetched (the largest consecutive pair); and the gradient
-    staging buffers of the engine's pool
-    (:data:`meshtrain.config.runtime_facts.INITIAL_PAIRS`, each sized for the largest bucket,
+    staging buffers of the engine's pool (:data:`meshtrain.config.runtime_facts.INITIAL_PAIRS`,
+    each sized for the largest bucket,
     the root's included: its gradients in full and its shard)."""
 
     model = workload.model

@@ -3,8 +3,7 @@
 Compute is priced GEMM by GEMM with a roofline: ``max(2mnk / (peak · e), bytes / HBM) + t0``,
 where ``e`` is the large-GEMM efficiency the stack reaches on the profile
 (:func:`meshtrain.planner.hardware.stack_efficiency.kernel_efficiency`: the stack's entry for the
-GPU
-generation, else the profile's) and ``t0`` the profile's per-kernel overhead — so small
+GPU generation, else the profile's) and ``t0`` the profile's per-kernel overhead — so small
 per-rank matmuls (high tp, small micro-batches, narrow models) run below peak, as they do. The
 backward of a linear layer is two GEMMs of the same size (input gradient ``b``, weight gradient
 ``w``). Attention's ``QK^T`` and ``AV`` run fused (FlashAttention: causal, so half the square,

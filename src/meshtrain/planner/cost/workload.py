@@ -4,9 +4,8 @@
 says what the training runtime does (fused attention, overlapped gradient reduction, ...), so the
 same cost model prices meshtrain and, for validation against published numbers, Megatron-LM as it
 ran in 2021. A candidate is a :class:`~meshtrain.config.layout.Layout` (parallel degrees and
-schedule,
-the same class a run config's ``[parallel]`` section is); :func:`check_layout` refuses a layout
-the shapes cannot take, with a message naming what would work.
+schedule, the same class a run config's ``[parallel]`` section is); :func:`check_layout` refuses a
+layout the shapes cannot take, with a message naming what would work.
 """
 
 from __future__ import annotations
@@ -14,7 +13,18 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import Config, ConfigError, ModelConfig
+from meshtrain.config import layout_rules as rules
 from meshtrain.config.layout import PP_SCHEDULES, Layout
+from meshtrain.config.layout_rules import (
+    check_expert_degree,
+    check_global_batch,
+    check_interleaved_microbatches,
+    check_pipeline_stages,
+    check_sequence_parallel,
+    check_tensor_parallel,
+    check_zero_stage,
+    choice,
+)
 from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
 from meshtrain.planner.tables.stacks import MEGATRON_2021_A100, TORCHTITAN_2024_A100
 
@@ -256,41 +266,18 @@ def check_layout(workload: Workload, layout: Layout) -> None:
     for key in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "microbatches"):
         if getattr(lay, key) < 1:
             raise ConfigError(f"parallel.{key} = {getattr(lay, key)} must be at least 1.")
-    if lay.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f'parallel.pp_schedule = "{lay.pp_schedule}"; choose one of '
-                          f"{', '.join(PP_SCHEDULES)}.")
-    if not 0 <= lay.zero <= 3:
-        raise ConfigError(f"parallel.zero = {lay.zero} is not a ZeRO stage; valid: 0-3.")
-    if m.n_heads % lay.tp or m.kv_heads % lay.tp and lay.tp % m.kv_heads:
-        raise ConfigError(f"parallel.tp = {lay.tp} must divide model.n_heads = {m.n_heads} and "
-                          f"divide or be a multiple of the {m.kv_heads} key/value heads.")
-    hidden = m.expert_ffn_dim if m.moe_experts else m.ffn_dim
-    if m.ffn_dim % lay.tp or hidden % lay.tp:
-        raise ConfigError(f"parallel.tp = {lay.tp} must divide model.ffn_dim = {m.ffn_dim}.")
-    if lay.sequence_parallel and lay.tp == 1:
-        raise ConfigError("parallel.sequence_parallel = true needs parallel.tp > 1.")
-    if lay.pp * lay.chunks_per_rank > m.n_layers:
-        raise ConfigError(f"parallel.pp = {lay.pp} with {lay.chunks_per_rank} chunk(s) per rank "
-                          f"needs at least {lay.pp * lay.chunks_per_rank} layers; the model has "
-                          f"{m.n_layers}.")
-    if lay.pp_schedule == "interleaved-1f1b" and lay.pp > 1 and lay.microbatches % lay.pp:
-        raise ConfigError(f"interleaved-1f1b needs microbatches ({lay.microbatches}) to be a "
-                          f"multiple of pp ({lay.pp}).")
+    choice(lay.pp_schedule, PP_SCHEDULES, "parallel.pp_schedule")
+    check_zero_stage(lay.zero)
+    check_tensor_parallel(lay.tp, n_heads=m.n_heads, kv_heads=m.kv_heads, ffn_dim=m.ffn_dim,
+                          expert_ffn_dim=m.expert_ffn_dim if m.moe_experts else None,
+                          seq_len=workload.seq_len if lay.sequence_parallel else None)
+    check_sequence_parallel(lay.sequence_parallel, lay.tp)
+    check_pipeline_stages(lay.pp * lay.chunks_per_rank, m.n_layers)
+    if lay.pp_schedule == "interleaved-1f1b" and lay.pp > 1:
+        check_interleaved_microbatches(lay.pp, lay.microbatches)
     if lay.ep > 1:
-        if not m.moe_experts:
-            raise ConfigError("parallel.ep > 1 needs an MoE model (model.moe_experts > 0).")
-        if ((lay.dp * lay.tp) % lay.ep or m.moe_experts % lay.ep
-                or (lay.tp % lay.ep and lay.ep % lay.tp)):
-            raise ConfigError(f"parallel.ep = {lay.ep} must divide parallel.dp × parallel.tp = "
-                              f"{lay.dp} × {lay.tp} and model.moe_experts = {m.moe_experts}, "
-                              f"and divide tp or be a multiple of it.")
-    per_step = lay.dp * lay.microbatches
-    if workload.global_batch % per_step:
-        raise ConfigError(f"train.global_batch = {workload.global_batch} is not divisible by "
-                          f"dp × microbatches = {lay.dp} × {lay.microbatches} = {per_step}.")
-    if workload.seq_len % lay.tp and lay.sequence_parallel:
-        raise ConfigError(f"train.seq_len = {workload.seq_len} must be divisible by tp = "
-                          f"{lay.tp} under sequence parallelism.")
+        check_expert_degree(lay.ep, lay.dp, lay.tp, m.moe_experts)
+    check_global_batch(workload.global_batch, lay.dp, lay.microbatches)
     if lay.cp > 1:
         check_context_parallel(workload, lay)
 
@@ -330,17 +317,10 @@ def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:
 
 def check_context_parallel(workload: Workload, layout: Layout) -> None:
     """Raise :class:`ConfigError` (naming the valid degrees) when ``layout.cp`` cannot split
-    ``workload``'s sequences: the runtime's own check,
-    :func:`meshtrain.validation.run_config.validate_context_parallel`, on a config holding this
-    workload."""
-    from meshtrain.validation.run_config import validate_context_parallel
-
-    config = Config()
-    config.model = workload.model
-    config.train.seq_len = workload.seq_len
-    config.parallel.cp, config.parallel.tp = layout.cp, layout.tp
-    config.parallel.sequence_parallel = layout.sequence_parallel
-    validate_context_parallel(config)
+    ``workload``'s sequences: the runtime's own rule,
+    :func:`meshtrain.config.layout_rules.check_context_parallel`."""
+    rules.check_context_parallel(workload.seq_len, layout.cp,
+                                 layout.tp if layout.sequence_parallel else 1, workload.model)
 
 
 def context_parallel_fits(workload: Workload, cp: int, tp: int, sequence_parallel: bool) -> bool:

@@ -15,9 +15,8 @@ into one rank's rates for a number of processes and threads.
 A :class:`Cluster` is a profile × ``gpus`` × ``gpus_per_node``. :meth:`Cluster.collective_time`
 prices one collective for a group laid out with a given stride over the ranks (tp innermost,
 pp outermost, as :mod:`meshtrain.parallel.mesh` places them): a group inside one node runs at the
-NVLink
-bus bandwidth; a group spanning nodes with ``g`` of its ranks per node runs at ``g`` times the
-per-GPU network bandwidth (each GPU drives its own NIC, NCCL runs one ring per NIC), capped by
+NVLink bus bandwidth; a group spanning nodes with ``g`` of its ranks per node runs at ``g`` times
+the per-GPU network bandwidth (each GPU drives its own NIC, NCCL runs one ring per NIC), capped by
 NVLink. A cluster split into sites (:mod:`meshtrain.planner.sites.wide_area`) prices a group that
 spans sites at its share of the wide-area link instead, never faster than the above.
 """

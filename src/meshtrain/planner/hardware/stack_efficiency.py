@@ -1,8 +1,7 @@
 """Kernel efficiencies a software stack reaches on a GPU generation.
 
 A hardware profile (:mod:`meshtrain.planner.hardware.profile`) says what the chip can do: its peak
-and,
-as ``matmul_efficiency`` / ``attention_efficiency``, the default fraction of peak its kernels
+and, as ``matmul_efficiency`` / ``attention_efficiency``, the default fraction of peak its kernels
 reach. What a training runtime gets out of the same chip depends on the runtime: its cuBLAS and
 PyTorch versions, fused or eager kernels, launch overheads hidden or not. A stack
 (:class:`meshtrain.planner.cost.workload.RuntimeTraits`) therefore carries its own figures per GPU

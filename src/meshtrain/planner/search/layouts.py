@@ -22,6 +22,12 @@ import itertools
 
 from meshtrain.config import ConfigError
 from meshtrain.config.layout import Layout
+from meshtrain.config.layout_rules import (
+    interleaving_fits,
+    pipeline_stages_fit,
+    tp_fits,
+    valid_expert_degrees,
+)
 from meshtrain.planner.cost.estimate import estimate
 from meshtrain.planner.cost.memory import GB, model_state_bytes
 from meshtrain.planner.cost.workload import (
@@ -51,15 +57,15 @@ def _schedules(pp: int, n_layers: int, microbatches: int,
     if pp == 1:
         return [("1f1b", 1)]
     options = [("1f1b", 1), ("zb-h1", 1)]
-    if n_layers >= 2 * pp:
+    if pipeline_stages_fit(2 * pp, n_layers):
         options.append(("zb-v", 1))
-    if microbatches % pp == 0:
+    if interleaving_fits(pp, microbatches):
         if traits.uniform_pipeline_stages:  # Megatron-LM: v divides the stage's layers, pp > 2
             per_stage = n_layers // pp
             chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per_stage % v == 0
                       ] if pp > 2 else []
         else:
-            chunks = [v for v in VIRTUAL_STAGES if n_layers >= v * pp]
+            chunks = [v for v in VIRTUAL_STAGES if pipeline_stages_fit(v * pp, n_layers)]
         options += [("interleaved-1f1b", v) for v in chunks]
     return [(name, v) for name, v in options if name in traits.pp_schedules]
 
@@ -74,8 +80,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     model, gpus = workload.model, cluster.gpus
     layouts = []
     tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and gpus % t == 0
-           and model.n_heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
-           and model.ffn_dim % t == 0]
+           and tp_fits(t, n_heads=model.n_heads, kv_heads=model.kv_heads,
+                       ffn_dim=model.ffn_dim)]
     traits = workload.traits  # only what the priced runtime offers
     cps = cps if traits.context_parallel else (1,)
     zero_stages = tuple(z for z in zero_stages if z in traits.zero_stages)
@@ -85,12 +91,11 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
               if (cps is None or c in cps) and context_parallel_fits(workload, c, t, t > 1)]
     for tp, cp in shapes:
         for pp in _divisors(gpus // (tp * cp)):
-            if pp > model.n_layers or (traits.uniform_pipeline_stages and model.n_layers % pp):
+            if (not pipeline_stages_fit(pp, model.n_layers)
+                    or (traits.uniform_pipeline_stages and model.n_layers % pp)):
                 continue
             dp = gpus // (tp * cp * pp)
-            eps = ([e for e in _divisors(dp * tp)
-                    if model.moe_experts % e == 0 and (tp % e == 0 or e % tp == 0)]
-                   if model.moe_experts else [1])
+            eps = valid_expert_degrees(dp, tp, model.moe_experts)  # [1] for a dense model
             for b in micro_batch_sizes:
                 if workload.global_batch % (dp * b):
                     continue

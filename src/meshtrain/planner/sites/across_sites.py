@@ -23,6 +23,7 @@ import dataclasses
 import math
 
 from meshtrain.config.layout import Layout
+from meshtrain.config.layout_rules import ALL_REDUCE_OUTER_DTYPES, max_sync_fragments
 from meshtrain.config.runtime_facts import bus_bytes
 from meshtrain.planner.cost.context_parallel import reduction_group
 from meshtrain.planner.cost.memory import stage_params
@@ -151,7 +152,7 @@ def _diloco_options(workload: Workload, cluster: Cluster, replicas: int, dtype: 
         layout = layout_from_json(result["layout"])
         for every in SYNC_EVERY_CHOICES:
             for fragments in FRAGMENT_CHOICES:
-                if fragments > min(every, workload.model.n_layers):
+                if fragments > max_sync_fragments(every, workload.model.n_layers):
                     continue
                 settings = ReplicaSettings(replicas, every, fragments, dtype)
                 blocking = estimate_replicated(workload, layout, cluster, settings, energy,
@@ -169,7 +170,8 @@ def _hiding_overlap(blocking: dict, every: int, dtype: str, cluster: Cluster) ->
     """The least ``parallel.sync_overlap`` whose inner steps cover the longest fragment's
     exchange (below ``every``), or 0 where none can run in the background (a CPU profile,
     8-bit exchange, one step per round)."""
-    if every < 2 or dtype not in ("fp32", "bf16") or not cluster.profile.comm_overlaps_compute:
+    if (every < 2 or dtype not in ALL_REDUCE_OUTER_DTYPES
+            or not cluster.profile.comm_overlaps_compute):
         return 0
     inner = max(blocking["inner_step_time_s"], 1e-12)
     return min(every - 1, max(1, math.ceil(blocking["replica_sync_s_max"] / inner)))

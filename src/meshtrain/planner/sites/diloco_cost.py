@@ -17,12 +17,10 @@ the runtime sends (:mod:`meshtrain.training.diloco.outer`), per rank:
   × 256, :mod:`meshtrain.training.diloco.quantized_reduce`), ``(1 + 4/256)/4`` of fp32's bytes.
 
 Bytes are bus bytes per rank (:func:`meshtrain.config.runtime_facts.bus_bytes`), the convention of
-the
-runtime's ``comm_bytes.replica``; the replica group's collectives are timed by
+the runtime's ``comm_bytes.replica``; the replica group's collectives are timed by
 :meth:`meshtrain.planner.hardware.profile.Cluster.collective_time` over ``R`` ranks ``gpus / R``
-apart,
-so on a cluster split into sites (:mod:`meshtrain.planner.sites.wide_area`) they cross the wide-area
-link, which every rank of a site shares. Each fragment's share of a rank's elements is the
+apart, so on a cluster split into sites (:mod:`meshtrain.planner.sites.wide_area`) they cross the
+wide-area link, which every rank of a site shares. Each fragment's share of a rank's elements is the
 runtime's own split (:func:`meshtrain.config.runtime_facts.fragment_of_parameters`) of the rank's
 units (embedding, blocks, norm and head).
 
@@ -40,6 +38,7 @@ import dataclasses
 
 from meshtrain.config import ConfigError
 from meshtrain.config.layout import Layout
+from meshtrain.config.layout_rules import check_replica_keys
 from meshtrain.config.runtime_facts import QUANTIZED_BLOCK as BLOCK
 from meshtrain.config.runtime_facts import bus_bytes
 from meshtrain.planner.cost.context_parallel import reduction_group
@@ -49,7 +48,6 @@ from meshtrain.planner.cost.workload import Workload, stage_layers
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.sites.wide_area import WideArea
 
-OUTER_GRAD_DTYPES = ("fp32", "bf16", "int8", "fp8")
 SCALE_BLOCK = BLOCK
 """Values per fp32 scale of the 8-bit formats."""
 
@@ -79,23 +77,9 @@ def check_replica_settings(settings: ReplicaSettings, workload: Workload, cluste
     """Raise :class:`ConfigError` naming the key and the valid values when ``settings`` cannot
     run ``workload`` on ``cluster``."""
     s, sites = settings, cluster.sites
-    if s.replicas < 1:
-        raise ConfigError(f"parallel.replicas = {s.replicas} must be at least 1.")
-    if s.sync_every < 1:
-        raise ConfigError(f"parallel.sync_every = {s.sync_every} must be at least 1.")
-    most = min(s.sync_every, workload.model.n_layers)
-    if not 1 <= s.sync_fragments <= most:
-        raise ConfigError(f"parallel.sync_fragments = {s.sync_fragments}; valid: 1 to {most} "
-                          "(at most parallel.sync_every and model.n_layers).")
-    if s.outer_grad_dtype not in OUTER_GRAD_DTYPES:
-        raise ConfigError(f'parallel.outer_grad_dtype = "{s.outer_grad_dtype}"; choose one of '
-                          f"{', '.join(OUTER_GRAD_DTYPES)}.")
-    if not 0 <= s.sync_overlap < s.sync_every:
-        raise ConfigError(f"parallel.sync_overlap = {s.sync_overlap}; valid: 0 to "
-                          f"{s.sync_every - 1} (below parallel.sync_every).")
-    if s.sync_overlap and s.outer_grad_dtype not in ("fp32", "bf16"):
-        raise ConfigError(f'parallel.outer_grad_dtype = "{s.outer_grad_dtype}" does not run in '
-                          "the background; with parallel.sync_overlap > 0 choose fp32 or bf16.")
+    check_replica_keys(replicas=s.replicas, sync_every=s.sync_every,
+                       sync_fragments=s.sync_fragments, outer_grad_dtype=s.outer_grad_dtype,
+                       sync_overlap=s.sync_overlap, n_layers=workload.model.n_layers)
     if cluster.gpus % s.replicas:
         raise ConfigError(f"parallel.replicas = {s.replicas} does not divide the {cluster.gpus} "
                           "GPUs into equal replica groups.")

@@ -2,9 +2,8 @@
 were fitted on and the rows that report its accuracy.
 
 ``python -m meshtrain.planner.tables.published`` prints every row with its error, and with
-``--ranks``
-where each published layout ranks among the layouts ``plan`` searches (what docs/planner.md
-quotes). Each row names its source, table, layout and which figure it is:
+``--ranks`` where each published layout ranks among the layouts ``plan`` searches (what
+docs/planner.md quotes). Each row names its source, table, layout and which figure it is:
 
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21, arXiv:2104.04473), Table 1: achieved TFLOP/s per GPU counted with full

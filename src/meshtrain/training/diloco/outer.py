@@ -21,8 +21,7 @@ ZeRO-sharded exactly where the inner layout shards the masters: 8 bytes per para
 owns. The pseudo-gradient is all-reduced in ``parallel.outer_grad_dtype`` (fp32 or bf16), or
 its mean exchanged in 8 bits with per-block scales (int8 or fp8,
 :mod:`meshtrain.training.diloco.quantized_reduce`); the outer step itself is fp32. Either goes
-through
-the mesh's counted ``replica`` comm, so its traffic is ``comm_bytes.replica``.
+through the mesh's counted ``replica`` comm, so its traffic is ``comm_bytes.replica``.
 
 Streaming (``parallel.sync_fragments = F``, Streaming DiLoCo, Douillard et al. 2025): the model's
 parameters are split into F fragments of consecutive blocks (the embedding with the first, the
