@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config
+from meshtrain.config.layout_rules import check_world_size, dp_for_world, world_size
 from meshtrain.validation.model import validate_shapes
 
 
@@ -114,21 +115,12 @@ def run_estimate(args: argparse.Namespace) -> int:
             raise ConfigError(f"parallel.{key} = {getattr(par, key)} must be at least 1.")
     if par.replicas < 1:
         raise ConfigError(f"parallel.replicas = {par.replicas} must be at least 1.")
-    names = "cp × tp × pp" if par.cp > 1 else "tp × pp"
-    if par.replicas > 1:
-        names = "replicas × " + names
-    model_parallel = par.cp * par.tp * par.pp * par.replicas
+    degrees = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "replicas": par.replicas}
     if par.dp == 0:
-        if world and world % model_parallel:
-            raise ConfigError(f"--gpus {world} is not a multiple of {names} = "
-                              f"{model_parallel}.")
-        par.dp = world // model_parallel if world else 1
+        par.dp = dp_for_world(world, **degrees, what="--gpus") if world else 1
     layout = config.parallel.layout()
-    gpus = args.gpus or layout.world_size * par.replicas
-    if gpus != layout.world_size * par.replicas:
-        raise ConfigError(f"dp × {names} = {layout.world_size * par.replicas} does not equal "
-                          f"--gpus {gpus}; leave parallel.dp at 0 to fill the GPUs with data "
-                          "parallelism.")
+    gpus = args.gpus or world_size(par.dp, **degrees)
+    check_world_size(gpus, dp=par.dp, **degrees, what="--gpus")
     profile = load_profile(args.hardware)
     cluster = cluster_from_args(args, profile, gpus)
     work = Workload.from_config(config, STACKS[args.stack])

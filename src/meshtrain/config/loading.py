@@ -236,6 +236,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 def default_config_path() -> Path | None:
     """The demo config shipped in ``configs/demo.toml`` (or packaged beside this module)."""
-    here = Path(__file__).resolve()
-    candidates = [here.parents[2] / "configs" / "demo.toml", here.parent / "configs" / "demo.toml"]
+    package = Path(__file__).resolve().parents[1]  # src/meshtrain
+    candidates = [package.parents[1] / "configs" / "demo.toml", package / "configs" / "demo.toml"]
     return next((c for c in candidates if c.is_file()), None)

@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import Tensor
 
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
+from meshtrain.config.layout_rules import batch_readers
 from meshtrain.data.mixture import mixture_data
 from meshtrain.data.packing import PackedDataset, hold_out_tail
 from meshtrain.data.sampler import GlobalBatchSampler
@@ -93,7 +94,7 @@ def trainer_data(config, mesh, tokenizer) -> TrainData:
     if not data_cfg.replica_sources:
         return TrainData(data_cfg, train_cfg, tokenizer,
                          dp_rank=mesh.replica_rank * mesh.dp + mesh.dp_rank,
-                         dp_size=mesh.replicas * mesh.dp, microbatches=micro)
+                         dp_size=batch_readers(mesh.dp, mesh.replicas), microbatches=micro)
     own = dataclasses.replace(data_cfg, source=data_cfg.replica_sources[mesh.replica_rank],
                               replica_sources=[])
     share = dataclasses.replace(train_cfg, global_batch=train_cfg.global_batch // mesh.replicas)

@@ -103,3 +103,14 @@ def test_round_trip_dict():
     assert again == config
     set_key(again, "train.seed", "5")
     assert again.train.seed == 5
+
+
+def test_the_default_config_is_the_shipped_demo():
+    """``meshtrain train`` without ``--config`` runs ``configs/demo.toml``: the path is found
+    from the package's own location, wherever that module sits in the tree."""
+    from pathlib import Path
+
+    from meshtrain.config import default_config_path
+
+    demo = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+    assert demo.is_file() and default_config_path() == demo

@@ -126,9 +126,10 @@ def _summary(run: dict[str, list]) -> dict[str, Any]:
 
 def _train(config: Config, steps: int, start: int, init_from: str, timeout: float,
            save_final: bool = False) -> list[dict]:
+    from meshtrain.config.layout_rules import world_size
     from meshtrain.host.local_processes import run_distributed
 
-    world = config.parallel.replicas * config.parallel.dp
+    world = world_size(config.parallel.dp, replicas=config.parallel.replicas)
     return run_distributed(world, side_steps, config.to_dict(), steps, start, init_from,
                            save_final, timeout=timeout,
                            threads=max(config.train.threads_per_worker, 1))[0]
