@@ -170,7 +170,7 @@ COMMANDS = {
     "calibrate": "meshtrain.commands.planner:run_calibrate",
     "simulate": "meshtrain.commands.simulate:run_simulate",
     "convert": "meshtrain.commands.convert:run_convert",
-    "prepare": "meshtrain.commands.convert:run_prepare",
+    "prepare": "meshtrain.commands.prepare:run_prepare",
     "lighthouse": "meshtrain.commands.lighthouse:serve",
 }
 """Each subcommand's body, ``module:function`` taking the parsed arguments and returning the exit

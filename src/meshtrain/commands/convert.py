@@ -1,5 +1,4 @@
-"""``meshtrain convert`` and ``meshtrain prepare``: the bodies of the two file-conversion
-commands (Hugging Face checkpoints; text to token shards)."""
+"""``meshtrain convert``: Hugging Face checkpoints to meshtrain weights and back."""
 
 from __future__ import annotations
 
@@ -17,17 +16,4 @@ def run_convert(args: argparse.Namespace) -> int:
     else:
         out = convert_to_hf(args.to_hf, args.out, dtype, int(args.max_shard_gb * 2**30))
     print(f"meshtrain convert: wrote {out}", file=sys.stderr)
-    return 0
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """``meshtrain prepare``: see :mod:`meshtrain.data.prepare`."""
-    from meshtrain.data.prepare import prepare
-
-    meta = prepare(args.sources, args.out, args.tokenizer, args.text_field, args.workers,
-                   progress=sys.stderr.isatty())
-    state = "up to date (same sources, tokenizer and field; nothing rewritten)" \
-        if meta["up_to_date"] else "prepared"
-    print(f"meshtrain prepare: {args.out} {state}: {meta['tokens']} tokens, "
-          f"{meta['documents']} documents, {len(meta['shards'])} shards ({meta['dtype']})")
     return 0
