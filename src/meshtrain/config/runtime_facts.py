@@ -29,7 +29,8 @@ QUANTIZED_FORMATS = {"int8": 127.0, "fp8": 448.0}
 
 
 def bus_bytes(op: str, full_bytes: int, group_size: int) -> int:
-    """Bus bytes per rank of one collective on a full tensor of ``full_bytes`` (see module doc)."""
+    """Bus bytes per rank of one collective on a full tensor of ``full_bytes`` (the table in
+    :mod:`meshtrain.parallel.comm`)."""
     n = group_size
     if n <= 1:
         return 0
