@@ -3,6 +3,7 @@ tests/distributed.py's WorkerPool), for the tests' own ranks and for meshtrain c
 call in this process; each test still gets fresh meshes and groups."""
 
 import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,10 @@ use_pool_for_meshtrain_commands()
 # send waits until its receive is posted (NCCL's rendezvous), so no test passes only because
 # gloo matches tags and buffers sends (meshtrain.parallel.pipeline.p2p).
 os.environ.setdefault("MESHTRAIN_P2P_SEMANTICS", "nccl-rendezvous")
+
+# Raw text sources are tokenized into an on-disk cache (meshtrain.data.sources); the suite's go to
+# a directory of its own, never the user's ~/.cache.
+os.environ.setdefault("MESHTRAIN_DATA_CACHE", tempfile.mkdtemp(prefix="meshtrain-test-cache-"))
 
 
 @pytest.fixture

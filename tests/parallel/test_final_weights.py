@@ -4,7 +4,9 @@ Every saved tensor must be bit-identical to what the former whole-model gather p
 here, test-only, as :func:`reference_gather`) at dp2 ZeRO-3 (fp32 and bf16), tp2 + SP, pp2,
 interleaved pp2, ep2 with and without re-placed experts, dp2 × tp2 ZeRO-3 and dp2 × tp2 × pp2 ×
 ep2; the readers (``generate``, ``convert --to-hf``, ``checkpoint.init_from``) must read the
-sharded layout and the old single file; a failed writer must leave no index and fail every rank.
+sharded layout and the old single file; a failed writer must fail every rank and leave the
+previous ``final/`` as it was; a save interrupted between its two renames must be read from the
+set it left aside and recovered by the next save.
 
 Memory is measured, not inferred: each rank of a dp2 × tp2 ZeRO-3 world resets its peak RSS
 (``/proc/self/clear_refs``), saves a model of 64 MiB whose largest tensor is 4 MiB, and reports
@@ -338,31 +340,62 @@ def test_writer_peak_memory_is_about_one_tensor(tmp_path, monkeypatch):
     assert max(r["save"] for r in results) <= 3 * largest
 
 
-def test_a_failed_writer_leaves_no_index_and_fails_the_run(tmp_path):
+def test_a_failed_writer_keeps_the_previous_final_weights_and_fails_the_run(tmp_path):
     config = tiny_config("parallel.pp=2", "parallel.microbatches=2", "train.steps=1",
                          run_dir=str(tmp_path), nproc=2)
     final = tmp_path / "final"
-    final.mkdir()  # a complete-looking earlier save: it must not survive next to the new files
-    for name in ("model.safetensors", INDEX_NAME, "config.json"):
-        (final / name).write_text("{}")
+    final.mkdir()  # an earlier save: it must survive whole, with nothing of the new one in it
+    previous = {name: f"previous {name}" for name in ("model.safetensors", INDEX_NAME,
+                                                      "config.json")}
+    for name, text in previous.items():
+        (final / name).write_text(text)
     with pytest.raises(DistributedTestError) as failure:
         run_distributed(2, fail_after_first_file, config.to_dict(), timeout=300)
     message = str(failure.value)
     assert "FinalWeightsError" in message and "No space left on device" in message
     assert re.search(r"rank 1 \(pp 1, tp 0\) could not write model-\d{5}-of-\d{5}", message)
-    assert not (final / INDEX_NAME).exists() and not (final / "config.json").exists()
-    assert not (final / "model.safetensors").exists()
-    assert not list(final.glob("*.tmp"))
-    assert len(list(final.glob("model-*.safetensors"))) >= 2  # rank 0's files and one of rank 1's
-    from meshtrain.checkpoint import iter_weights
-    from meshtrain.commands.generate import find_weights_dir
-
-    with pytest.raises(ConfigError):
-        find_weights_dir(tmp_path)
-    with pytest.raises(ConfigError):
-        next(iter_weights(tmp_path))
+    assert "keeps the previous final weights" in message
+    assert {p.name: p.read_text() for p in final.iterdir()} == previous
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("final")] == ["final"]
+    # What the interrupted save had written (shards, no index) is refused by every reader.
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="without model.safetensors.index.json"):
-        TensorReader(final)
+        TensorReader(partial)
+
+
+def test_one_process_save_recovers_a_set_left_aside_then_replaces_it(tmp_path, monkeypatch):
+    """A save interrupted between its two renames (filesystem without the atomic exchange) left
+    no final/ and the previous set as final.old-*: readers get that set; the next save renames
+    it back first, then swaps its own set in (here by the two renames too)."""
+    from meshtrain.checkpoint import atomic, iter_weights
+    from meshtrain.checkpoint.final_weights import save_final_weights
+    from meshtrain.checkpoint.safetensors_io import current_weights_dir
+
+    config = tiny_config(run_dir=str(tmp_path), nproc=1)
+    trainer = _trainer(config.to_dict())
+    final = tmp_path / "final"
+    save_final_weights(trainer.model, trainer.engine, trainer.mesh, final,
+                       json.dumps(config.to_dict()), 0)
+    first = _read(final)
+    token = atomic.token()
+    (tmp_path / f"final.tmp-{token}").mkdir()  # the new set (complete or not: never read)
+    aside = tmp_path / f"final.old-{token}"
+    final.rename(aside)  # the first rename; the crash comes before the second
+    assert current_weights_dir(final) == aside
+    _assert_identical(dict(iter_weights(tmp_path)), first, "read from the aside")
+
+    trainer.train_step()
+    expected = reference_gather(trainer.model, trainer.engine, trainer.mesh)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    out = save_final_weights(trainer.model, trainer.engine, trainer.mesh, final,
+                             json.dumps(config.to_dict()), 1)
+    assert out == final
+    _assert_layout(final, 1)
+    _assert_identical(_read(final), expected, "after recovery")
+    assert not torch.equal(first["output.weight"], expected["output.weight"])  # a new set
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("final")] == ["final"]
 
 
 def test_file_plan_spreads_tp_split_tensors_and_numbers_files_deterministically():

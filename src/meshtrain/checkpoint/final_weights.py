@@ -20,20 +20,30 @@ rank, order), so their names depend only on the model and the layout.
 and are dropped before the next is gathered. No rank holds more than about one full tensor
 beyond its own share.
 
-**Completeness.** Rank 0 first removes any previous ``final/`` (single file or sharded), so no
-old file mixes with the new ones. Each file is written under a ``.tmp`` name and renamed once
-complete. A rank whose writing fails stops writing but keeps taking part in the gathers, so no
-rank is left waiting; after the last tensor every rank learns every rank's outcome. Only if all
-files were written does rank 0 write ``config.json`` and then, last, the index (each by an atomic
-rename); otherwise every rank raises :class:`FinalWeightsError`. A directory without the index is
-incomplete, and the readers refuse it.
+**Completeness and crash safety.** The new set is written into ``RUN_DIR/final.tmp-<token>``
+beside ``final/`` (rank 0 first removes the leftovers of an interrupted earlier save, see
+:func:`~meshtrain.checkpoint.atomic.cleanup`, and shares the name). Each file is written under a
+``.tmp`` name, fsynced and renamed once complete. A rank whose writing fails stops writing but
+keeps taking part in the gathers, so no rank is left waiting; after the last tensor every rank
+learns every rank's outcome. Only if all files were written does rank 0 write ``config.json``
+and then, last, the index (each fsynced and renamed into place), fsync the directory and swap it
+in for ``final/`` (:func:`~meshtrain.checkpoint.atomic.swap_in`: one atomic exchange where the
+filesystem supports it, else the old ``final/`` renamed aside to ``final.old-<token>`` and the
+new one renamed into place), fsync ``RUN_DIR`` and remove the old set. So ``final/`` is at every
+instant the complete previous set or the complete new one; where the swap takes two renames and
+a crash falls between them, ``final/`` is missing and ``final.old-<token>`` is the complete
+previous set, which the readers use
+(:func:`~meshtrain.checkpoint.safetensors_io.current_weights_dir`) and the next save renames
+back.
+If anything failed, every rank raises :class:`FinalWeightsError`, rank 0 removes the temporary
+directory, and ``final/`` keeps the previous set. A directory without the index is incomplete,
+and the readers refuse it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -41,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtrain.checkpoint.safetensors_io import INDEX_NAME, ShardedWriter
+from meshtrain.checkpoint import atomic
+from meshtrain.checkpoint.safetensors_io import INDEX_NAME, ShardedWriter, complete_weights_dir
 from meshtrain.errors import RunFailure
 from meshtrain.parallel.gather import StageTensors, TensorSpec
 
@@ -153,40 +164,35 @@ class _Writer:
             self.current = None
 
 
+def _gather(mesh, value) -> list:
+    """Every rank's ``value``, on every rank (a collective over the whole job)."""
+    values = [value]
+    if dist.is_initialized() and mesh.world_size > 1:
+        values = [None] * mesh.world_size
+        dist.all_gather_object(values, value)
+    return values
+
+
 def _agree(mesh, problem: str | None) -> list[str]:
     """Every rank's problem (None = fine), on every rank (a collective over the whole job)."""
-    problems = [problem]
-    if dist.is_initialized() and mesh.world_size > 1:
-        problems = [None] * mesh.world_size
-        dist.all_gather_object(problems, problem)
-    return [p for p in problems if p]
+    return [p for p in _gather(mesh, problem) if p]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
+def _prepare(out: Path) -> tuple[str | None, str | None]:
+    """Rank 0: recover or remove what an interrupted earlier save left, and make the empty
+    directory the new set is written into; ``(problem, its path)``."""
     try:
-        with open(tmp, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _prepare(out: Path) -> str | None:
-    """Rank 0: an empty ``out`` (any previous final weights removed); a problem or None."""
-    try:
-        if out.exists() or out.is_symlink():
-            if out.is_dir() and not out.is_symlink():
-                shutil.rmtree(out)
-            else:
-                out.unlink()
-        out.mkdir(parents=True)
+        atomic.cleanup(out, complete_weights_dir)
+        return None, str(atomic.staging_dir(out))
     except OSError as error:
-        return f"rank 0 could not prepare {out}: {error}"
-    return None
+        return f"rank 0 could not prepare a directory beside {out}: {error}", None
+
+
+def _publish(staging: Path, out: Path, config_json: str, index: dict) -> None:
+    """Rank 0, once every file is written: ``config.json``, then the index, then the swap."""
+    atomic.write_atomically(staging / "config.json", config_json)
+    atomic.write_atomically(staging / INDEX_NAME, json.dumps(index, indent=2))
+    atomic.swap_in(staging, out)
 
 
 def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_json: str,
@@ -207,15 +213,17 @@ def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_j
     weight_map = {name: file for name, _, file in entries}
     if len(weight_map) != len(entries):  # the same on every rank: every rank raises
         raise ValueError("a tensor is held by more than one pipeline stage")
-    problems = _agree(mesh, _prepare(out) if mesh.is_logging_rank else None)
+    prepared = _gather(mesh, _prepare(out) if mesh.is_logging_rank else (None, None))
+    problems = [problem for problem, _ in prepared if problem]
     if problems:
         raise FinalWeightsError(f"final weights not saved: {problems[0]}.")
+    staging = Path(next(path for _, path in prepared if path))
     mine = [(file, spec) for file, spec in zip(names[mesh.pp_rank], stage_files, strict=True)
             if mesh.dp_cp_rank == 0 and spec[0] == mesh.tp_rank
             # replica groups hold the same (synced) weights; a group that is a job of its
             # own (fault tolerance) writes its own run's copy
             and (getattr(mesh, "replica_rank", 0) == 0 or getattr(mesh, "group_alone", False))]
-    writer = _Writer(out, mine, {"format": "pt", "step": str(step)})
+    writer = _Writer(staging, mine, {"format": "pt", "step": str(step)})
     for spec, value in tensors:
         writer.add(spec.name, value)
         del value  # before the next tensor is gathered
@@ -224,21 +232,23 @@ def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_j
     if writer.error is not None:
         problem = (f"rank {mesh.rank} (pp {mesh.pp_rank}, tp {mesh.tp_rank}) could not write "
                    f"{writer.error_file}: {type(writer.error).__name__}: {writer.error}")
-    problems = _agree(mesh, problem)  # every write has ended: the barrier before the index
+    problems = _agree(mesh, problem)  # every write has ended: the barrier before the swap
     cause = writer.error
     if not problems and mesh.is_logging_rank:
         total = sum(4 * math.prod(shape) for _, shape, _ in entries)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         try:
-            _write_atomically(out / "config.json", config_json)
-            _write_atomically(out / INDEX_NAME, json.dumps(index, indent=2))
+            _publish(staging, out, config_json, index)
         except OSError as error:
-            cause, problem = error, f"rank 0 could not write {INDEX_NAME} or config.json: {error}"
+            cause, problem = error, (f"rank 0 could not write {INDEX_NAME} or config.json or "
+                                     f"move the new set into place: {error}")
         problems = _agree(mesh, problem)
     elif not problems:
-        problems = _agree(mesh, None)  # waits for rank 0's index
+        problems = _agree(mesh, None)  # waits for rank 0's swap
     if problems:
+        if mesh.is_logging_rank:
+            shutil.rmtree(staging, ignore_errors=True)
         raise FinalWeightsError(
-            f"final weights not saved to {out}: {'; '.join(problems)}. The directory has no "
-            f"{INDEX_NAME}, so it is incomplete and no reader accepts it.") from cause
+            f"final weights not saved to {out}: {'; '.join(problems)}. {out} keeps the "
+            "previous final weights, if there were any.") from cause
     return out if mesh.is_logging_rank else None

@@ -6,11 +6,17 @@ Layout of ``checkpoint.dir`` (default ``RUN_DIR/checkpoints``)::
     step_00000080/
     .tmp-step_00000120/       being written; never read, removed by the next save
 
-A save writes into ``.tmp-step_N``, then rank 0 writes ``manifest.json`` (every file with its size
-and SHA-256, the step, the model config and the layout) and renames the directory to ``step_N``:
-a checkpoint is visible only once complete, and an interrupted save never touches a finished one.
-Only after that are checkpoints beyond the newest ``checkpoint.keep`` removed. An existing
-``step_N`` is never overwritten.
+A save writes into ``.tmp-step_N`` (every DCP file fsynced), then rank 0 writes
+``manifest.json`` (every file with its size and SHA-256, the step, the model config and the
+layout; fsynced), fsyncs the directory, renames it to ``step_N`` and fsyncs ``checkpoint.dir``:
+a checkpoint is visible only once complete, it stays visible after a power loss, and an
+interrupted save never touches a finished one. Only after that does :func:`prune` remove the
+leftovers of interrupted saves (every other ``.tmp-step_*``: the ranks saving are one job, so
+no other save is running) and the good checkpoints beyond the newest ``checkpoint.keep`` good
+ones. A checkpoint is *good* when its manifest verifies (:func:`verify`); a bad one (no
+manifest, a missing, truncated or altered file) neither counts toward ``keep`` nor is removed,
+so a good checkpoint is never removed to make room for a bad one. An existing ``step_N`` is
+never overwritten.
 
 On resume, ``auto`` takes the newest checkpoint whose manifest verifies; a truncated or garbled
 one is skipped with a warning naming the problem.
@@ -33,6 +39,8 @@ import torch
 from meshtrain.config import Config, ConfigError, ModelConfig
 
 PREFIX = "step_"
+TMP_PREFIX = ".tmp-" + PREFIX
+"""``.tmp-step_N``: a save being written (or the leftover of an interrupted one)."""
 MANIFEST = "manifest.json"
 # Model settings that change the shape of some tensor: a checkpoint must agree on all of them.
 SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "mlp",
@@ -171,10 +179,28 @@ def preflight(config: Config) -> Path | None:
     return directory
 
 
+def temp_dir(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written until it is complete."""
+    return root / f".tmp-{step_dir(root, step).name}"
+
+
+def remove_stale_temps(root: Path) -> list[Path]:
+    """Remove every ``.tmp-step_*`` under ``root`` (call only when no save is writing one);
+    returns what was removed."""
+    stale = sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) \
+        if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def prune(root: Path, keep: int) -> None:
-    """Remove finished checkpoints beyond the newest ``keep`` valid ones, and stale temps."""
-    valid = [p for p in list_checkpoints(root) if verify(p) is None]
-    for old in valid[keep:]:
+    """After a save's rename (no save is writing): remove the leftovers of interrupted saves, and
+    the good checkpoints beyond the newest ``keep`` good ones (a checkpoint is good when its
+    manifest verifies; a bad one neither counts nor is removed)."""
+    remove_stale_temps(root)
+    good = [p for p in list_checkpoints(root) if verify(p) is None]
+    for old in good[max(keep, 1):]:
         shutil.rmtree(old, ignore_errors=True)
 
 

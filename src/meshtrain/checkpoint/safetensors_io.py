@@ -11,7 +11,8 @@ caller declares every tensor's name, shape and dtype up front, which fixes each 
 offset, so the header is written first and the tensors may then arrive in any order (each is
 written at its offset). The files follow the safetensors format (8-byte little-endian header
 length, JSON header padded to 8 bytes, raw little-endian data) and are written under ``.tmp``
-names, renamed into place only once complete.
+names, fsynced and renamed into place only once complete; then the index (if sharded) is written
+the same way, and last the directory is fsynced.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from meshtrain.checkpoint.atomic import fsync_dir, readable, write_atomically
 from meshtrain.config import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,6 +45,19 @@ def has_weights(directory: str | Path) -> bool:
     """Whether ``directory`` holds complete weights: an index, or one ``model.safetensors``."""
     directory = Path(directory)
     return (directory / INDEX_NAME).is_file() or (directory / SINGLE_NAME).is_file()
+
+
+def complete_weights_dir(directory: Path) -> bool:
+    """Whether ``directory`` is a whole weights directory: weights and ``config.json``."""
+    return directory.is_dir() and has_weights(directory) \
+        and (directory / "config.json").is_file()
+
+
+def current_weights_dir(directory: str | Path) -> Path:
+    """``directory`` itself, unless it is missing because a save (``RUN_DIR/final``, a
+    conversion's ``--out``) was interrupted between its two renames: then the complete previous
+    set left aside as ``<name>.old-<token>`` (:func:`meshtrain.checkpoint.atomic.readable`)."""
+    return readable(directory, complete_weights_dir) or Path(directory)
 
 
 def dtype_from_code(code: str) -> torch.dtype:
@@ -222,7 +237,8 @@ class ShardedWriter:
         self.written.add(name)
 
     def close(self) -> list[Path]:
-        """Check completeness, rename the files into place (+ the index); return the files."""
+        """Check completeness, fsync and rename the files into place (+ the index, atomically),
+        fsync the directory; return the files."""
         missing = [name for name in self.entries if name not in self.written]
         if missing:
             self.abort()
@@ -236,8 +252,9 @@ class ShardedWriter:
         if self.sharded:
             weight_map = {name: self.paths[self.locations[name][0]].name for name in self.entries}
             index_doc = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.directory / f"{self.basename}.safetensors.index.json").write_text(
-                json.dumps(index_doc, indent=2))
+            write_atomically(self.directory / f"{self.basename}.safetensors.index.json",
+                             json.dumps(index_doc, indent=2))
+        fsync_dir(self.directory)
         return list(self.paths)
 
     def abort(self) -> None:

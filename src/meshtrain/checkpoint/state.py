@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from meshtrain.checkpoint import manager
+from meshtrain.checkpoint.atomic import fsync_dir
 from meshtrain.checkpoint.dcp import (
     Chunk,
     ChunkLoadPlanner,
@@ -75,15 +76,19 @@ def _group():
 
 
 def save(trainer) -> Path:
-    """Write a checkpoint of ``trainer`` after its current step (a collective: every rank)."""
+    """Write a checkpoint of ``trainer`` after its current step (a collective: every rank); see
+    :mod:`meshtrain.checkpoint.manager` for the order of writes, syncs and renames."""
     root = manager.checkpoint_root(trainer.config)
     final = manager.step_dir(root, trainer.step)
-    temp = root / f".tmp-{final.name}"
+    temp = manager.temp_dir(root, trainer.step)
     mesh = trainer.mesh
     exists = final.exists()
     if mesh.is_logging_rank and not exists:
         shutil.rmtree(temp, ignore_errors=True)  # leftovers of an interrupted save
+        new_root = not root.is_dir()
         temp.mkdir(parents=True, exist_ok=True)
+        if new_root:  # the root's own entry survives a power loss too
+            fsync_dir(root.parent)
     mesh.barrier()
     if exists:  # never overwrite a finished checkpoint
         return final
@@ -109,7 +114,9 @@ def save(trainer) -> Path:
         time.sleep(float(delay))
     if mesh.is_logging_rank:
         manager.write_manifest(temp, trainer.step, trainer.config, _layout(trainer))
+        fsync_dir(temp)  # every file's entry, before the directory becomes visible
         temp.rename(final)
+        fsync_dir(root)  # the rename is durable before any older checkpoint is removed
         manager.prune(root, trainer.config.checkpoint.keep)
     mesh.barrier()
     return final

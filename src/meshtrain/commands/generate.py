@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from meshtrain.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, TensorReader, has_weights
+from meshtrain.checkpoint.safetensors_io import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    TensorReader,
+    current_weights_dir,
+    has_weights,
+)
 from meshtrain.config import ConfigError, config_from_dict
 
 
@@ -17,6 +23,7 @@ def find_weights_dir(path: str | Path) -> Path:
     (``model.safetensors.index.json``) or one ``model.safetensors``, with ``config.json``."""
     path = Path(path)
     for candidate in (path, path / "final"):
+        candidate = current_weights_dir(candidate)  # a crash mid-swap: the complete old set
         if has_weights(candidate) and (candidate / "config.json").is_file():
             return candidate
     raise ConfigError(f"--checkpoint {path}: no {INDEX_NAME} (or {SINGLE_NAME}) + config.json "

@@ -110,7 +110,11 @@ def run_train(args: argparse.Namespace) -> int:
     from meshtrain.checkpoint.manager import preflight
 
     preflight(config)  # a checkpoint of another model shape: exit 2 before anything starts
-    check_before_launch(config)  # run dir writable, data readable and in the vocabulary
+    # run dir writable, data readable, its token ids inside the vocabulary
+    check_before_launch(config, verbose=is_first)
+    from meshtrain.commands.fit_check import check_fits
+
+    check_fits(config, world, in_job, verbose=is_first)  # memory, before any model is built
     if is_first:
         write_run_config(config)
     return launch(config, world, "train")

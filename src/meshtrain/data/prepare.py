@@ -14,6 +14,14 @@ non-blank ``.jsonl`` line, a non-null parquet row) followed by the eos id (if an
 document is tokenized piece by piece, cut after a newline followed by a non-space character: the
 same ids for the byte tokenizer and for Hugging Face tokenizers whose pre-tokenizer splits there
 (:func:`lines_split_safely`; otherwise each ``.txt`` file is tokenized whole).
+
+Time is linear in the input and memory bounded by a few times the longest document, whatever the
+line lengths: a ``.txt`` stretch without a cut point or a long ``.jsonl`` line is collected as a
+list of chunks and joined once, and cut points are looked for in each new chunk only.
+
+:func:`write_corpus` is the writer itself: ``meshtrain prepare`` calls it after checking its
+arguments, and training from raw text sources calls it to fill its token cache
+(:func:`meshtrain.data.sources.raw_corpus_dir`), so both write the same format the same way.
 """
 
 from __future__ import annotations
@@ -41,9 +49,14 @@ from meshtrain.data.prepared import (
     read_meta,
     tokenizer_hash,
 )
-from meshtrain.data.readers import jsonl_texts, open_parquet, parquet_texts, text_chunks
+from meshtrain.data.readers import (
+    find_source_files,
+    jsonl_texts,
+    open_parquet,
+    parquet_texts,
+    text_chunks,
+)
 from meshtrain.data.shards import token_dtype
-from meshtrain.data.sources import find_source_files
 
 SHARD_BYTES = 16 << 20
 """Input bytes per shard (a job of one worker)."""
@@ -66,9 +79,13 @@ def _safe_cut(text: str) -> int:
 
 
 def _batches(texts, limit: int = BATCH_CHARS):
-    """``texts`` in consecutive lists of at least ``limit`` characters (the last one shorter)."""
+    """``texts`` in consecutive lists of at least ``limit`` characters (the last one shorter);
+    a text of ``limit`` characters or more is a list of its own."""
     batch, size = [], 0
     for text in texts:
+        if len(text) >= limit and batch:
+            yield batch
+            batch, size = [], 0
         batch.append(text)
         size += len(text)
         if size >= limit:
@@ -83,12 +100,13 @@ def _batches(texts, limit: int = BATCH_CHARS):
 
 class _Encoder:
     """Tokenizes text into ``dtype`` arrays the way
-    :func:`~meshtrain.data.sources.encode_documents` does."""
+    :func:`~meshtrain.data.sources.encode_documents` does. ``tokenizer``: a loaded tokenizer, or
+    the ``data.tokenizer`` string of one (what a spawned worker gets)."""
 
-    def __init__(self, spec: str, dtype: str):
+    def __init__(self, tokenizer, dtype: str):
         from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer
 
-        self.tokenizer = load_tokenizer(spec)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.bytes = isinstance(self.tokenizer, ByteTokenizer)
         self.dtype = np.dtype(dtype)
         self.eos = self.tokenizer.eos_id
@@ -101,12 +119,21 @@ class _Encoder:
 
     def documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Ids of whole documents, each followed by eos; and each one's end offset."""
+        if self.bytes and len(texts) == 1:  # a long document: no copy beyond its ids
+            encoded = texts[0].encode("utf-8")
+            extra = 0 if self.eos is None else 1
+            out = np.empty(len(encoded) + extra, dtype=self.dtype)
+            out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+            if extra:
+                out[-1] = self.eos
+            return out, np.array([len(out)], dtype=np.int64)
         if self.bytes:
             encoded = [text.encode("utf-8") for text in texts]
             lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
             flat = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(self.dtype)
         else:
-            ids = self.tokenizer.encode_batch(texts)
+            encode_batch = getattr(self.tokenizer, "encode_batch", None)
+            ids = encode_batch(texts) if encode_batch else [self.tokenizer.encode(t) for t in texts]
             lengths = np.fromiter(map(len, ids), np.int64, len(ids))
             flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64,
                                int(lengths.sum())).astype(self.dtype)
@@ -186,6 +213,32 @@ class _ShardWriter:
             os.replace(f"{self.stem}.{kind}.partial", f"{self.stem}.{kind}")
 
 
+def _write_txt(writer: _ShardWriter, encoder: _Encoder, chunks, split: bool) -> None:
+    """Tokenize the text ``chunks`` (of one ``.txt`` piece) into ``writer``: chunk by chunk for
+    bytes, cut after the last newline followed by a non-space character for a tokenizer that
+    ``split``s safely there, else whole. Linear: the text since the last cut is a list of chunks
+    joined once, and a cut is looked for in the newest chunk only (the text before it has none,
+    but for its last character: a newline whose next character was not read yet)."""
+    pending: list[str] = []
+    for chunk in chunks:
+        if not chunk:
+            continue
+        if encoder.bytes:
+            writer.write(encoder.text(chunk))
+            continue
+        if split:
+            tail = pending[-1][-1:] if pending else ""
+            cut = _safe_cut(tail + chunk) - len(tail)
+            if cut >= 0 and (cut or tail):
+                writer.write(encoder.text("".join([*pending, chunk[:cut]])))
+                pending.clear()
+                chunk = chunk[cut:]
+        if chunk:
+            pending.append(chunk)
+    if pending:
+        writer.write(encoder.text("".join(pending)))
+
+
 def _tokenize_job(job: dict) -> dict:
     """Worker: tokenize the pieces of one job into ``shard-NNNNN.bin``/``.idx``."""
     encoder = _Encoder(job["tokenizer"], job["dtype"])
@@ -193,20 +246,13 @@ def _tokenize_job(job: dict) -> dict:
     try:
         for path, kind, start, end, ends_file in job["pieces"]:
             if kind == "txt":
-                carry = ""
-                for chunk in text_chunks(path, start, end, final=ends_file, report=_report):
-                    carry += chunk
-                    cut = len(carry) if encoder.bytes else _safe_cut(carry) if job["split"] else 0
-                    if cut:
-                        writer.write(encoder.text(carry[:cut]))
-                        carry = carry[cut:]
-                if carry:
-                    writer.write(encoder.text(carry))
+                _write_txt(writer, encoder, text_chunks(path, start, end, final=ends_file,
+                                                        report=_report), job["split"])
                 if ends_file:
                     writer.write(encoder.eos_array(), np.array([len(encoder.eos_array())]))
                 continue
             read = jsonl_texts if kind == "jsonl" else parquet_texts
-            texts = read(path, job["field"], start, end, report=_report, setting=OPTION_TEXT_FIELD)
+            texts = read(path, job["field"], start, end, report=_report, setting=job["setting"])
             for batch in _batches(texts):
                 writer.write(*encoder.documents(batch))
         writer.finish()
@@ -246,10 +292,10 @@ def _cut_points(path: Path, size: int, step: int, pattern: re.Pattern) -> list[i
     return [*points, size]
 
 
-def _parquet_groups(path: Path, field: str) -> list[int]:
+def _parquet_groups(path: Path, field: str, setting: str) -> list[int]:
     """Uncompressed bytes of each row group; ConfigError when unreadable, without ``field`` or
     when ``field`` does not hold strings."""
-    handle = open_parquet(path, field, OPTION_TEXT_FIELD)
+    handle = open_parquet(path, field, setting)
     kind = str(handle.schema_arrow.field(field).type)
     if "string" not in kind:  # string, large_string, dictionary<values=string, ...>
         raise ConfigError(f'{path}: column "{field}" holds {kind}, not strings.')
@@ -257,15 +303,15 @@ def _parquet_groups(path: Path, field: str) -> list[int]:
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
 
 
-def _plan(files: list[Path], field: str, shard_bytes: int,
-          split: bool) -> tuple[list[list[tuple]], int]:
+def _plan(files: list[Path], field: str, shard_bytes: int, split: bool,
+          setting: str = OPTION_TEXT_FIELD) -> tuple[list[list[tuple]], int]:
     """The pieces of every job, in corpus order: ``(path, kind, start, end, ends_file)``; and
     the input bytes workers will report (row-group sizes for parquet)."""
     pieces: list[tuple[tuple, int]] = []
     for path in files:
         kind, size = _KINDS[path.suffix.lower()], path.stat().st_size
         if kind == "parquet":
-            sizes = _parquet_groups(path, field)
+            sizes = _parquet_groups(path, field, setting)
             pieces += [((str(path), kind, i, i + 1, i == len(sizes) - 1), s)
                        for i, s in enumerate(sizes)]
             continue
@@ -343,6 +389,64 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(partial, path)
 
 
+def tokenizer_identity(tokenizer) -> dict:
+    """The ``tokenizer`` field of ``meta.json``: name, sha256, vocabulary size, eos id."""
+    return {"name": tokenizer.name, "hash": tokenizer_hash(tokenizer),
+            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+
+
+def write_corpus(files: list[Path], out: Path, tokenizer, *, text_field: str, fingerprint: str,
+                 sources: list[dict], spec: str | None = None, workers: int = 1,
+                 progress: bool = False, shard_bytes: int = SHARD_BYTES,
+                 setting: str = OPTION_TEXT_FIELD, empty: str | None = None) -> dict:
+    """Tokenize the text ``files`` (in this order) with ``tokenizer`` into the directory ``out``
+    (created; or cleared of what ``meshtrain prepare`` writes) as a finished prepared corpus whose
+    ``COMPLETE`` marker holds ``fingerprint``; return its meta.
+
+    ``sources`` is what ``meta.json`` records of the files; ``setting`` how error messages name
+    the text field; ``empty``, when given, the message of the :class:`ConfigError` raised when
+    the files hold no token at all (else an empty corpus is written). ``workers`` > 1 needs
+    ``spec``, the tokenizer's ``data.tokenizer`` string, for the spawned workers to load it. On
+    any failure what was written is removed (and ``out`` too when this call created it).
+    """
+    identity = tokenizer_identity(tokenizer)
+    split = lines_split_safely(tokenizer)  # always true for bytes
+    jobs, total = _plan(files, text_field, shard_bytes, split, setting)
+    dtype = token_dtype(identity["vocab_size"])
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    _clear(out)
+    meta = {"format": FORMAT, "complete": False, "fingerprint": fingerprint,
+            "tokenizer": identity, "vocab_size": identity["vocab_size"], "dtype": dtype.name,
+            "text_field": text_field, "shard_bytes": shard_bytes, "sources": sources}
+    _write_json(out / META, meta)  # marks the directory as ours (unfinished) from the start
+    spawned = workers > 1 and len(jobs) > 1
+    if spawned and spec is None:
+        raise ValueError("write_corpus with workers > 1 needs the tokenizer's spec")
+    specs = [{"index": i, "pieces": pieces, "tokenizer": spec if spawned else tokenizer,
+              "field": text_field, "dtype": dtype.str, "out": str(out), "split": split,
+              "setting": setting} for i, pieces in enumerate(jobs)]
+    try:
+        results = _run_jobs(specs, workers, progress, total)
+        if empty is not None and not sum(r["tokens"] for r in results):
+            raise ConfigError(empty)
+    except BaseException:
+        _clear(out)  # nothing half-written or complete-looking is left behind
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    meta.update(complete=True, tokens=sum(r["tokens"] for r in results),
+                documents=sum(r["documents"] for r in results), shards=results)
+    _write_json(out / META, meta)
+    marker = out / (MARKER + ".partial")
+    marker.write_text(fingerprint + "\n")
+    os.replace(marker, out / MARKER)  # atomic: only a finished directory has COMPLETE
+    directory = os.open(out, os.O_RDONLY)  # the renames themselves survive a power loss
+    os.fsync(directory)
+    os.close(directory)
+    return meta
+
+
 def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_field: str = "text",
             workers: int = 1, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
     """Tokenize ``sources`` (files, directories, globs) into the directory ``out``; return its
@@ -367,13 +471,11 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_
         loaded = load_tokenizer(tokenizer)
     except ConfigError as error:
         raise ConfigError(str(error).replace("data.tokenizer:", "--tokenizer:", 1)) from None
-    identity = {"name": loaded.name, "hash": tokenizer_hash(loaded),
-                "vocab_size": loaded.vocab_size, "eos_id": loaded.eos_id}
     stats = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
              for p in files]
     key = [[str(p.resolve()), s["size"], s["mtime_ns"]] for p, s in zip(files, stats, strict=True)]
     fingerprint = hashlib.sha256(json.dumps(
-        [FORMAT, key, text_field, identity["hash"], shard_bytes]).encode()).hexdigest()
+        [FORMAT, key, text_field, tokenizer_hash(loaded), shard_bytes]).encode()).hexdigest()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a new or empty directory.")
     if is_complete(out) and read_meta(out)["fingerprint"] == fingerprint:
@@ -382,37 +484,11 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_
         raise ConfigError(f"--out {out} exists and is not a prepared corpus (no {META} of "
                           "meshtrain prepare); give a new or empty directory, nothing in it is "
                           "deleted.")
-    split = lines_split_safely(loaded)  # always true for bytes
-    jobs, total = _plan(files, text_field, shard_bytes, split)
-    dtype = token_dtype(identity["vocab_size"])
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    _clear(out)
-    meta = {"format": FORMAT, "complete": False, "fingerprint": fingerprint,
-            "tokenizer": identity, "vocab_size": identity["vocab_size"], "dtype": dtype.name,
-            "text_field": text_field, "shard_bytes": shard_bytes, "sources": stats}
-    _write_json(out / META, meta)  # marks the directory as ours (unfinished) from the start
-    specs = [{"index": i, "pieces": pieces, "tokenizer": tokenizer, "field": text_field,
-              "dtype": dtype.str, "out": str(out), "split": split} for i, pieces in enumerate(jobs)]
-    try:
-        results = _run_jobs(specs, workers, progress, total)
-        if not sum(r["tokens"] for r in results):
-            raise ConfigError(f"{', '.join(sources)}: no document to prepare (only blank lines "
+    meta = write_corpus(files, out, loaded, text_field=text_field, fingerprint=fingerprint,
+                        sources=stats, spec=tokenizer, workers=workers, progress=progress,
+                        shard_bytes=shard_bytes,
+                        empty=f"{', '.join(sources)}: no document to prepare (only blank lines "
                               "or null rows).")
-    except BaseException:
-        _clear(out)  # nothing half-written or complete-looking is left behind
-        if created and not any(out.iterdir()):
-            out.rmdir()
-        raise
-    meta.update(complete=True, tokens=sum(r["tokens"] for r in results),
-                documents=sum(r["documents"] for r in results), shards=results)
-    _write_json(out / META, meta)
-    marker = out / (MARKER + ".partial")
-    marker.write_text(fingerprint + "\n")
-    os.replace(marker, out / MARKER)  # atomic: only a finished directory has COMPLETE
-    directory = os.open(out, os.O_RDONLY)  # the renames themselves survive a power loss
-    os.fsync(directory)
-    os.close(directory)
     return {**meta, "up_to_date": False}
 
 

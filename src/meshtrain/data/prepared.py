@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.shards import open_bin
+from meshtrain.data.shards import TokenScan, check_token_file, open_bin
 
 FORMAT = "meshtrain-tokens-1"
 """The ``format`` field of a prepared directory's ``meta.json``."""
@@ -76,11 +76,14 @@ def prepared_shard_files(directory: str | Path) -> list[Path] | None:
     return [directory / shard["file"] for shard in read_meta(directory)["shards"]]
 
 
-def open_prepared(directory: str | Path, tokenizer) -> list[np.ndarray]:
+def open_prepared(directory: str | Path, tokenizer,
+                  vocab_size: int | None = None) -> list[np.ndarray]:
     """The shards of a prepared ``directory`` as read-only memory maps, after checking it.
 
     Raises :class:`ConfigError` when it is unfinished, was written with another tokenizer or
-    vocabulary, or a shard (or its index) is missing or truncated.
+    vocabulary, or a shard (or its index) is missing or truncated; with ``vocab_size`` (the
+    model's vocabulary) also when a shard holds an id >= ``vocab_size``
+    (:func:`check_prepared_ids`; what the launcher's preflight does, once per launch).
     """
     directory = Path(directory)
     if not is_prepared_dir(directory):
@@ -110,7 +113,24 @@ def open_prepared(directory: str | Path, tokenizer) -> list[np.ndarray]:
             raise ConfigError(f"{index}: missing or not {shard['documents']} int64 document "
                               "ends; prepare the corpus again.")
         arrays.append(open_bin(path, dtype))
+    if vocab_size is not None:
+        check_prepared_ids(directory, vocab_size)
     return arrays
+
+
+def check_prepared_ids(directory: str | Path, vocab_size: int,
+                       vocabulary: str = "the model's vocabulary") -> TokenScan:
+    """Every shard of the prepared ``directory`` (opened by :func:`open_prepared`) range-checked
+    against ``vocab_size`` ids (:func:`~meshtrain.data.shards.check_token_file`: chunked reads,
+    remembered per unchanged shard); :class:`ConfigError` names the shard, the id and the
+    vocabulary. Returns what the check read and found."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    total = TokenScan(0, -1, 0.0, 0)
+    for shard in meta["shards"]:
+        total = total + check_token_file(directory / shard["file"], dtype, vocab_size, vocabulary)
+    return total
 
 
 def document_ends(directory: str | Path) -> np.ndarray:

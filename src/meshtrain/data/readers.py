@@ -12,27 +12,98 @@ What a document is: a whole ``.txt`` file; each non-blank ``.jsonl`` line, a JSO
 ``field`` is a string; each non-null row of a ``.parquet`` file's string column ``field``.
 ``setting`` names where ``field`` came from in error messages (``data.text_field`` for training,
 ``--text-field`` for ``meshtrain prepare``). Pre-tokenized ``.bin`` files are not text: see
-:mod:`meshtrain.data.shards`. This module imports neither torch nor pyarrow at import time.
+:mod:`meshtrain.data.shards`. :func:`find_source_files` resolves a source (a file, a directory, a
+glob) to the files these readers read. This module imports neither torch nor pyarrow at import
+time.
+
+Time and memory are linear in the input whatever the line lengths: a line that spans many chunks
+is collected as a list of pieces and joined once, and line ends are looked for in each new chunk
+only, so a ``.jsonl`` line (a document) is held at most a few times over, never re-copied per
+chunk.
 """
 
 from __future__ import annotations
 
 import codecs
+import glob
 import io
-import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from meshtrain.config import ConfigError
+from meshtrain.data.prepared import is_prepared_dir, prepared_shard_files
 
 READ_BYTES = 4 << 20
 """Input bytes read (and decoded, tokenized, written) at a time."""
 CONFIG_TEXT_FIELD = "data.text_field"
 """The ``setting`` that names the text field in training's error messages."""
 
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
+"""Suffixes of the files a source may hold: text (read here) or pre-tokenized ``.bin``."""
+BUILTIN_SOURCE = "builtin"
+"""The ``data.source`` value that selects the built-in corpus."""
+_GLOB_CHARS = frozenset("*?[")
+
 Report = Callable[[int], None] | None
+
+
+def _supported(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES
+
+
+def _files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if _supported(p))
+
+
+def find_source_files(source: str) -> list[Path]:
+    """The data files ``source`` names: a file, a directory (searched recursively) or a glob.
+
+    Only files with a suffix in :data:`SUPPORTED_SUFFIXES` are used; the result is sorted so the
+    corpus order is the same on every machine. Raises :class:`ConfigError` naming ``source`` when
+    nothing usable matches, and when pre-tokenized ``.bin`` files are mixed with text files (their
+    token ids could not be combined with freshly tokenized text safely).
+    """
+    supported = ", ".join(SUPPORTED_SUFFIXES)
+    path = Path(source).expanduser()
+    if _GLOB_CHARS & set(source):
+        files: set[Path] = set()
+        for match in glob.glob(str(path), recursive=True):
+            match_path = Path(match)
+            if match_path.is_dir():
+                files.update(_files_under(match_path))
+            elif _supported(match_path):
+                files.add(match_path)
+        found = sorted(files)
+    elif path.is_dir():
+        found = prepared_shard_files(path)  # meshtrain prepare's output; raises when unfinished
+        if found is None:  # prepared corpora inside the directory are not its data files
+            files_under = _files_under(path)
+            skip = {d for d in {p.parent for p in files_under} if is_prepared_dir(d)}
+            found = [p for p in files_under if p.parent not in skip]
+    elif path.is_file():
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise ConfigError(
+                f'data.source: "{source}" has an unsupported suffix "{path.suffix}"; '
+                f'supported: {supported} (or "{BUILTIN_SOURCE}").'
+            )
+        found = [path]
+    else:
+        raise ConfigError(
+            f'data.source: "{source}" does not exist. Give a file, a directory or a glob of '
+            f'{supported} files, or "{BUILTIN_SOURCE}" for the built-in corpus.'
+        )
+    if not found:
+        raise ConfigError(
+            f'data.source: "{source}" matches no usable file; supported suffixes: {supported} '
+            f'(or "{BUILTIN_SOURCE}" for the built-in corpus).'
+        )
+    kinds = {p.suffix.lower() == ".bin" for p in found}
+    if len(kinds) > 1:
+        raise ConfigError(f'data.source: "{source}" mixes pre-tokenized .bin files with text '
+                          "files; point it at one kind only.")
+    return found
 
 
 def text_chunks(path: str | Path, start: int = 0, end: int | None = None, final: bool = True,
@@ -72,28 +143,55 @@ def jsonl_texts(path: str | Path, field: str, start: int = 0, end: int | None = 
     Raises :class:`ConfigError` naming the file and line for a line that is not valid JSON, not
     an object with ``field``, or whose ``field`` is not a string.
     """
-    carry, number = "", 0
-    chunks = itertools.chain(text_chunks(path, start, end, final=True, report=report), [None])
+    number = 0
+    for line in _lines(text_chunks(path, start, end, final=True, report=report)):
+        number += 1
+        if not line.strip():
+            continue
+        try:
+            record, problem = json.loads(line), None
+        except json.JSONDecodeError as error:
+            record, problem = None, f"not valid JSON ({error.msg})."
+        del line  # a long line is not held beside its document
+        if problem is None and (not isinstance(record, dict) or field not in record):
+            problem = (f'no "{field}" field ({setting}); each line must be a JSON object '
+                       f'like {{"{field}": "..."}}.')
+        elif problem is None and not isinstance(record[field], str):
+            problem = f'field "{field}" is {type(record[field]).__name__}, not a string.'
+        if problem:
+            where = line_number(path, start) + number
+            raise ConfigError(f"{path}, line {where}: {problem}")
+        text = record[field]
+        del record
+        yield text
+
+
+def _lines(chunks) -> Iterator[str]:
+    """The ``\\n``-separated lines of the concatenated ``chunks`` (the last one even when empty).
+
+    Linear in the input: a line's pieces are collected in a list and joined once, and each chunk
+    is split by itself, so a line spanning many chunks is never re-copied per chunk.
+    """
+    pending: list[str] = []  # pieces of the line not ended yet
     for chunk in chunks:
-        lines = (carry + chunk).split("\n") if chunk is not None else [carry]
-        carry = lines.pop() if chunk is not None else ""
-        for line in lines:
-            number += 1
-            if not line.strip():
-                continue
-            try:
-                record, problem = json.loads(line), None
-            except json.JSONDecodeError as error:
-                record, problem = None, f"not valid JSON ({error.msg})."
-            if problem is None and (not isinstance(record, dict) or field not in record):
-                problem = (f'no "{field}" field ({setting}); each line must be a JSON object '
-                           f'like {{"{field}": "..."}}.')
-            elif problem is None and not isinstance(record[field], str):
-                problem = f'field "{field}" is {type(record[field]).__name__}, not a string.'
-            if problem:
-                where = line_number(path, start) + number
-                raise ConfigError(f"{path}, line {where}: {problem}")
-            yield record[field]
+        lines = chunk.split("\n")
+        del chunk
+        if len(lines) == 1:
+            pending.append(lines.pop())
+            continue
+        if pending:
+            pending.append(lines[0])
+            lines[0] = "".join(pending)
+            pending.clear()
+        if lines[-1]:
+            pending.append(lines[-1])
+        lines.pop()
+        lines.reverse()
+        while lines:
+            yield lines.pop()  # popped, not kept here: the consumer may drop a long line
+    lines = ["".join(pending)]
+    pending.clear()
+    yield lines.pop()
 
 
 def open_parquet(path: str | Path, field: str, setting: str = CONFIG_TEXT_FIELD):

@@ -10,11 +10,24 @@ views of ``.bin`` or ``.npy`` files) seen as one token stream. Reading a window 
 window into an ``int64`` array, so a process's memory does not grow with the corpus: the file
 pages stay in the page cache and are shared by every process on the host. torch is imported only
 where a tensor is made, so ``meshtrain prepare``'s workers can import this module cheaply.
+
+Token ids are range-checked once per file (:func:`scan_token_file`, :func:`check_token_file`):
+the largest id is found by vectorised reads of bounded chunks, and the result is remembered in
+this process and on disk (:func:`scan_cache_dir`) under the file's identity (path, device, inode,
+size, modification and status-change times, element type), so the launcher's check and every
+worker's load of the same unchanged file scan it once in all. Any write to the file changes its
+status-change time (which, unlike the modification time, cannot be set back), so a changed file
+is scanned again.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import hashlib
+import json
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +70,112 @@ def max_token(path: Path, dtype: np.dtype, offset: int = 0) -> int:
             top = max(top, int(chunk.max()))
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenScan:
+    """What a range check of token files found."""
+
+    tokens: int
+    """Token ids read (or remembered)."""
+    max_id: int
+    """The largest id; -1 when there are none."""
+    seconds: float
+    """Time the check took (reading the files, or the remembered results)."""
+    scanned: int
+    """Of ``tokens``, how many were read now (0: every result was remembered)."""
+
+    def __add__(self, other: TokenScan) -> TokenScan:
+        return TokenScan(self.tokens + other.tokens, max(self.max_id, other.max_id),
+                         self.seconds + other.seconds, self.scanned + other.scanned)
+
+
+SCAN_CACHE_ENV = "MESHTRAIN_DATA_CACHE"
+"""The environment variable of the token cache (:func:`meshtrain.data.sources.data_cache_dir`);
+range checks are remembered in its ``token-ids`` folder."""
+_SCANNED: dict[tuple, tuple[int, int]] = {}
+
+
+def scan_cache_dir() -> Path:
+    """Where range checks are remembered: the ``token-ids`` folder of the token cache,
+    ``$MESHTRAIN_DATA_CACHE/token-ids``, else ``$XDG_CACHE_HOME/meshtrain/tokens/token-ids``
+    (``~/.cache/meshtrain/tokens/token-ids``)."""
+    if os.environ.get(SCAN_CACHE_ENV):
+        return Path(os.environ[SCAN_CACHE_ENV]).expanduser() / "token-ids"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "meshtrain" / "tokens" / "token-ids"
+
+
+def _identity(path: Path, dtype: np.dtype) -> tuple:
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns,
+            stat.st_ctime_ns, np.dtype(dtype).str)
+
+
+def _remembered(key: tuple) -> tuple[int, int] | None:
+    if key in _SCANNED:
+        return _SCANNED[key]
+    entry = scan_cache_dir() / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".json")
+    try:
+        record = json.loads(entry.read_text())
+        if record.get("key") == list(key):
+            return int(record["tokens"]), int(record["max_id"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _remember(key: tuple, tokens: int, top: int) -> None:
+    _SCANNED[key] = (tokens, top)
+    folder = scan_cache_dir()
+    entry = folder / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".json")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = entry.with_name(f"{entry.stem}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({"key": list(key), "tokens": tokens, "max_id": top}))
+        os.replace(partial, entry)  # atomic: ranks checking the same file at once never see half
+    except OSError:
+        pass  # an unwritable cache only means the next process scans again
+
+
+def scan_token_file(path: Path, dtype: np.dtype) -> TokenScan:
+    """Token count and largest id of the token file ``path`` of ``dtype`` ids: remembered when
+    this file, unchanged (same path, inode, size, modification and status-change times), was
+    scanned before by any process (see the module docstring), else read with
+    :func:`max_token`."""
+    start = time.perf_counter()
+    path = Path(path)
+    key = _identity(path, dtype)
+    found = _remembered(key)
+    if found is not None:
+        return TokenScan(found[0], found[1], time.perf_counter() - start, 0)
+    tokens = path.stat().st_size // np.dtype(dtype).itemsize
+    top = max_token(path, dtype)
+    _remember(key, tokens, top)
+    return TokenScan(tokens, top, time.perf_counter() - start, tokens)
+
+
+def record_scan(path: Path, dtype: np.dtype, max_id: int) -> None:
+    """Remember that the token file ``path``, as it is now, holds ids up to ``max_id``: for a
+    writer that knows it (``meshtrain prepare`` as it writes a shard), so that the first check
+    need not read the file. Call it after the file is closed; any later write makes the record
+    stale (its status-change time moves), and the file is then read again."""
+    path = Path(path)
+    _remember(_identity(path, dtype), path.stat().st_size // np.dtype(dtype).itemsize,
+              int(max_id))
+
+
+def check_token_file(path: Path, dtype: np.dtype, vocab_size: int, vocabulary: str) -> TokenScan:
+    """:func:`scan_token_file`, refusing (:class:`ConfigError` naming the file, the id and the
+    vocabulary) a file holding an id >= ``vocab_size``; ``vocabulary`` says whose it is (e.g.
+    ``"the model's vocabulary (model.vocab_size)"``)."""
+    scan = scan_token_file(path, dtype)
+    if scan.max_id >= vocab_size:
+        raise ConfigError(
+            f"{path} holds token id {scan.max_id}, but {vocabulary} has only {vocab_size} ids "
+            f"(0 .. {vocab_size - 1}); was it written with another tokenizer (data.tokenizer), "
+            "or is it damaged?")
+    return scan
+
+
 def write_token_bin(path: str | Path, tokens, vocab_size: int) -> None:
     """Write ``tokens`` as a pre-tokenized ``.bin`` source (headerless :func:`token_dtype` ids)."""
     array = np.asarray(tokens)
@@ -67,7 +186,8 @@ def write_token_bin(path: str | Path, tokens, vocab_size: int) -> None:
 
 def read_token_bin(path: Path, vocab_size: int) -> np.ndarray:
     """The ``.bin`` source ``path`` memory-mapped as token ids, after checking its size and its
-    largest id (:class:`ConfigError` for a ragged size or an id outside the vocabulary)."""
+    largest id (:class:`ConfigError` for a ragged size or an id outside the vocabulary; the id
+    check is remembered, :func:`scan_token_file`)."""
     dtype = token_dtype(vocab_size)
     size = path.stat().st_size
     if size % dtype.itemsize:
@@ -75,12 +195,7 @@ def read_token_bin(path: Path, vocab_size: int) -> np.ndarray:
             f"{path}: {size} bytes is not a whole number of {dtype.itemsize}-byte tokens; "
             f"expected little-endian {dtype.name} ids for a vocabulary of {vocab_size}."
         )
-    top = max_token(path, dtype)
-    if top >= vocab_size:
-        raise ConfigError(
-            f"{path}: token id {top} is outside the tokenizer's vocabulary "
-            f"({vocab_size}); was it written with a different tokenizer?"
-        )
+    check_token_file(path, dtype, vocab_size, "the tokenizer's vocabulary")
     return open_bin(path, dtype)
 
 

@@ -1,18 +1,27 @@
 """Where training tokens come from: the files ``data.source`` names, and one token stream built
 from them, from a directory ``meshtrain prepare`` wrote, or from the built-in corpus.
 
-:func:`find_source_files` resolves a file, directory or glob to its data files;
-:func:`load_token_stream` turns ``data.source`` into one token stream
+:func:`~meshtrain.data.readers.find_source_files` (re-exported here) resolves a file, directory or
+glob to its data files; :func:`load_token_stream` turns ``data.source`` into one token stream
 (:class:`~meshtrain.data.shards.TokenShards`). Text files are read by
 :mod:`meshtrain.data.readers` (the readers ``meshtrain prepare`` uses too), pre-tokenized ``.bin``
 files by :func:`~meshtrain.data.shards.read_token_bin`.
+
+Raw text sources (``.txt``, ``.jsonl``, ``.parquet``) are tokenized once, streaming, into a
+directory of the prepared format (:func:`raw_corpus_dir`, written by
+:func:`meshtrain.data.prepare.write_corpus`) in the token cache (:func:`data_cache_dir`), and
+memory-mapped from there like a prepared directory: no rank holds the corpus in its memory.
 """
 
 from __future__ import annotations
 
-import glob
+import errno
+import fcntl
 import hashlib
+import json
 import os
+import shutil
+import socket
 import sys
 import sysconfig
 from pathlib import Path
@@ -21,77 +30,31 @@ import numpy as np
 
 from meshtrain.config import ConfigError, DataConfig
 from meshtrain.data.builtin_corpus import builtin_corpus_texts
+from meshtrain.data.prepare import SHARD_BYTES, write_corpus
 from meshtrain.data.prepared import (
+    FORMAT,
+    is_complete,
     is_prepared_dir,
     open_prepared,
-    prepared_shard_files,
+    tokenizer_hash,
 )
-from meshtrain.data.readers import document_texts
+from meshtrain.data.readers import (
+    BUILTIN_SOURCE,
+    CONFIG_TEXT_FIELD,
+    SUPPORTED_SUFFIXES,
+    find_source_files,
+)
 from meshtrain.data.shards import TokenShards, read_token_bin, token_dtype
 from meshtrain.data.tokenizer import ByteTokenizer
 
-SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
-"""Suffixes of the files a source may hold: text (:mod:`.readers`) or pre-tokenized ``.bin``."""
-BUILTIN_SOURCE = "builtin"
-"""The ``data.source`` value that selects the built-in corpus."""
-_GLOB_CHARS = frozenset("*?[")
+__all__ = ["BUILTIN_SOURCE", "CACHE_ENV", "SUPPORTED_SUFFIXES", "data_cache_dir",
+           "encode_documents", "file_sha256", "find_source_files", "load_token_stream",
+           "raw_corpus_dir"]
 
-
-def _supported(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES
-
-
-def _files_under(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if _supported(p))
-
-
-def find_source_files(source: str) -> list[Path]:
-    """The data files ``source`` names: a file, a directory (searched recursively) or a glob.
-
-    Only files with a suffix in :data:`SUPPORTED_SUFFIXES` are used; the result is sorted so the
-    corpus order is the same on every machine. Raises :class:`ConfigError` naming ``source`` when
-    nothing usable matches, and when pre-tokenized ``.bin`` files are mixed with text files (their
-    token ids could not be combined with freshly tokenized text safely).
-    """
-    supported = ", ".join(SUPPORTED_SUFFIXES)
-    path = Path(source).expanduser()
-    if _GLOB_CHARS & set(source):
-        files: set[Path] = set()
-        for match in glob.glob(str(path), recursive=True):
-            match_path = Path(match)
-            if match_path.is_dir():
-                files.update(_files_under(match_path))
-            elif _supported(match_path):
-                files.add(match_path)
-        found = sorted(files)
-    elif path.is_dir():
-        found = prepared_shard_files(path)  # meshtrain prepare's output; raises when unfinished
-        if found is None:  # prepared corpora inside the directory are not its data files
-            files_under = _files_under(path)
-            skip = {d for d in {p.parent for p in files_under} if is_prepared_dir(d)}
-            found = [p for p in files_under if p.parent not in skip]
-    elif path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise ConfigError(
-                f'data.source: "{source}" has an unsupported suffix "{path.suffix}"; '
-                f'supported: {supported} (or "{BUILTIN_SOURCE}").'
-            )
-        found = [path]
-    else:
-        raise ConfigError(
-            f'data.source: "{source}" does not exist. Give a file, a directory or a glob of '
-            f'{supported} files, or "{BUILTIN_SOURCE}" for the built-in corpus.'
-        )
-    if not found:
-        raise ConfigError(
-            f'data.source: "{source}" matches no usable file; supported suffixes: {supported} '
-            f'(or "{BUILTIN_SOURCE}" for the built-in corpus).'
-        )
-    kinds = {p.suffix.lower() == ".bin" for p in found}
-    if len(kinds) > 1:
-        raise ConfigError(f'data.source: "{source}" mixes pre-tokenized .bin files with text '
-                          "files; point it at one kind only.")
-    return found
+CACHE_ENV = "MESHTRAIN_DATA_CACHE"
+"""The environment variable that moves the token cache (:func:`data_cache_dir`)."""
+_RAW_VERSION = 1  # bump when the token stream of a raw source changes: old entries are not reused
+_HASH_BYTES = 1 << 20
 
 
 def encode_documents(texts: list[str], tokenizer) -> np.ndarray:
@@ -119,8 +82,133 @@ def _stream_key(data: DataConfig, tokenizer, files: list[Path]) -> tuple:
             tokenizer.eos_id, stats, sys.version, sysconfig.get_paths()["stdlib"])
 
 
+def data_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The token cache: ``cache_dir`` when given, else ``$MESHTRAIN_DATA_CACHE``, else
+    ``$XDG_CACHE_HOME/meshtrain/tokens`` (``~/.cache/meshtrain/tokens``).
+
+    It holds one ``tokens-<key>/`` directory (the prepared format) per tokenized raw text source,
+    its ``tokens-<key>.lock``, and the built-in corpus's ``tokens-<key>.npy`` when a
+    ``cache_dir`` is given; the remembered range checks of token files are in its ``token-ids/``
+    (:func:`meshtrain.data.shards.scan_cache_dir`, which reads the same variable). Nothing
+    removes entries: delete the directory to reclaim the space.
+    """
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "meshtrain" / "tokens"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of the bytes of ``path``, read in 1 MiB blocks (~1.8 GB/s with SHA extensions)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_HASH_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while size := handle.readinto(buffer):
+            digest.update(view[:size])
+    return digest.hexdigest()
+
+
+def _raw_key(files: list[Path], hashes: list[str], text_field: str, tokenizer) -> str:
+    """The cache key of a raw source: what its token stream depends on, nothing else (not the
+    paths, sizes or mtimes: the same bytes anywhere share one entry, changed bytes never do)."""
+    kinds = [path.suffix.lower() for path in files]
+    return hashlib.sha256(json.dumps(
+        [FORMAT, _RAW_VERSION, list(zip(kinds, hashes, strict=True)), text_field,
+         tokenizer_hash(tokenizer), tokenizer.vocab_size, tokenizer.eos_id, SHARD_BYTES]
+    ).encode()).hexdigest()
+
+
+def raw_corpus_dir(data: DataConfig, tokenizer, cache_dir: str | Path | None = None,
+                   files: list[Path] | None = None) -> Path:
+    """The prepared-format directory holding the raw text source ``data.source`` tokenized with
+    ``tokenizer``; tokenized into the token cache (:func:`data_cache_dir`) first if no process
+    did it before.
+
+    The entry is ``tokens-<key>``, ``key`` a sha256 of the files' contents (hashed, streaming, on
+    every call), their kinds and order, ``data.text_field`` and the tokenizer (its file's sha256,
+    vocabulary, eos). One process writes it, the first to take ``tokens-<key>.lock`` (an
+    ``flock``), into ``.tokens-<key>.<host>.<pid>.partial`` and renames it into place when it is
+    complete; the others wait on the lock and then find it whole. An entry damaged since (a
+    shard truncated or removed) is written again. Tokenizing streams document by document
+    (:func:`~meshtrain.data.prepare.write_corpus`), so memory does not grow with the source.
+    Raises :class:`ConfigError` as the readers do (a bad ``.jsonl`` line: nothing is left
+    behind), and when the cache cannot be created.
+    """
+    files = find_source_files(data.source) if files is None else files
+    hashes = [file_sha256(path) for path in files]
+    root = data_cache_dir(cache_dir)
+    entry = root / f"tokens-{_raw_key(files, hashes, data.text_field, tokenizer)[:32]}"
+    if _usable(entry, tokenizer):
+        return entry
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = os.open(root / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise ConfigError(f"the token cache {root} cannot be written ({error.strerror or error}) "
+                          f"to tokenize data.source = \"{data.source}\"; set {CACHE_ENV} to a "
+                          "writable directory, or prepare the source with meshtrain prepare and "
+                          "train from its output.") from None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process writes the entry
+            locked = True
+        except OSError as error:  # a file system without locks: each writer renames its own
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            locked = False
+        if not _usable(entry, tokenizer):
+            _write_entry(entry, files, hashes, data.text_field, tokenizer, locked)
+    finally:
+        os.close(handle)  # releases the lock; the lock file stays (removing it would race)
+    return entry
+
+
+def _usable(entry: Path, tokenizer) -> bool:
+    """Whether the cache ``entry`` is complete and whole (every shard and index of its size)."""
+    if not is_complete(entry):
+        return False
+    try:
+        open_prepared(entry, tokenizer)
+    except (ConfigError, OSError):
+        return False
+    return True
+
+
+def _write_entry(entry: Path, files: list[Path], hashes: list[str], text_field: str,
+                 tokenizer, locked: bool = True) -> None:
+    """Tokenize ``files`` into ``entry`` through a temporary directory renamed into place.
+    ``locked``: this process holds the entry's lock, which every writer takes, so any other
+    temporary directory of the entry was left by a writer that died, and is removed."""
+    root = entry.parent
+    for stale in root.glob(f".{entry.name}.*.partial") if locked else ():
+        shutil.rmtree(stale, ignore_errors=True)
+    partial = root / f".{entry.name}.{socket.gethostname()}.{os.getpid()}.partial"
+    sources = [{"path": str(path), "size": path.stat().st_size, "sha256": digest}
+               for path, digest in zip(files, hashes, strict=True)]
+    try:
+        write_corpus(files, partial, tokenizer, text_field=text_field,
+                     fingerprint=entry.name.removeprefix("tokens-"), sources=sources,
+                     shard_bytes=SHARD_BYTES, setting=CONFIG_TEXT_FIELD)
+        if entry.exists():
+            shutil.rmtree(entry)  # damaged: mapped files stay readable to processes using them
+        try:
+            os.rename(partial, entry)
+        except OSError:
+            if not _usable(entry, tokenizer):  # another writer (no lock on this fs) won
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    directory = os.open(root, os.O_RDONLY)  # the rename survives a power loss
+    os.fsync(directory)
+    os.close(directory)
+
+
 def _disk_cached(key: tuple, cache_dir: str | Path | None, vocab_size: int, build) -> np.ndarray:
-    """``build()``, or its result saved under ``cache_dir`` by an earlier run with the same key.
+    """``build()``, or its result saved under ``cache_dir`` by an earlier run with the same key
+    (the built-in corpus, which ``data.max_bytes`` bounds).
 
     With a ``cache_dir`` the result is stored there as ``uint16``/``uint32`` and returned as a
     read-only memory map of that file, so it is not held in this process's memory.
@@ -147,14 +235,15 @@ def load_token_stream(data: DataConfig, tokenizer,
                       cache_dir: str | Path | None = None) -> TokenShards:
     """The whole corpus ``data.source`` as one token stream (:class:`TokenShards`).
 
-    ``.bin`` files and on-disk cache entries are memory-mapped, not loaded: the stream is read
-    window by window, so a process's memory does not grow with the corpus.
+    Everything but the built-in corpus is memory-mapped, not loaded: the stream is read window
+    by window, so a process's memory does not grow with the corpus.
 
     Documents are tokenized with ``tokenizer`` (no special tokens) and each is followed by
     ``tokenizer.eos_id`` when the tokenizer has one. What a document is depends on the source:
 
     - ``builtin``: each standard-library file of :func:`builtin_corpus_texts` (``data.max_bytes``
-      bounds its size; the bound applies to the built-in corpus only).
+      bounds its size; the bound applies to the built-in corpus only). Tokenized in memory (and
+      kept under ``cache_dir`` when one is given).
     - ``.txt``: each file.
     - ``.jsonl``: each non-blank line, a JSON object whose ``data.text_field`` is a string.
     - ``.parquet``: each non-null row of the string column ``data.text_field`` (read with pyarrow).
@@ -166,27 +255,28 @@ def load_token_stream(data: DataConfig, tokenizer,
       memory-mapped after checking they are complete and were written with ``tokenizer``
       (``data.text_field`` and ``data.max_bytes`` do not apply; prepare decided the documents).
 
-    Results are cached in-process per (source, files' sizes and mtimes, tokenizer), so building
-    :class:`~meshtrain.data.train_data.TrainData` twice in one process tokenizes once; with
-    ``cache_dir`` tokenized text is also kept on disk there (worth it for slow Hugging Face
-    tokenizers; bytes take ~0.2 s/4 MB).
+    ``.txt``, ``.jsonl`` and ``.parquet`` sources are tokenized once into the token cache under
+    ``cache_dir`` (default :func:`data_cache_dir`) and memory-mapped from there
+    (:func:`raw_corpus_dir`): the stream is the one ``meshtrain prepare`` writes of the same
+    files. Results are also cached in-process per (source, files' sizes and mtimes, tokenizer),
+    so building :class:`~meshtrain.data.train_data.TrainData` twice in one process reads the
+    files once.
     """
     if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output: memory maps
         return TokenShards(open_prepared(Path(data.source).expanduser(), tokenizer))
     builtin = data.source == BUILTIN_SOURCE
     files = [] if builtin else find_source_files(data.source)
-    key = _stream_key(data, tokenizer, files)
+    key = (*_stream_key(data, tokenizer, files), str(data_cache_dir(cache_dir)))
     if key in _STREAM_CACHE:
         return _STREAM_CACHE[key]
     if builtin:
-        stream = _disk_cached(key, cache_dir, tokenizer.vocab_size, lambda: encode_documents(
-            builtin_corpus_texts(data.max_bytes), tokenizer))
+        stream = [_disk_cached(key[:-1], cache_dir, tokenizer.vocab_size, lambda: encode_documents(
+            builtin_corpus_texts(data.max_bytes), tokenizer))]
     elif files[0].suffix.lower() == ".bin":
         stream = [read_token_bin(path, tokenizer.vocab_size) for path in files]
     else:
-        stream = _disk_cached(key, cache_dir, tokenizer.vocab_size, lambda: encode_documents(
-            [text for path in files for text in document_texts(path, data.text_field)], tokenizer))
-    tokens = TokenShards(stream if isinstance(stream, list) else [stream])
+        stream = open_prepared(raw_corpus_dir(data, tokenizer, cache_dir, files), tokenizer)
+    tokens = TokenShards(stream)
     if len(_STREAM_CACHE) >= _STREAM_CACHE_SIZE:
         _STREAM_CACHE.pop(next(iter(_STREAM_CACHE)))
     _STREAM_CACHE[key] = tokens

@@ -1,28 +1,31 @@
 """Checks of the environment a valid config will run in, before any worker starts.
 
 :func:`meshtrain.validation.run_config.validate_config` judges the config by itself; these checks
-look at the machine: that the run directory can be written, that every data file can be read, is
-not empty, and (for pre-tokenized ``.bin`` files) holds ids inside the tokenizer's vocabulary and
-at least one whole sample. Each failure is a :class:`~meshtrain.config.ConfigError` (exit 2) that
-names the path and what to do, raised before anything in the run directory is written or
-overwritten.
+look at the machine: that the run directory can be written, that every data file of every
+source the run reads (``data.source``, each of ``data.sources`` or ``data.replica_sources``,
+``data.valid_source``) can be read and is not empty, that the token ids of prepared directories
+and pre-tokenized ``.bin`` files lie inside the vocabulary (one vectorised pass over each file
+in bounded chunks, remembered per unchanged file: :func:`meshtrain.data.shards.scan_token_file`),
+and that a source holds at least one whole sample. Each failure is a
+:class:`~meshtrain.config.ConfigError` (exit 2) that names the key, the path and what to do,
+raised before anything in the run directory is written or overwritten.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
 
 
-def check_before_launch(config: Config) -> None:
-    """Every check below, in order."""
+def check_before_launch(config: Config, verbose: bool = False) -> None:
+    """Every check below, in order (``verbose``: print the token range checks' cost)."""
     check_writable_dir(config.train.run_dir, "train.run_dir")
     if config.checkpoint.dir:
         check_writable_dir(config.checkpoint.dir, "checkpoint.dir")
-    check_data_files(config)
+    check_data_files(config, verbose)
 
 
 def check_writable_dir(path_text: str, key: str) -> None:
@@ -45,80 +48,135 @@ def check_writable_dir(path_text: str, key: str) -> None:
                           f"choose another directory (e.g. --run-dir runs/NAME).") from None
 
 
-def _check_readable(path: Path) -> int:
+def _check_readable(path: Path, key: str = "data.source") -> int:
     """Size of ``path`` after reading its first byte; ConfigError when unreadable or empty."""
     try:
         with open(path, "rb") as handle:
             handle.read(1)
         size = path.stat().st_size
     except OSError as error:
-        raise ConfigError(f"data.source: cannot read {path} ({error.strerror or error}); check "
-                          f"its permissions, or point data.source elsewhere.") from None
+        raise ConfigError(f"{key}: cannot read {path} ({error.strerror or error}); check "
+                          f"its permissions, or point {key} elsewhere.") from None
     if size == 0:
-        raise ConfigError(f"data.source: {path} is empty; remove it or point data.source at "
-                          f"files with data.")
+        raise ConfigError(f"{key}: {path} is empty; remove it or point {key} at files with "
+                          "data.")
     return size
 
 
-def _check_bin(path: Path, vocab_size: int) -> int:
-    """Number of tokens in a ``.bin`` file; ConfigError on a ragged size or an id >= vocab."""
-    from meshtrain.data.shards import max_token, token_dtype
+def model_vocab_size(config: Config) -> int:
+    """The model's vocabulary: ``model.vocab_size`` when set, else the tokenizer's."""
+    if config.model.vocab_size:
+        return config.model.vocab_size
+    from meshtrain.data.tokenizer import tokenizer_vocab_size
+
+    return tokenizer_vocab_size(config.data.tokenizer)
+
+
+def token_sources(config: Config) -> list[tuple[str, str]]:
+    """``(key, source)`` of every source the run reads: ``data.source``, or each of
+    ``data.sources`` (a mixture) or ``data.replica_sources``, and ``data.valid_source``."""
+    data = config.data
+    if data.replica_sources:
+        pairs = [(f"data.replica_sources[{i}]", s) for i, s in enumerate(data.replica_sources)]
+    elif data.sources:
+        pairs = [(f"data.sources[{i}]", item["path"]) for i, item in enumerate(data.sources)]
+    else:
+        pairs = [("data.source", data.source)]
+    if data.valid_source:
+        pairs.append(("data.valid_source", data.valid_source))
+    return pairs
+
+
+def _report(verbose: bool, scan, what: str, vocab: int) -> None:
+    if not verbose:
+        return
+    how = (f"in {scan.seconds:.2f} s" if scan.scanned
+           else f"(remembered from an earlier check, {scan.seconds:.3f} s)")
+    print(f"meshtrain: checked {scan.tokens:,} tokens of {what} {how}: largest id "
+          f"{scan.max_id} < vocabulary {vocab}", file=sys.stderr, flush=True)
+
+
+def _check_bin(path: Path, vocab_size: int, key: str = "data.source", tokenizer: str = "bytes"):
+    """Range check (:class:`~meshtrain.data.shards.TokenScan`) of a ``.bin`` file; ConfigError
+    on a ragged size or an id >= the tokenizer's vocabulary ``vocab_size``."""
+    from meshtrain.data.shards import check_token_file, token_dtype
 
     dtype = token_dtype(vocab_size)
     size = path.stat().st_size
     if size % dtype.itemsize:
-        raise ConfigError(f"data.source: {path} has {size} bytes, not a whole number of "
+        raise ConfigError(f"{key}: {path} has {size} bytes, not a whole number of "
                           f"{dtype.itemsize}-byte token ids ({dtype.name}, the .bin format for a "
                           f"vocabulary of {vocab_size}).")
     # Ordinary bounded reads, not a memory map: a map's pages would count in this process's
     # resident memory, up to the whole corpus.
-    top = max_token(path, dtype)
-    if top >= vocab_size:
-        raise ConfigError(
-            f"data.source: {path} holds token id {top}, outside the tokenizer's vocabulary "
-            f"of {vocab_size} (data.tokenizer = the tokenizer it was written with?).")
-    return size // dtype.itemsize
+    try:
+        return check_token_file(path, dtype, vocab_size,
+                                f'the tokenizer "{tokenizer}" (data.tokenizer, which .bin ids '
+                                "are read with)")
+    except ConfigError as error:
+        raise ConfigError(f"{key}: {error}") from None
 
 
-def check_data_files(config: Config) -> None:
-    """Every data file is readable and non-empty; ``.bin`` ids fit the vocabulary; a ``.bin``
-    corpus holds at least one sample; ``.parquet`` files open and have the text column; a
-    prepared directory is finished, whole, and was written with ``data.tokenizer``."""
+def _too_short(key: str, source: str, tokens: int, seq_len: int, unit: str = "tokens") -> None:
+    if tokens < seq_len + 1:
+        raise ConfigError(f'{key} = "{source}" holds {tokens} {unit}, fewer than one sample '
+                          f"needs (train.seq_len + 1 = {seq_len + 1} tokens).")
+
+
+def check_data_files(config: Config, verbose: bool = False) -> None:
+    """Every source the run reads (:func:`token_sources`) is checked before launch: its files
+    are readable and non-empty; the token ids of a prepared directory and of ``.bin`` files are
+    range-checked (a prepared directory against the model's vocabulary, :func:`model_vocab_size`;
+    ``.bin`` files against the tokenizer's, whose size also fixes their element type); a token
+    source holds at least one sample; ``.parquet`` files open and have the text column; a
+    prepared directory is finished, whole, and was written with ``data.tokenizer``. ``verbose``:
+    print what each range check read and how long it took."""
+    for key, source in token_sources(config):
+        _check_source(config, key, source, verbose)
+
+
+def _check_source(config: Config, key: str, source: str, verbose: bool) -> None:
     data = config.data
-    for source in data.replica_sources:  # each replica group's own source, checked alike
-        check_data_files(dataclasses.replace(
-            config, data=dataclasses.replace(data, source=source, replica_sources=[])))
-    if data.source == "builtin":
+    if source == "builtin":
         return
-    from meshtrain.data.prepared import is_prepared_dir, open_prepared
+    from meshtrain.data.prepared import check_prepared_ids, is_prepared_dir, open_prepared
     from meshtrain.data.sources import find_source_files
     from meshtrain.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 
-    if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output
-        shards = open_prepared(Path(data.source).expanduser(), load_tokenizer(data.tokenizer))
-        total = sum(len(shard) for shard in shards)
-        if total < config.train.seq_len + 1:
-            raise ConfigError(f'data.source = "{data.source}" holds {total} tokens, fewer than one '
-                              f"sample needs (train.seq_len + 1 = {config.train.seq_len + 1}).")
+    # The sample-size check concerns what is trained on, not the held-out source.
+    seq_len = 0 if key == "data.valid_source" else config.train.seq_len
+    directory = Path(source).expanduser()
+    if is_prepared_dir(directory):  # meshtrain prepare's output
+        shards = open_prepared(directory, load_tokenizer(data.tokenizer))
+        vocab = model_vocab_size(config)
+        whose = ("the model's vocabulary (model.vocab_size)" if config.model.vocab_size
+                 else "the model's vocabulary (data.tokenizer's, as model.vocab_size = 0)")
+        try:
+            scan = check_prepared_ids(directory, vocab, whose)
+        except ConfigError as error:
+            raise ConfigError(f"{key}: {error}") from None
+        _report(verbose, scan, str(directory), vocab)
+        _too_short(key, source, sum(len(shard) for shard in shards), seq_len)
         return
-    files = find_source_files(data.source)
-    sizes = [_check_readable(path) for path in files]
+    files = find_source_files(source)
+    sizes = [_check_readable(path, key) for path in files]
     suffix = files[0].suffix.lower()
     if suffix == ".bin":
         vocab = tokenizer_vocab_size(data.tokenizer)
-        total = sum(_check_bin(path, vocab) for path in files)
-        if total < config.train.seq_len + 1:
-            raise ConfigError(f'data.source = "{data.source}" holds {total} tokens, fewer than one '
-                              f"sample needs (train.seq_len + 1 = {config.train.seq_len + 1}).")
+        scans = [_check_bin(path, vocab, key, data.tokenizer) for path in files]
+        scan = scans[0]
+        for more in scans[1:]:
+            scan = scan + more
+        _report(verbose, scan, source, vocab)
+        _too_short(key, source, scan.tokens, seq_len)
     elif suffix == ".parquet":
         for path in files:
-            _check_parquet(path, data.text_field)
-    elif data.tokenizer == "bytes" and sum(sizes) + len(files) < config.train.seq_len + 1:
-        raise ConfigError(f'data.source = "{data.source}" holds {sum(sizes)} bytes, fewer than one '
-                          f"sample needs (train.seq_len + 1 = {config.train.seq_len + 1} tokens).")
+            _check_parquet(path, data.text_field, key)
+    elif data.tokenizer == "bytes":
+        _too_short(key, source, sum(sizes) + len(files), seq_len, "bytes")
 
 
-def _check_parquet(path: Path, field: str) -> None:
+def _check_parquet(path: Path, field: str, key: str = "data.source") -> None:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -127,8 +185,7 @@ def _check_parquet(path: Path, field: str) -> None:
     try:
         names = pq.read_schema(path).names
     except Exception as error:  # pyarrow raises ArrowInvalid / OSError for damaged files
-        raise ConfigError(f"data.source: {path} is not a readable Parquet file ({error}).") \
-            from None
+        raise ConfigError(f"{key}: {path} is not a readable Parquet file ({error}).") from None
     if field not in names:
-        raise ConfigError(f'data.source: {path} has no column "{field}" (data.text_field); '
+        raise ConfigError(f'{key}: {path} has no column "{field}" (data.text_field); '
                           f"columns: {', '.join(names)}.")

@@ -1,8 +1,15 @@
-"""Tokenizers, corpus sources, packing and the deterministic global-batch sampler."""
+"""Tokenizers, corpus sources (raw text through the token cache), packing and the
+deterministic global-batch sampler."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +18,18 @@ import torch
 from meshtrain.config import ConfigError, DataConfig, TrainConfig
 from meshtrain.data.builtin_corpus import builtin_corpus_texts
 from meshtrain.data.packing import PackedDataset
+from meshtrain.data.prepared import is_complete
+from meshtrain.data.readers import document_texts
 from meshtrain.data.sampler import GlobalBatchSampler
 from meshtrain.data.shards import write_token_bin
-from meshtrain.data.sources import find_source_files, load_token_stream
+from meshtrain.data.sources import (
+    CACHE_ENV,
+    data_cache_dir,
+    encode_documents,
+    find_source_files,
+    load_token_stream,
+    raw_corpus_dir,
+)
 from meshtrain.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -31,7 +47,22 @@ def byte_stream(*docs: str) -> list[int]:
 
 
 def stream_of(source, **kwargs) -> list[int]:
-    return load_token_stream(DataConfig(source=str(source), **kwargs), ByteTokenizer()).tolist()
+    """The stream training reads from ``source``, after checking it equals the one the loader
+    built before the token cache (every document read into a list and tokenized at once)."""
+    stream = load_token_stream(DataConfig(source=str(source), **kwargs), ByteTokenizer()).tolist()
+    if not str(source).endswith(".bin") and not (Path(source).is_dir()
+                                                  and any(Path(source).glob("*.bin"))):
+        field = kwargs.get("text_field", "text")
+        texts = [t for p in find_source_files(str(source)) for t in document_texts(p, field)]
+        assert stream == encode_documents(texts, ByteTokenizer()).tolist()
+    return stream
+
+
+@pytest.fixture(autouse=True)
+def token_cache(tmp_path, monkeypatch) -> Path:
+    """Each test tokenizes raw sources into a cache of its own (not ~/.cache)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "token-cache"))
+    return tmp_path / "token-cache"
 
 
 # ----------------------------------------------------------------------------------- tokenizers
@@ -140,24 +171,159 @@ def test_bin_source_uint16_and_uint32(tmp_path):
     assert loaded.to_tensor().dtype == torch.int64 and loaded.tolist() == big.tolist()
 
 
-def test_disk_cache_skips_tokenizing_again(tmp_path, monkeypatch):
+class CountingTokenizer:
+    """The byte tokenizer's ids through ``encode`` only, counting its calls."""
+
+    vocab_size, eos_id, name, calls = 264, 256, "counting", 0
+
+    def encode(self, text):
+        CountingTokenizer.calls += 1
+        return list(text.encode("utf-8"))
+
+
+def test_raw_source_is_tokenized_once_into_a_content_keyed_cache(tmp_path, monkeypatch):
     from meshtrain.data import sources as data_module
 
-    class CountingTokenizer:
-        vocab_size, eos_id, name, calls = 264, 256, "counting", 0
-
-        def encode(self, text):
-            CountingTokenizer.calls += 1
-            return list(text.encode("utf-8"))
-
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.txt").write_text("abc")
+    source = tmp_path / "src" / "a.txt"
+    source.write_text("abc")
     cfg = DataConfig(source=str(tmp_path / "src"))
     first = load_token_stream(cfg, CountingTokenizer(), cache_dir=tmp_path / "cache")
+    assert first.tolist() == byte_stream("abc") and isinstance(first.arrays[0], np.memmap)
+    calls = CountingTokenizer.calls
+    assert calls > 0
+    entries = list((tmp_path / "cache").glob("tokens-*"))
+    assert sorted(p.suffix for p in entries) == ["", ".lock"]  # the entry and its lock file
+    assert is_complete(next(p for p in entries if p.is_dir()))
+
     monkeypatch.setattr(data_module, "_STREAM_CACHE", {})  # as if in a fresh process
-    again = load_token_stream(cfg, CountingTokenizer(), cache_dir=tmp_path / "cache")
-    assert CountingTokenizer.calls == 1 and again.tolist() == first.tolist() == byte_stream("abc")
-    assert len(list((tmp_path / "cache").glob("tokens-*.npy"))) == 1
+    assert load_token_stream(cfg, CountingTokenizer(), cache_dir=tmp_path / "cache").tolist() == \
+        first.tolist()
+    assert CountingTokenizer.calls == calls  # read from the cache, not tokenized again
+
+    monkeypatch.setattr(data_module, "_STREAM_CACHE", {})
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, same bytes
+    load_token_stream(cfg, CountingTokenizer(), cache_dir=tmp_path / "cache")
+    assert CountingTokenizer.calls == calls
+    assert len(list((tmp_path / "cache").glob("tokens-*"))) == 2  # still one entry and its lock
+
+    monkeypatch.setattr(data_module, "_STREAM_CACHE", {})
+    source.write_text("abd")  # other bytes, same size and mtime: the key is the content
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert load_token_stream(cfg, CountingTokenizer(), cache_dir=tmp_path / "cache").tolist() == \
+        byte_stream("abd")
+    assert CountingTokenizer.calls > calls
+    assert len(list((tmp_path / "cache").glob("tokens-*"))) == 4
+
+
+def test_a_damaged_cache_entry_is_written_again(tmp_path, monkeypatch):
+    from meshtrain.data import sources as data_module
+
+    source = tmp_path / "a.txt"
+    source.write_text("some text\n" * 100)
+    cfg = DataConfig(source=str(source))
+    expected = stream_of(source)
+    (shard,) = raw_corpus_dir(cfg, ByteTokenizer()).glob("shard-*.bin")
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated mid-token
+    monkeypatch.setattr(data_module, "_STREAM_CACHE", {})
+    assert stream_of(source) == expected
+    assert shard.stat().st_size == 2 * len(expected)
+
+
+def test_token_cache_location(tmp_path, monkeypatch):
+    assert data_cache_dir(tmp_path / "given") == tmp_path / "given"
+    assert data_cache_dir() == tmp_path / "token-cache"  # $MESHTRAIN_DATA_CACHE (the fixture)
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data_cache_dir() == tmp_path / "xdg" / "meshtrain" / "tokens"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_cache_dir() == Path.home() / ".cache" / "meshtrain" / "tokens"
+    (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        if not os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere
+            with pytest.raises(ConfigError, match=f"cannot be written.*{CACHE_ENV}"):
+                load_token_stream(DataConfig(source=str(tmp_path / "a.txt")), ByteTokenizer(),
+                                  cache_dir=tmp_path / "ro" / "cache")
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+
+
+def _jsonl(path: Path, documents: int) -> Path:
+    path.write_text("".join(json.dumps({"text": f"document {i} " + "word " * (i % 50)}) + "\n"
+                            for i in range(documents)))
+    return path
+
+
+LOAD_WHEN_TOLD = """
+import hashlib, os, sys, time
+from meshtrain.config import DataConfig
+from meshtrain.data import sources
+from meshtrain.data.tokenizer import ByteTokenizer
+write = sources._write_entry
+def counted(*args, **kwargs):
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return write(*args, **kwargs)
+sources._write_entry = counted
+print("ready", flush=True)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.005)
+tokens = sources.load_token_stream(DataConfig(source=sys.argv[1]), ByteTokenizer())
+print(hashlib.sha256(tokens.window(0, len(tokens)).tobytes()).hexdigest())
+"""
+
+
+def test_ranks_loading_one_raw_source_at_once_tokenize_it_once(tmp_path, token_cache):
+    """Four processes ask for the same uncached source at the same moment: one writes the entry
+    (under the lock), the others wait and memory-map it; nothing temporary is left."""
+    source = _jsonl(tmp_path / "docs.jsonl", 60_000)  # ~3 MB: writing it takes a while
+    writers, go = tmp_path / "writers", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_WHEN_TOLD, str(source), str(writers),
+                               str(go)], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    go.touch()
+    digests = {proc.communicate(timeout=120)[0].strip() for proc in procs}
+    assert all(proc.returncode == 0 for proc in procs)
+    assert len(writers.read_text().split()) == 1  # tokenized once
+    reference = encode_documents(list(document_texts(source, "text")), ByteTokenizer())
+    assert digests == {hashlib.sha256(reference.astype(np.int64).tobytes()).hexdigest()}
+    entry, lock = sorted(token_cache.glob("*tokens-*"), key=lambda p: p.name)  # nothing else
+    assert is_complete(entry) and lock.name == f"{entry.name}.lock"
+
+
+KILL_WRITER = """
+import os, signal, sys
+from meshtrain.config import DataConfig
+from meshtrain.data import prepare, sources
+from meshtrain.data.tokenizer import ByteTokenizer
+sources.SHARD_BYTES = 2000
+finish = prepare._ShardWriter.finish
+def finish_then_die(self):
+    finish(self)
+    os.kill(os.getpid(), signal.SIGKILL)
+prepare._ShardWriter.finish = finish_then_die
+sources.load_token_stream(DataConfig(source=sys.argv[1]), ByteTokenizer())
+"""
+
+
+def test_a_writer_killed_mid_entry_leaves_nothing_complete_and_the_next_load_redoes_it(
+        tmp_path, token_cache, monkeypatch):
+    from meshtrain.data import sources as data_module
+
+    source = _jsonl(tmp_path / "docs.jsonl", 500)
+    proc = subprocess.run([sys.executable, "-c", KILL_WRITER, str(source)], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    (partial,) = token_cache.glob(".tokens-*.partial")  # one shard written, then killed
+    assert list(partial.glob("shard-00000.bin")) and not list(token_cache.glob("tokens-*/"))
+    monkeypatch.setattr(data_module, "SHARD_BYTES", 2000)  # the same key as the killed writer
+    assert stream_of(source) == byte_stream(*document_texts(source, "text"))
+    assert not list(token_cache.glob(".*partial"))  # the dead writer's directory is gone
+    (entry,) = [p for p in token_cache.glob("tokens-*") if p.is_dir()]
+    assert len(list(entry.glob("shard-*.bin"))) > 5
 
 
 def test_bad_sources_raise_config_error_naming_the_path(tmp_path):
@@ -168,6 +334,7 @@ def test_bad_sources_raise_config_error_naming_the_path(tmp_path):
     bad.write_text('{"text": "ok"}\n{"other": "x"}\n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl, line 2.*\"text\""):
         stream_of(bad)
+    assert not [p for p in data_cache_dir().glob("*tokens-*") if p.suffix != ".lock"]
     with pytest.raises(ConfigError, match="missing_dir"):
         find_source_files(str(tmp_path / "missing_dir"))
     csv = tmp_path / "table.csv"

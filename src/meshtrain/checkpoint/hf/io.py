@@ -17,6 +17,13 @@ Two directory formats are involved:
   :func:`convert_from_hf` and older runs write). A directory with shards but no index is an
   interrupted save and is refused.
 
+The converters write their ``--out`` crash-safely (:mod:`meshtrain.checkpoint.atomic`): the whole
+new directory goes to ``OUT.tmp-<token>`` beside it, every file fsynced (``config.json`` and the
+index each through a fsynced temporary file renamed into place), then it is swapped in for
+``OUT``, so a crash leaves ``OUT`` as it was or complete. ``OUT`` must be new, empty or a model
+directory: it is replaced as a whole. A run directory whose ``final/`` is missing because a save
+was interrupted between its two renames is read from the complete previous set left aside.
+
 Config mapping: :mod:`meshtrain.checkpoint.hf.config`; names and layouts:
 :mod:`meshtrain.checkpoint.hf.tensors`.
 """
@@ -26,12 +33,14 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshtrain.checkpoint import atomic
 from meshtrain.checkpoint.hf.config import hf_model_type, hf_to_model_config, model_config_to_hf
 from meshtrain.checkpoint.hf.moe_tensors import explain_extra, explain_missing, explain_shape
 from meshtrain.checkpoint.hf.tensors import IGNORED_HF_SUFFIXES, from_hf, is_fused_moe, to_hf
@@ -40,6 +49,8 @@ from meshtrain.checkpoint.safetensors_io import (
     SINGLE_NAME,
     ShardedWriter,
     TensorReader,
+    complete_weights_dir,
+    current_weights_dir,
     has_weights,
 )
 from meshtrain.config import Config, ConfigError, ModelConfig, config_from_dict
@@ -63,11 +74,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _classify(path: str | Path) -> tuple[str, Path, dict[str, Any]]:
-    """``("hf" | "meshtrain", directory, config.json dict)`` for a weights directory or run dir."""
-    path = Path(path)
+    """``("hf" | "meshtrain", directory, config.json dict)`` for a weights directory or run dir.
+    A ``final/`` missing because a save was interrupted between its two renames is read from the
+    complete previous set it left aside (``current_weights_dir``)."""
+    path = current_weights_dir(path)
     if not path.is_dir():
         raise ConfigError(f"{path} does not exist or is not a directory.")
-    for directory in (path, path / "final"):
+    for directory in (path, current_weights_dir(path / "final")):
         if not (directory / "config.json").is_file():
             continue
         doc = _read_json(directory / "config.json")
@@ -199,8 +212,42 @@ def _write_hf(named: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, ou
             for hf_name, view in to_hf(canonical_name(name), tensor, config, model_type):
                 writer.write(hf_name, view.to(dtype))
         writer.close()
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    atomic.write_atomically(out / "config.json", json.dumps(hf, indent=2))
     return out
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def _is_model_dir(directory: Path) -> bool:
+    """Whether ``directory`` looks like a model directory (complete or not): ``config.json`` or
+    safetensors files at its top."""
+    return (directory / "config.json").is_file() or any(directory.glob("*.safetensors*"))
+
+
+@contextmanager
+def _replacing(out: Path, sources: Iterable[Path | None]) -> Iterator[Path]:
+    """A fresh directory beside ``out`` to write into; swapped in for ``out`` when the block
+    ends (fsynced first), removed if it fails, so ``out`` is never left half-written. Refuses an
+    ``out`` that holds a source, or that exists and is not an empty or model directory."""
+    for source in sources:
+        if source is not None and source.exists() and _inside(source, out):
+            raise ConfigError(f"--out {out} is or holds the source directory {source}; choose "
+                              "another (it is replaced as a whole).")
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or _is_model_dir(out))):
+        raise ConfigError(f"--out {out} exists and is not a model directory (no config.json or "
+                          "*.safetensors); it would be replaced as a whole: choose a new or "
+                          "empty directory.")
+    atomic.cleanup(out, complete_weights_dir)  # an interrupted earlier conversion's leftovers
+    staging = atomic.staging_dir(out)
+    try:
+        yield staging
+        atomic.swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def save_hf(model: Transformer, path: str | Path, dtype: torch.dtype | None = None,
@@ -251,10 +298,6 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, reader.get(name)
 
 
-def _same_dir(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
-
-
 def convert_from_hf(hf_dir: str | Path, out: str | Path,
                     dtype: torch.dtype | None = None) -> Path:
     """Hugging Face directory -> meshtrain weights directory (read wherever ``RUN_DIR/final`` is).
@@ -270,8 +313,6 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path,
     source = _HFSource.open(hf_dir)
     dtype = dtype or torch.float32
     out = Path(out)
-    if out.exists() and _same_dir(out, source.directory):
-        raise ConfigError(f"--out {out} is the source directory; choose another.")
     run_config = Config(model=source.config)
     tokenizer = source.directory / "tokenizer.json"
     run_config.data.tokenizer = str(tokenizer.resolve()) if tokenizer.is_file() else "bytes"
@@ -282,13 +323,14 @@ def convert_from_hf(hf_dir: str | Path, out: str | Path,
     dtypes = {name: planned for name, _, planned in plan}
     source_dtype = source.reader.dtype("model.embed_tokens.weight")
     metadata = {"format": "pt", "source": "huggingface", "source_dtype": _dtype_name(source_dtype)}
-    out.mkdir(parents=True, exist_ok=True)
-    with source.reader, ShardedWriter(out, plan, None, metadata=metadata) as writer:
-        for name, tensor in source.tensors():
-            writer.write(name, tensor.to(dtypes[name]))
-        writer.close()
-    (out / "config.json").write_text(json.dumps(run_config.to_dict(), indent=2))
-    (out / HF_CONFIG_COPY).write_text(json.dumps(source.hf, indent=2))
+    with _replacing(out, [Path(hf_dir), source.directory]) as staging:
+        with source.reader, ShardedWriter(staging, plan, None, metadata=metadata) as writer:
+            for name, tensor in source.tensors():
+                writer.write(name, tensor.to(dtypes[name]))
+            writer.close()
+        atomic.write_atomically(staging / HF_CONFIG_COPY, json.dumps(source.hf, indent=2))
+        atomic.write_atomically(staging / "config.json",
+                                json.dumps(run_config.to_dict(), indent=2))
     return out
 
 
@@ -344,21 +386,22 @@ def convert_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = 
     """
     src, out = Path(src), Path(out)
     config, tensors, directory, default_dtype = _open_weights_source(src)
-    if out.exists() and any(_same_dir(out, d) for d in (src, directory) if d is not None):
-        raise ConfigError(f"--out {out} is the source directory; choose another.")
     base = None
     if directory is not None and (directory / HF_CONFIG_COPY).is_file():
         base = _read_json(directory / HF_CONFIG_COPY)
-    try:
-        _write_hf(tensors, config.model, out, dtype or default_dtype, max_shard_bytes, base=base,
-                  max_positions=config.train.seq_len, eos_token_id=_eos_id(config.data.tokenizer))
-    except ConfigError:
-        raise
-    except ValueError as error:  # a tensor that does not match the config
-        raise ConfigError(f"{src}: the weights do not match their config ({error}).") from None
-    tokenizer = Path(config.data.tokenizer)
-    if tokenizer.suffix == ".json" and tokenizer.is_file():
-        for name in _TOKENIZER_FILES:
-            if (tokenizer.parent / name).is_file() and not (out / name).exists():
-                shutil.copyfile(tokenizer.parent / name, out / name)
+    with _replacing(out, [src, directory]) as staging:
+        try:
+            _write_hf(tensors, config.model, staging, dtype or default_dtype, max_shard_bytes,
+                      base=base, max_positions=config.train.seq_len,
+                      eos_token_id=_eos_id(config.data.tokenizer))
+        except ConfigError:
+            raise
+        except ValueError as error:  # a tensor that does not match the config
+            raise ConfigError(f"{src}: the weights do not match their config ({error}).") \
+                from None
+        tokenizer = Path(config.data.tokenizer)
+        if tokenizer.suffix == ".json" and tokenizer.is_file():
+            for name in _TOKENIZER_FILES:
+                if (tokenizer.parent / name).is_file():
+                    atomic.write_atomically(staging / name, (tokenizer.parent / name).read_bytes())
     return out
