@@ -89,3 +89,27 @@ def test_auto_prices_the_configured_pipeline_split(monkeypatch):
     assert piped and all(lay.pp_split == "3,1" and lay.pp * lay.chunks_per_rank == 2
                          for lay in piped)
     assert chosen and all(c.parallel.pp_split == "3,1" for _, c in chosen)
+
+
+def test_calibrate_then_auto_names_the_calibrated_profile(tmp_path):
+    """``meshtrain calibrate`` with no ``--out`` writes where ``parallel.auto`` looks (here
+    ``$XDG_CACHE_HOME``, never the real ~/.cache), shows its progress and says where it wrote;
+    ``train --set parallel.auto=true`` then prices with that file and says so."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("MESHTRAIN_PROFILE", None)
+    default = tmp_path / "cache" / "meshtrain" / "profile.json"
+    calibrate = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "calibrate", "--sizes", "4096,65536",
+         "--matmul-sizes", "64,128", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert calibrate.returncode == 0, calibrate.stderr
+    assert default.is_file()
+    assert "calibrate [1/8] round 1/5: GEMMs (64, 128)" in calibrate.stderr
+    assert "calibrate [8/8] collectives of 64 KiB: all-reduce" in calibrate.stderr
+    assert f"calibrate wrote {default} (parallel.auto uses it)" in calibrate.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--steps", "1",
+         "--run-dir", str(tmp_path / "run"), *_sets(TINY + ["parallel.auto=true"])],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert f"priced with measured from the calibration file {default}" in run.stderr

@@ -34,6 +34,42 @@ def test_estimate_json_has_the_contract_keys(meshtrain):
     assert out["layout"]["dp"] == 2 and 0 < out["mfu"] < 1
 
 
+README_REFUSED = ["--model", "llama3-70b", "--set", "parallel.tp=8", "--hardware", "h100-80g",
+                  "--gpus", "64"]
+"""The README's refusal: one micro-batch of 64 x 8,192 tokens per GPU, 4,405.7 GB."""
+
+
+def test_estimate_that_does_not_fit_says_why(meshtrain):
+    run = meshtrain("estimate", *README_REFUSED, "--json")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    why = out["why_not_fits"]
+    assert not out["fits"] and why["largest"] == "activations"
+    assert why["activations"] == pytest.approx(4246.9, abs=0.1)
+    assert why["estimate_gb"] == pytest.approx(4405.7, abs=0.1) and why["capacity_gb"] == 77.0
+    assert set(why) >= {"activations", "parameters", "gradients", "optimizer", "buffers",
+                        "largest", "capacity_gb", "estimate_gb", "suggestions"}
+    changed = {text.split("=")[0] for s in why["suggestions"] for text in s["set"]}
+    assert {"parallel.microbatches", "parallel.activation_checkpointing"} <= changed
+    assert any(s["fits"] for s in why["suggestions"])
+    for key in ("step_time_s", "mfu", "tokens_per_s", "fits"):  # the existing keys stay
+        assert key in out
+    text = meshtrain("estimate", *README_REFUSED)
+    assert "DOES NOT FIT" in text.stdout
+    assert "why: activations are the largest part, 4,246.9 of 4,405.7 GB" in text.stdout
+    assert "--set parallel.microbatches=64: peak" in text.stdout
+    assert "(does not fit: not runnable)" in text.stdout
+
+
+def test_estimate_that_fits_has_no_why(meshtrain):
+    fitting = [*README_REFUSED, "--set", "parallel.zero=2", "--set", "parallel.microbatches=64",
+               "--set", "parallel.activation_checkpointing=full"]
+    out = json.loads(meshtrain("estimate", *fitting, "--json").stdout)
+    assert out["fits"] and out["why_not_fits"] is None
+    text = meshtrain("estimate", *fitting).stdout
+    assert "fits" in text and "why:" not in text and "not runnable" not in text
+
+
 def test_plan_json_and_table(meshtrain):
     run = meshtrain("plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-80g",
                     "--json", "--top", "3")
@@ -68,6 +104,9 @@ def test_calibrate_writes_a_usable_profile(tmp_path, meshtrain):
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
         assert len(profile["measured"][op]) == 2
     assert profile["peak_tflops"] > 0 and profile["intra_node_gbps"] > 0
+    # where it wrote, on stderr, and how to use a file that is not the default one
+    assert f"calibrate wrote {out} (use it with --hardware {out}" in run.stderr
+    assert "calibrate: timing this machine with 2 processes in 8 steps" in run.stderr
     est = meshtrain("estimate", "--hardware", str(out), "--gpus", "2", "--json", *SMALL)
     assert est.returncode == 0, est.stderr
     assert json.loads(est.stdout)["hardware"] == "measured"

@@ -90,6 +90,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     length and batch, with ``--set`` layout keys) describes."""
     from meshtrain.commands.planner_report import format_estimate
     from meshtrain.planner.cost.estimate import estimate
+    from meshtrain.planner.cost.fit_advice import why_not_fits
     from meshtrain.planner.cost.workload import STACKS, Workload, check_stack_offers
     from meshtrain.planner.tables.profiles import load_profile
 
@@ -137,6 +138,14 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         result["wide_area"] = describe_sites(work, layout, cluster, result)
     result["hardware"], result["stack"] = profile.name, args.stack
+    if par.replicas > 1:  # each replica group's memory is its inner layout's
+        from meshtrain.planner.sites.diloco_cost import inner_cluster, inner_workload
+
+        result["why_not_fits"] = why_not_fits(inner_workload(work, par.replicas), layout,
+                                              inner_cluster(cluster, par.replicas), result,
+                                              args.stack)
+    else:
+        result["why_not_fits"] = why_not_fits(work, layout, cluster, result, args.stack)
     result["warnings"] = layout_warnings(layout, args.gpus_per_node)
     for warning in result["warnings"]:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
@@ -272,8 +281,9 @@ def _run_budget_plan(args: argparse.Namespace, config: Config, profile) -> int:
 
 def add_calibrate_options(parser: argparse.ArgumentParser) -> None:
     """Options of ``meshtrain calibrate``."""
-    parser.add_argument("--out", help="profile JSON to write (default: "
-                        "~/.cache/meshtrain/profile.json, where parallel.auto looks)")
+    parser.add_argument("--out", help="profile JSON to write (default: $MESHTRAIN_PROFILE, else "
+                        "$XDG_CACHE_HOME/meshtrain/profile.json or "
+                        "~/.cache/meshtrain/profile.json: where parallel.auto looks)")
     parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
     parser.add_argument("--sizes", default="4096,65536,1048576,16777216",
                         help="message sizes in bytes, comma-separated")
@@ -295,21 +305,34 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    """``meshtrain calibrate``: measure and write a profile JSON."""
-    from meshtrain.planner.calibrate.measure import calibrate, default_profile_path
+    """``meshtrain calibrate``: measure and write a profile JSON (default: where
+    ``parallel.auto`` looks), with one progress line per step and where it wrote on stderr."""
+    from meshtrain.planner.calibrate.measure import (
+        calibrate,
+        default_profile_path,
+        progress_steps,
+    )
 
     if args.nproc < 2:
         raise ConfigError(f"--nproc {args.nproc}: calibrate needs at least 2 processes.")
-    profile = calibrate(args.nproc, _int_list(args.sizes, "--sizes"),
-                        _int_list(args.matmul_sizes, "--matmul-sizes"), args.repeats,
-                        args.name, args.power_w)
-    out = Path(args.out) if args.out else default_profile_path()
+    sizes = _int_list(args.sizes, "--sizes")
+    matmul_sizes = _int_list(args.matmul_sizes, "--matmul-sizes")
+    default = default_profile_path()
+    out = Path(args.out) if args.out else default
+    print(f"meshtrain: calibrate: timing this machine with {args.nproc} processes in "
+          f"{progress_steps(sizes)} steps, then writing {out}", file=sys.stderr, flush=True)
+    profile = calibrate(args.nproc, sizes, matmul_sizes, args.repeats, args.name, args.power_w,
+                        progress=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
-    print(f"wrote {out}: {profile.peak_tflops * 1e3:.3g} GFLOP/s fp32 matmul per process, "
+    used = ("parallel.auto uses it" if out.resolve() == default.resolve() else
+            f"use it with --hardware {out} or parallel.auto_profile={out} (parallel.auto looks "
+            f"at {default} by default)")
+    print(f"meshtrain: calibrate wrote {out} ({used}): "
+          f"{profile.peak_tflops * 1e3:.3g} GFLOP/s fp32 matmul per process, "
           f"{profile.hbm_gbps:.3g} GB/s copy, all-reduce {profile.intra_node_gbps:.3g} GB/s bus "
           f"+ {profile.intra_node_latency_us:.0f} us per step"
           + (f", shared-memory gradient all-reduce {profile.shared_memory_reduce_gbps:.3g} GB/s "
              f"bus + {profile.shared_memory_reduce_latency_us:.0f} us"
-             if profile.shared_memory_reduce_gbps else ""))
+             if profile.shared_memory_reduce_gbps else ""), file=sys.stderr, flush=True)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshtrain.planner.cost.fit_advice import format_why_not_fits
 from meshtrain.planner.cost.memory import GB
 
 
@@ -25,14 +26,18 @@ def format_estimate(result: dict, profile_name: str) -> str:
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
     lines.append(f"peak {result['memory_gb_per_gpu']:.1f} GB of {result['memory_limit_gb']:.0f} "
                  f"GB usable: {verdict}")
+    if result.get("why_not_fits"):
+        lines += format_why_not_fits(result["why_not_fits"])
     step = result["step_time_s"]
     parts = ", ".join(f"{k.removesuffix('_s')} {v:.3g}s ({v / step:.0%})"
                       for k, v in result["breakdown"].items() if v > 0)
+    label = "" if result["fits"] else " (does not fit: not runnable)"
     lines += [
-        f"step {step:.3f}s: {parts}",
+        f"step {step:.3f}s{label}: {parts}",
         f"{result['tokens_per_s']:,.0f} tokens/s, {result['model_tflops_per_gpu']:.0f} model / "
         f"{result['hardware_tflops_per_gpu']:.0f} hardware TFLOP/s per GPU, MFU "
-        f"{result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%}, bound: {result['bound']}",
+        f"{result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%}, bound: {result['bound']}"
+        + label,
         _kernels_line(result),
         f"energy per 1B tokens: {result['kwh_per_1b_tokens']:,.0f} kWh, "
         f"${result['cost_per_1b_tokens']:,.0f}, {result['co2_kg_per_1b_tokens']:,.0f} kg CO2",

@@ -15,9 +15,10 @@ The hardware profile, first found wins:
 
 1. ``parallel.auto_profile`` (a ``meshtrain calibrate`` JSON, or a named profile such as
    ``h100-80g``);
-2. the default calibration file, ``~/.cache/meshtrain/profile.json``
-   (:func:`meshtrain.planner.calibrate.measure.default_profile_path`), which ``meshtrain calibrate``
-   writes when given no ``--out``;
+2. the default calibration file, ``$MESHTRAIN_PROFILE``, else
+   ``$XDG_CACHE_HOME/meshtrain/profile.json`` (``~/.cache``;
+   :func:`meshtrain.planner.calibrate.measure.default_profile_path`), which ``meshtrain calibrate``
+   writes when given no ``--out``; the paragraph on stderr names it;
 3. on CUDA, the named profile matching the device name (A100, H100, H200, B200, MI300X);
 4. on CPU, :func:`meshtrain.planner.calibrate.measure.quick_profile`: one or two seconds in this
 process
@@ -89,7 +90,7 @@ def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareP
             raise ConfigError(str(error).replace("--hardware", "parallel.auto_profile")) from None
     default = default_profile_path()
     if default.is_file():
-        return load_profile(str(default)), f"calibration {default}"
+        return load_profile(str(default)), f"the calibration file {default}"
     if _uses_cuda(config):
         import torch
 
@@ -106,7 +107,8 @@ def resolve_profile(config: Config, nproc: int, in_job: bool) -> tuple[HardwareP
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
         return (dataclasses.replace(BUILTIN_CPU, memory_gb=_memory_gb(max(per_node, 1))),
                 "built-in CPU figures (no calibration file; the same on every rank)")
-    return quick_profile(nproc), "a quick measurement of this CPU (no calibration file)"
+    return quick_profile(nproc), (f"a quick measurement of this CPU (no calibration file at "
+                                  f"{default}: meshtrain calibrate writes one)")
 
 
 def _candidate_config(config: Config, layout: Layout) -> Config:

@@ -201,8 +201,31 @@ def _shared_memory_comm(world: int):
     return None if reducer is None else (comm, reducer)
 
 
-def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> dict:
-    """Worker body: every rank runs the same collectives; rank 0's timings are returned."""
+def _size_text(nbytes: int) -> str:
+    """``4 KiB``, ``1 MiB``: a message size as the progress lines show it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def progress_steps(sizes: list[int]) -> int:
+    """How many steps :func:`calibrate` reports: each compute round, attention, each size."""
+    return ROUNDS + 1 + len(sizes)
+
+
+def _report(show: bool, step: int, total: int, what: str) -> None:
+    """One progress line on stderr (rank 0 of ``meshtrain calibrate``)."""
+    if show:
+        import sys
+
+        print(f"meshtrain: calibrate [{step}/{total}] {what}", file=sys.stderr, flush=True)
+
+
+def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int,
+                  progress: bool = False) -> dict:
+    """Worker body: every rank runs the same collectives; rank 0's timings are returned.
+    With ``progress`` rank 0 writes one line per step on stderr (what it times, how far)."""
     import torch
     import torch.distributed as dist
 
@@ -210,12 +233,19 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
     from meshtrain.parallel.comm import _all_gather_flat, _reduce_scatter_flat
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    total, step = progress_steps(sizes), 0
+    show = progress and rank == 0
+    gemms = ", ".join(str(n) for n in matmul_sizes)
     out: dict = {op: [] for op in COLLECTIVES}
     copy_bytes = [COPY_BYTES]
     solo, concurrent = [], []
     block, small_block = reference_block_step(), reference_block_step(SMALL_BATCH)
     block_solo, block_concurrent, small_solo = [], [], []
-    for _ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
+    for round_ in range(ROUNDS):  # alternate, so that a burst of load elsewhere hits both alike
+        step += 1
+        _report(show, step, total, f"round {round_ + 1}/{ROUNDS}: GEMMs ({gemms}), "
+                f"{_size_text(COPY_BYTES)} copies, the reference block, alone and with every "
+                f"process busy")
         if rank == 0:  # alone: the others wait at the barrier
             solo.append(_measure_compute(matmul_sizes, copy_bytes, 0.1 * repeats, 1))
             # the two sizes in turn: their ratio splits rate from per-kernel cost
@@ -227,6 +257,9 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
         dist.barrier()
         block_concurrent.append(_median_time(block, 0.1 * repeats, 1))
         dist.barrier()
+    step += 1
+    _report(show, step, total, "fused attention forward + backward at head widths "
+            + ", ".join(str(d) for d in ATTENTION_HEAD_DIMS))
     if rank == 0:
         out["solo"] = _median_of_rounds(solo)
         out["attention"] = _measure_attention(0.05 * repeats, 3)
@@ -260,6 +293,10 @@ def _measure_rank(sizes: list[int], matmul_sizes: list[int], repeats: int) -> di
             "all_to_all": lambda full=full: dist.all_to_all_single(torch.empty_like(full), full),
             "send": send,
         }
+        step += 1
+        _report(show, step, total, f"collectives of {_size_text(elements * 4)}: "
+                + ", ".join(op.replace("_", "-").replace("send", "send/recv") for op in ops)
+                + (", shared-memory all-reduce" if shared is not None else ""))
         if shared is not None:  # what data-parallel gradients of fp32 buckets go through
             comm, reducer = shared
             buffer = reducer.new_buffer(comm, elements, torch.float32)
@@ -331,15 +368,18 @@ def _cpu_profile(name: str, solo: dict, concurrent: dict, all_reduce: tuple[floa
 
 def calibrate(nproc: int = 2, sizes: list[int] | None = None,
               matmul_sizes: list[int] | None = None, repeats: int = 3,
-              name: str = "measured", power_w: float = 0.0) -> HardwareProfile:
-    """Measure this machine with ``nproc`` processes and return the profile."""
+              name: str = "measured", power_w: float = 0.0,
+              progress: bool = False) -> HardwareProfile:
+    """Measure this machine with ``nproc`` processes and return the profile; with ``progress``,
+    one line on stderr per step (``meshtrain: calibrate [3/10] ...``)."""
     from meshtrain.host.allocator import allocator_environment
     from meshtrain.host.local_processes import run_distributed
 
     sizes = sorted(sizes or [2**12, 2**16, 2**20, 2**24])
     matmul_sizes = matmul_sizes or [256, 512, 1024]
     with allocator_environment():  # the malloc settings `meshtrain train` gives its workers
-        measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats)[0]
+        measured = run_distributed(nproc, _measure_rank, sizes, matmul_sizes, repeats,
+                                   progress)[0]
     kernels = _cpu_profile(name, measured["solo"], measured["concurrent"],
                            fit_latency_bandwidth(measured["all_reduce"]),
                            fit_latency_bandwidth(measured["send"]), nproc, power_w,
