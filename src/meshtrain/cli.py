@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, metavar="N",
                        help="restart the workers up to N times after a failure, resuming from "
                             "the newest checkpoint (train.max_restarts)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="remove the earlier run's files in the run dir (metrics, "
+                            "checkpoints, final weights, ...) and start over")
     train.add_argument("--dry-run", action="store_true",
                        help="build one rank's real objects on the meta device over a fake "
                             "process group and print its bytes and collectives; trains nothing "

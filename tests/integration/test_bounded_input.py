@@ -36,8 +36,8 @@ def scan_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(shards, "_SCANNED", {})
 
 
-def train(tmp_path: Path, *overrides: str, nproc: int = 1) -> int:
-    args = ["train", "--nproc", str(nproc), "--steps", "1", "--run-dir", str(tmp_path / "run")]
+def train(tmp_path: Path, *overrides: str, nproc: int = 1, run: str = "run") -> int:
+    args = ["train", "--nproc", str(nproc), "--steps", "1", "--run-dir", str(tmp_path / run)]
     for item in (*TINY, *overrides):
         args += ["--set", item]
     return main(args)
@@ -106,8 +106,8 @@ def test_a_normal_tiny_run_passes_and_reports_its_checks(tmp_path, capfd):
                      r"vocabulary 264", err), err
     assert re.search(r"memory check: the run needs about [\d.]+ GB of host memory; [\d,.]+ GB is "
                      r"available", err), err
-    # The same unchanged corpus again: remembered, not read again.
-    assert train(tmp_path, f"data.source={out}", "checkpoint.resume=none") == 0
+    # The same unchanged corpus again (another run): remembered, not read again.
+    assert train(tmp_path, f"data.source={out}", "checkpoint.resume=none", run="run2") == 0
     assert "remembered from an earlier check" in capfd.readouterr().err
 
 

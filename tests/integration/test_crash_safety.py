@@ -40,9 +40,15 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _train(run_dir: Path, steps: int) -> list[str]:
+def _train(run_dir: Path, steps: int, *more: str) -> list[str]:
     return [sys.executable, "-m", "meshtrain", "train", "--nproc", "2", "--run-dir",
-            str(run_dir), "--steps", str(steps), *TINY]
+            str(run_dir), "--steps", str(steps), *TINY, *more]
+
+
+def _train_on(run_dir: Path, steps: int) -> list[str]:
+    """A longer run in a finished run's directory: the same run continued (no checkpoints to
+    resume, so it trains from step 0 again; a fresh run there would be refused)."""
+    return _train(run_dir, steps, "--set", "checkpoint.resume=auto")
 
 
 def _run(args: list[str]) -> None:
@@ -152,7 +158,7 @@ def test_final_weights_survive_a_kill_during_the_final_save(run, finished):
     file for file. The next save removes the leftover and swaps its own set in."""
     first = finished[1]
 
-    _kill_when(_train(run, 3), _staged(run, "final", INDEX_NAME))
+    _kill_when(_train_on(run, 3), _staged(run, "final", INDEX_NAME))
     kept, steps = _weights(run / "final")
     assert steps == {"2"}  # every file from the first run: never a mix
     _assert_equal(kept, first)
@@ -160,7 +166,7 @@ def test_final_weights_survive_a_kill_during_the_final_save(run, finished):
     new, steps = _weights(staged)
     assert steps == {"3"} and any(not torch.equal(new[k], first[k]) for k in first)
 
-    _run(_train(run, 3))
+    _run(_train_on(run, 3))
     done, steps = _weights(run / "final")
     assert steps == {"3"}
     assert _leftovers(run) == []
@@ -184,7 +190,7 @@ def test_a_save_interrupted_between_its_two_renames_is_read_and_recovered(run, f
     hf = convert_to_hf(run, tmp_path / "hf")
     _assert_equal(load_hf(hf).state_dict(), first)
 
-    _run(_train(run, 3))
+    _run(_train_on(run, 3))
     assert _weights(run / "final")[1] == {"3"}
     assert _leftovers(run) == []
 

@@ -114,7 +114,9 @@ def test_killed_group_others_go_on_and_it_rejoins_in_sync(tmp_path):
         doomed = _group(tmp_path, 1, address, "group1.log", fault=f"kill:rank=0:step={KILL_AT}")
         procs += [survivor, doomed]
         assert doomed.wait(240) == -9, (tmp_path / "group1.log").read_text()[-3000:]
-        restarted = _group(tmp_path, 1, address, "group1-restart.log")
+        # the same run continued in its own run dir (a fresh run there would be refused)
+        restarted = _group(tmp_path, 1, address, "group1-restart.log",
+                           extra=("checkpoint.resume=auto",))
         procs.append(restarted)
         _wait_for(tmp_path / "group1-restart.log", "joining the others", restarted, 240)
         release.touch()

@@ -20,6 +20,12 @@ never overwritten.
 
 On resume, ``auto`` takes the newest checkpoint whose manifest verifies; a truncated or garbled
 one is skipped with a warning naming the problem.
+
+A run directory belongs to one run: ``RUN_DIR/run.json`` holds its run id (written before the
+workers start, :func:`write_run_id`), and every checkpoint's manifest repeats it (``run_id``).
+``auto`` refuses a checkpoint directory holding checkpoints of two runs, or checkpoints of a run
+other than the run directory's; a checkpoint written before run ids existed has none and counts
+as the directory's run.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import shutil
 import sys
+import uuid
 import warnings
 from pathlib import Path
 
@@ -42,6 +49,8 @@ PREFIX = "step_"
 TMP_PREFIX = ".tmp-" + PREFIX
 """``.tmp-step_N``: a save being written (or the leftover of an interrupted one)."""
 MANIFEST = "manifest.json"
+RUN_FILE = "run.json"
+"""``RUN_DIR/run.json``: the id of the run this directory belongs to."""
 # Model settings that change the shape of some tensor: a checkpoint must agree on all of them.
 SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "mlp",
               "tie_embeddings", "moe_experts", "moe_shared_experts", "moe_every",
@@ -66,12 +75,73 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path, step: int, config: Config, layout: dict) -> None:
-    """List and checksum every file of ``directory`` into its manifest (rank 0, after DCP)."""
+def new_run_id() -> str:
+    """A fresh run id: 12 hex digits."""
+    return uuid.uuid4().hex[:12]
+
+
+def read_run_id(run_dir: str | Path) -> str | None:
+    """The run id recorded in ``RUN_DIR/run.json``, or None (no file, or unreadable)."""
+    try:
+        run_id = json.loads((Path(run_dir) / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def write_run_id(run_dir: str | Path, run_id: str) -> None:
+    """Record ``run_id`` as the run of ``RUN_DIR`` (rank 0, before the workers start)."""
+    path = Path(run_dir) / RUN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
+    tmp.replace(path)
+
+
+def checkpoint_run_ids(root: Path) -> dict[str | None, int]:
+    """Each run id found in the manifests of ``root``'s checkpoints, with its newest step
+    (None: checkpoints written before run ids, or whose manifest is unreadable)."""
+    found: dict[str | None, int] = {}
+    for directory in list_checkpoints(root):
+        step = int(directory.name[len(PREFIX):])
+        try:
+            run_id = read_manifest(directory).get("run_id") or None
+        except (OSError, ValueError, AttributeError):
+            run_id = None
+        found[run_id] = max(found.get(run_id, 0), step)
+    return found
+
+
+def check_one_run(root: Path, run_id: str | None) -> str | None:
+    """Refuse (ConfigError) resuming from ``root`` when it holds checkpoints of two runs, or of
+    a run other than ``run_id`` (the run directory's, None = not recorded); return the run id of
+    its checkpoints (None when they have none)."""
+    ids = sorted(i for i in checkpoint_run_ids(root) if i)
+    if len(ids) > 1:
+        raise ConfigError(
+            f"checkpoint directory {root} holds checkpoints of {len(ids)} runs "
+            f"({', '.join(ids)}); resume=auto resumes only one run's. Remove the other run's "
+            f"step_* directories, or point checkpoint.resume at one checkpoint.")
+    if ids and run_id and ids[0] != run_id:
+        raise ConfigError(
+            f"checkpoint directory {root} holds checkpoints of run {ids[0]}, but this run "
+            f"directory belongs to run {run_id}; resume=auto resumes only the directory's own "
+            f"run. Point checkpoint.resume at a checkpoint to continue from it, or choose "
+            f"another --run-dir.")
+    return ids[0] if ids else None
+
+
+def write_manifest(directory: Path, step: int, config: Config, layout: dict,
+                   run_id: str | None = None, extra: dict | None = None) -> None:
+    """List and checksum every file of ``directory`` into its manifest (rank 0, after DCP);
+    ``run_id``: the run it belongs to; ``extra``: more fields to record."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": "meshtrain-dcp-1", "step": step, "files": files,
                 "model": dataclasses.asdict(config.model), "layout": layout}
+    if run_id:
+        manifest["run_id"] = run_id
+    manifest.update(extra or {})
     path = directory / MANIFEST
     with path.open("w") as handle:
         json.dump(manifest, handle, indent=2)
@@ -134,7 +204,9 @@ def resolve_resume(config: Config, warn: bool = True) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
-        return newest_valid(checkpoint_root(config), warn)
+        root = checkpoint_root(config)
+        check_one_run(root, read_run_id(config.train.run_dir))
+        return newest_valid(root, warn)
     path = Path(resume)
     problem = verify(path)
     if problem is not None:

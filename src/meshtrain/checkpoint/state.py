@@ -2,10 +2,11 @@
 
 What a checkpoint holds: every parameter's fp32 master value and Adam moments (layout-free, see
 :mod:`meshtrain.checkpoint.dcp`), persistent buffers (MoE expert biases), the optimizer step,
-the data sampler position, the torch RNG state, the step, and under expert parallelism the
+the data sampler position, the torch RNG state, the step, the run's ``train.steps`` and where
+its learning-rate schedule was last re-spanned (``lr_anchor``), and under expert parallelism the
 expert placement (:meth:`~meshtrain.parallel.expert.placement.ExpertPlacer.state_dict`). The
-learning-rate schedule is a function of the step, and the mesh's random streams are functions of
-(seed, stream, coordinates), so neither needs state of its own.
+learning-rate schedule is otherwise a function of the step, and the mesh's random streams are
+functions of (seed, stream, coordinates), so neither needs state of its own.
 
 With DiLoCo replica groups (``parallel.replicas > 1``) the groups' inner states differ between
 rounds, so each group's masters, moments and buffers are saved under its own prefix
@@ -96,7 +97,8 @@ def save(trainer) -> Path:
     meta = {"step": trainer.step, "optimizer_step": trainer.optimizer.step_count,
             "replicas": trainer.mesh.replicas, "outer_rounds": outer.rounds if outer else 0,
             "data": trainer.data.state_dict(), "rng": manager.encode_rng(),
-            "config": trainer.config.to_dict()}
+            "config": trainer.config.to_dict(), "total_steps": trainer.config.train.steps,
+            "lr_anchor": getattr(trainer, "lr_anchor", None)}
     placer = getattr(trainer, "expert_placer", None)
     if placer is not None:  # which expert sits where; the tensors are in canonical order
         meta["expert_placement"] = placer.state_dict()
@@ -113,7 +115,9 @@ def save(trainer) -> Path:
     if delay:
         time.sleep(float(delay))
     if mesh.is_logging_rank:
-        manager.write_manifest(temp, trainer.step, trainer.config, _layout(trainer))
+        manager.write_manifest(temp, trainer.step, trainer.config, _layout(trainer),
+                               manager.read_run_id(trainer.config.train.run_dir),
+                               {"total_steps": trainer.config.train.steps})
         fsync_dir(temp)  # every file's entry, before the directory becomes visible
         temp.rename(final)
         fsync_dir(root)  # the rename is durable before any older checkpoint is removed

@@ -9,6 +9,8 @@ chosen by ``parallel.elastic``, ``parallel.auto`` or a saved re-plan, then valid
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -86,8 +88,108 @@ def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
     return config.train.device, config.parallel.zero
 
 
+RUN_DIR_FILES = ("metrics.jsonl", "config.json", "run.json", "run.json.tmp", "preempted.json",
+                 "timeline.json", "timeline.png", "timeline_summary.json")
+"""Files meshtrain writes at the top of a run directory (``--overwrite`` removes these)."""
+RUN_DIR_DIRS = ("final", "final.tmp", "diagnostics", "tensorboard")
+"""Directories meshtrain writes in a run directory, besides the checkpoints."""
+
+
+def _last_metrics_step(path: Path) -> int:
+    """The step of the last record of ``metrics.jsonl`` (0 when empty or unreadable)."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        return int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 0
+
+
+def held_run(config: Config) -> tuple[str, int] | None:
+    """``(run id, last step)`` of the run whose metrics or checkpoints ``train.run_dir`` (and
+    its checkpoint directory) hold, or None when they hold none (or no step). The id is
+    ``RUN_DIR/run.json``'s, else the checkpoints'; a run from before run ids reads as
+    ``(no run id)``."""
+    from meshtrain.checkpoint import manager
+
+    run_dir = Path(config.train.run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    checkpoints = manager.checkpoint_run_ids(manager.checkpoint_root(config))
+    if not metrics.is_file() and not checkpoints:
+        return None
+    step = max([_last_metrics_step(metrics) if metrics.is_file() else 0,
+                *checkpoints.values()])
+    if step == 0:  # a run that stopped before its first step: nothing to lose
+        return None
+    named = sorted(i for i in checkpoints if i)
+    run_id = manager.read_run_id(run_dir) or (named[0] if named else None)
+    return run_id or "(no run id)", step
+
+
+def remove_run_files(config: Config) -> list[Path]:
+    """``--overwrite``: remove the files meshtrain wrote for the run in ``train.run_dir`` (its
+    metrics, checkpoints, final weights, config, diagnostics, timeline, ...), never others;
+    returns what was removed."""
+    from meshtrain.checkpoint import manager
+    from meshtrain.replan.on_measurement import DECISION_FILE
+
+    run_dir = Path(config.train.run_dir)
+    root = manager.checkpoint_root(config)
+    removed = []
+    for path in [run_dir / name for name in RUN_DIR_FILES + RUN_DIR_DIRS] + [root / DECISION_FILE]:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(path)
+    if root.is_dir():
+        for path in sorted(root.iterdir()):
+            if path.is_dir() and path.name.startswith((manager.PREFIX, manager.TMP_PREFIX)):
+                shutil.rmtree(path)
+                removed.append(path)
+        if root == run_dir / "checkpoints" and not any(root.iterdir()):
+            root.rmdir()
+    return removed
+
+
+def claim_run_dir(config: Config, overwrite: bool, is_first: bool) -> str:
+    """Before launch: make sure ``train.run_dir`` is this run's and return the run id.
+
+    A fresh run (``checkpoint.resume = none``) in a directory that holds another run's metrics or
+    checkpoints is refused (ConfigError, exit 2) unless ``overwrite``, which (on rank 0 only)
+    removes that run's files first. Resuming keeps the directory's run id (or takes its
+    checkpoints'); a fresh run gets a new one, which rank 0 writes to ``RUN_DIR/run.json`` before
+    the workers start (:func:`run_train`)."""
+    from meshtrain.checkpoint import manager
+
+    if overwrite:
+        if is_first:
+            removed = remove_run_files(config)
+            if removed:
+                print(f"meshtrain: --overwrite: removed {len(removed)} file(s) and folder(s) of "
+                      f"the earlier run in {config.train.run_dir}", file=sys.stderr)
+        config.checkpoint.resume = "none"  # starting over
+        return manager.new_run_id()
+    resume = config.checkpoint.resume
+    if resume == "none":
+        held = held_run(config)
+        if held is not None:
+            raise ConfigError(
+                f"this directory holds run {held[0]} up to step {held[1]}: resume it with "
+                f"`--set checkpoint.resume=auto`, or choose another `--run-dir`, or "
+                f"`--overwrite` to start over (train.run_dir = {config.train.run_dir}).")
+        return manager.new_run_id()
+    recorded = manager.read_run_id(config.train.run_dir)
+    if resume == "auto":
+        saved = manager.check_one_run(manager.checkpoint_root(config), recorded)
+        return recorded or saved or manager.new_run_id()
+    return recorded or manager.new_run_id()
+
+
 def run_train(args: argparse.Namespace) -> int:
     """``meshtrain train``: one rank's dry run, or check, write the run config and launch."""
+    from meshtrain.faults import restart_attempt
     from meshtrain.run.launch import in_existing_job, job_rank, launch, write_run_config
     from meshtrain.validation.preflight import check_before_launch
 
@@ -107,14 +209,24 @@ def run_train(args: argparse.Namespace) -> int:
               f"{f' cp={config.parallel.cp}' if config.parallel.cp > 1 else ''}"
               f"{_replicas_note(config.parallel)}); "
               f"run dir {Path(config.train.run_dir)}", file=sys.stderr)
-    from meshtrain.checkpoint.manager import preflight
+    overwrite = getattr(args, "overwrite", False)
+    if in_job and restart_attempt():  # torchrun restarted this job: the same run continues
+        overwrite = False
+        if config.checkpoint.resume == "none":
+            config.checkpoint.resume = "auto"
+    if overwrite:
+        config.checkpoint.resume = "none"  # starting over: the old checkpoints go
+    from meshtrain.checkpoint.manager import preflight, write_run_id
 
     preflight(config)  # a checkpoint of another model shape: exit 2 before anything starts
     # run dir writable, data readable, its token ids inside the vocabulary
     check_before_launch(config, verbose=is_first)
+    # another run's files in the run dir: refused, or removed with --overwrite (rank 0)
+    run_id = claim_run_dir(config, overwrite, is_first)
     from meshtrain.commands.fit_check import check_fits
 
     check_fits(config, world, in_job, verbose=is_first)  # memory, before any model is built
     if is_first:
+        write_run_id(config.train.run_dir, run_id)  # before any worker; manifests record it
         write_run_config(config)
     return launch(config, world, "train")

@@ -135,6 +135,11 @@ class TrainConfig:
     warmup_steps: int = 10
     decay_fraction: float = 0.2
     """For ``wsd``: the fraction of steps spent in the final decay."""
+    lr_schedule_reset: bool = False
+    """Resuming with a larger ``train.steps``: false = the learning rate continues from the rate
+    the checkpoint's run had reached and decays over the remaining steps (no second warm-up);
+    true = recompute the whole schedule over the new total, as if the run had always been that
+    long (the rate jumps at the resumed step)."""
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

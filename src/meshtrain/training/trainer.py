@@ -15,6 +15,7 @@ on its own part of every global batch, and its outer step averages the groups ev
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from meshtrain.training import straggler
 from meshtrain.training.diloco.outer import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
-from meshtrain.training.lr_schedule import learning_rate
+from meshtrain.training.lr_schedule import continue_schedule, learning_rate
 from meshtrain.training.metrics import (
     MetricsWriter,
     device_peak_flops,
@@ -132,6 +133,8 @@ class Trainer:
         """The signal some rank received, as all ranks agreed at the end of the last step."""
         self.preempted: dict | None = None
         """Set when :meth:`fit` stopped on a signal: ``{"step", "signal", "checkpoint"}``."""
+        self.lr_anchor: tuple[int, float] | None = None
+        """Where a resumed run's longer schedule continues from (training.lr_schedule)."""
         self.stragglers = StragglerDetector(train.straggler_factor, train.straggler_steps,
                                             verbose=mesh.is_logging_rank)
         self.replan = ReplanMonitor.build(config, mesh) if with_data else None
@@ -301,7 +304,7 @@ class Trainer:
         global_tokens = result["global_tokens"]
         grad_norm = self.optimizer.clip_grad_norm(self.config.train.grad_clip)
         memory = self._memory()
-        lr = learning_rate(self.step, self.config.train)
+        lr = learning_rate(self.step, self.config.train, self.lr_anchor)
         # This rank's joules since the previous step's reduction travel with the loss: summed
         # over pp and dp × cp, times tp (its ranks do the same work): the job's energy.
         losses = torch.stack([result["lm"], result["aux"],
@@ -403,9 +406,13 @@ class Trainer:
         directory = manager.resolve_resume(self.config, warn=self.mesh.is_logging_rank)
         if directory is not None:
             manager.check_compatible(self.config, directory, self.config.model.vocab_size)
-            state.load(self, directory)
+            meta = state.load(self, directory)
+            self.lr_anchor, note = continue_schedule(
+                self.step, self.config.train, meta.get("total_steps"), meta.get("lr_anchor"))
             if self.mesh.is_logging_rank:
                 print(f"meshtrain: resumed from {directory} at step {self.step}", flush=True)
+                if note and self.step < self.config.train.steps:
+                    print(f"meshtrain: {note}", file=sys.stderr, flush=True)
         elif self.config.checkpoint.init_from:
             state.init_from_weights(self, self.config.checkpoint.init_from)
 
