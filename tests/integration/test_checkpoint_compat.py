@@ -1,12 +1,12 @@
 """A checkpoint written by the previous release resumes under this one.
 
 ``tests/data/previous-release-run`` holds the step-3 checkpoint of a one-process run written by
-the release before the package-per-concern tree (``expected.json`` says which and with what
-command), and the losses and gradient norms that release produced when it resumed that checkpoint
-for two more steps. This release must resume it to the same numbers: the checkpoint format, the
-data position and the RNG state it carries all still mean what they meant. Same layout: the same
-arithmetic in the same order, so the tolerance is fp32 round-off only (1e-6 relative); across a
-layout change (dp 2) the reduction order differs, so 1e-5.
+an earlier release (``expected.json`` says which and with what command), and the losses and
+gradient norms that release produced when it resumed that checkpoint for two more steps. This
+release must resume it to the same numbers: the checkpoint format, the data position and the RNG
+state it carries all still mean what they meant. Same layout: the same arithmetic in the same
+order, so the tolerance is fp32 round-off only (1e-6 relative); across a layout change (dp 2)
+the reduction order differs, so 1e-5.
 """
 
 from __future__ import annotations

@@ -83,3 +83,18 @@ def test_longer_resume_continues_the_learning_rate(tmp_path):
     lr = {r["step"]: r["lr"] for r in _metrics(run_dir)}
     assert sorted(lr) == list(range(1, 41))
     assert abs(lr[21] - lr[20]) <= 0.05 * lr[20]
+
+
+def test_init_from_says_what_it_loaded(tmp_path):
+    """``checkpoint.init_from`` confirms on stderr the path, the tensors it read and the step the
+    weights were saved at."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    first, second = meshtrain_many(
+        ["train", "--steps", "2", "--run-dir", str(source), *SMALL],
+        ["train", "--steps", "1", "--run-dir", str(target), *SMALL,
+         "--set", f"checkpoint.init_from={source}"])
+    assert first["returncode"] == 0, first["stderr"]
+    assert second["returncode"] == 0, second["stderr"]
+    said = " ".join(second["stderr"].split())
+    assert f"started from the weights in {source} (" in said
+    assert "tensors, saved at step 2)" in said

@@ -152,10 +152,30 @@ def load(trainer, directory: Path) -> dict:
     return meta
 
 
-def init_from_weights(trainer, path: str) -> None:
+def weights_step(path: str) -> int | None:
+    """The training step a meshtrain weights dir (or a run dir's ``final/``) was saved at, from
+    its safetensors metadata; None for weights that do not record one (Hugging Face dirs)."""
+    from safetensors import safe_open
+
+    from meshtrain.checkpoint.safetensors_io import current_weights_dir
+
+    for directory in (Path(path), Path(path) / "final"):
+        files = sorted(current_weights_dir(directory).glob("*.safetensors"))
+        if files:
+            try:
+                with safe_open(str(files[0]), framework="pt") as handle:
+                    step = (handle.metadata() or {}).get("step")
+                return int(step) if step is not None else None
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def init_from_weights(trainer, path: str) -> int:
     """Start from full weights (a meshtrain weights dir, sharded or one file, or a Hugging Face
     dir) at any layout: each rank reads them tensor by tensor and copies just the boxes it owns
-    into its fp32 masters, and persistent buffers (MoE expert biases) whole."""
+    into its fp32 masters, and persistent buffers (MoE expert biases) whole. Returns how many
+    tensors were read."""
     from meshtrain.checkpoint.hf.io import iter_weights
 
     chunks: dict[str, list] = {}
@@ -181,3 +201,4 @@ def init_from_weights(trainer, path: str) -> None:
     trainer.engine.after_step(trainer.optimizer.shards)
     if getattr(trainer, "outer", None) is not None:
         trainer.outer.restart_round()  # the first round starts from these weights
+    return len(seen)
