@@ -130,7 +130,7 @@ def test_two_local_workers_through_launcher(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["tokens"] == 4 * 32
     assert records[0]["comm_bytes"]["dp"] > 0
-    assert "data-parallel gradients reduce through shared memory (2 ranks" in run.stdout
+    assert "data-parallel gradients reduce through shared memory (2 ranks" in run.stderr
 
 
 def test_verify_json_zero3_two_processes():

@@ -128,7 +128,7 @@ def test_nonfinite_loss_is_skipped_and_counted(tmp_path, fault, capfd):
     assert np.isnan(records[1]["loss"]) and records[1]["nonfinite_skips"] == 1
     assert all(np.isfinite(r["loss"]) for r in records[2:])
     assert records[0]["nonfinite_skips"] == 0 and records[-1]["nonfinite_skips"] == 1
-    assert "step 2: non-finite loss = nan" in capfd.readouterr().out
+    assert "step 2: non-finite loss = nan" in capfd.readouterr().err
 
 
 def test_nonfinite_stop_names_step_and_parameter(tmp_path, fault, capfd):

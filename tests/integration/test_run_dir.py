@@ -50,7 +50,7 @@ def test_same_train_twice_is_refused_overwrite_starts_over_auto_resumes(tmp_path
     second_id = _run_id(run_dir)
     assert second_id != first_id
     assert _checkpoint_ids(run_dir) == {second_id}  # the first run's step 4 is gone
-    assert "resumed from" in resumed["stdout"] and "step_00000002" in resumed["stdout"]
+    assert "resumed from" in resumed["stderr"] and "step_00000002" in resumed["stderr"]
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
 

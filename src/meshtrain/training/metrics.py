@@ -82,12 +82,14 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.progress = None
-        if sys.stdout.isatty():
+        if sys.stderr.isatty():  # every human-readable line of a run goes to stderr
+            from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(),
                                      TextColumn("{task.completed}/{task.total}"),
-                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                     console=Console(stderr=True))
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
                                                status="")
             self.progress.start()
@@ -103,7 +105,8 @@ class MetricsWriter:
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
         else:
-            print(f"step {record['step']:>5}/{self.total_steps}  {status}", flush=True)
+            print(f"step {record['step']:>5}/{self.total_steps}  {status}",
+                  file=sys.stderr, flush=True)
         if self.tb is not None:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                 self.tb.add_scalar(f"train/{key}", record[key], record["step"])

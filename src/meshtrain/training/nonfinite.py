@@ -14,6 +14,7 @@ gradient norm (equal on every rank, so every rank takes the same decision) to
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 
 import torch
@@ -67,7 +68,8 @@ class NonFiniteGuard:
                 f"train.lr or check the data.")
         if self.verbose:
             print(f"meshtrain: step {step}: non-finite {what}; skipped the optimizer step "
-                  f"({self.in_a_row} in a row, at most {self.max_skips - 1})", flush=True)
+                  f"({self.in_a_row} in a row, at most {self.max_skips - 1})",
+                  file=sys.stderr, flush=True)
         return False
 
 

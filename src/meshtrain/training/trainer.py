@@ -410,7 +410,8 @@ class Trainer:
             self.lr_anchor, note = continue_schedule(
                 self.step, self.config.train, meta.get("total_steps"), meta.get("lr_anchor"))
             if self.mesh.is_logging_rank:
-                print(f"meshtrain: resumed from {directory} at step {self.step}", flush=True)
+                print(f"meshtrain: resumed from {directory} at step {self.step}",
+                      file=sys.stderr, flush=True)
                 if note and self.step < self.config.train.steps:
                     print(f"meshtrain: {note}", file=sys.stderr, flush=True)
         elif self.config.checkpoint.init_from:
@@ -447,13 +448,14 @@ class Trainer:
             note = install_energy_schedule(self.config, self.device, self.mesh.pp_rank,
                                            self.pipeline)
             if self.mesh.is_logging_rank:
-                print(f"meshtrain: train.energy_schedule (rank 0): {note}", flush=True)
+                print(f"meshtrain: train.energy_schedule (rank 0): {note}",
+                      file=sys.stderr, flush=True)
         if self.mesh.is_logging_rank:
             writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
             self.energy_total_j = writer.resumed_energy_j
             summary = reduction_summary(self.engine)
             if summary:
-                print(f"meshtrain: {summary}", flush=True)
+                print(f"meshtrain: {summary}", file=sys.stderr, flush=True)
         history = []
         layout_change = take_change()  # parallel.elastic re-planned this start: on the next line
         self.energy.read()  # the first step's energy starts here, not when the trainer was built
@@ -485,14 +487,15 @@ class Trainer:
                 self.outer.quorum.shutdown()
         if writer is not None:
             print(summary_line(self.energy_total_j, self.energy.source, self.mesh.world_size,
-                               train.carbon_g_per_kwh, train.price_per_kwh), flush=True)
+                               train.carbon_g_per_kwh, train.price_per_kwh),
+                  file=sys.stderr, flush=True)
             if train.energy_schedule:
                 from meshtrain.training.energy_clocks import clock_failure
 
                 failure = clock_failure(self.pipeline)
                 if failure:
                     print(f"meshtrain: train.energy_schedule (rank 0): {failure}; the run used "
-                          "the default clocks", flush=True)
+                          "the default clocks", file=sys.stderr, flush=True)
         self.save_final()
         return history
 

@@ -110,7 +110,7 @@ def test_every_step_records_energy_and_the_summary_prints_kwh(tmp_path, monkeypa
     # no more than the run took.
     steps = [record["step_time_s"] for record in lines]
     assert watts * (sum(steps) - steps[-1]) * 0.99 <= total <= watts * elapsed
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     kwh = total / 3.6e6
     assert f"energy {kwh:.4g} kWh (estimate, 1 rank(s) summed)" in out
     assert f"{kwh * 400:.4g} g CO2, cost {kwh * 0.2:.4g}" in out
