@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -171,11 +172,11 @@ def weights_step(path: str) -> int | None:
     return None
 
 
-def init_from_weights(trainer, path: str) -> int:
+def init_from_weights(trainer, path: str) -> None:
     """Start from full weights (a meshtrain weights dir, sharded or one file, or a Hugging Face
     dir) at any layout: each rank reads them tensor by tensor and copies just the boxes it owns
-    into its fp32 masters, and persistent buffers (MoE expert biases) whole. Returns how many
-    tensors were read."""
+    into its fp32 masters, and persistent buffers (MoE expert biases) whole; the logging rank
+    says on stderr what it loaded."""
     from meshtrain.checkpoint.hf.io import iter_weights
 
     chunks: dict[str, list] = {}
@@ -201,4 +202,8 @@ def init_from_weights(trainer, path: str) -> int:
     trainer.engine.after_step(trainer.optimizer.shards)
     if getattr(trainer, "outer", None) is not None:
         trainer.outer.restart_round()  # the first round starts from these weights
-    return len(seen)
+    if trainer.mesh.is_logging_rank:
+        step = weights_step(path)
+        saved = f", saved at step {step}" if step is not None else ""
+        print(f"meshtrain: started from the weights in {path} ({len(seen)} tensors{saved})",
+              file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """Where training tokens come from: the files ``data.source`` names, and one token stream built
 from them, from a directory ``meshtrain prepare`` wrote, or from the built-in corpus.
 
-:func:`~meshtrain.data.readers.find_source_files` (re-exported here) resolves a file, directory or
-glob to its data files; :func:`load_token_stream` turns ``data.source`` into one token stream
+:func:`~meshtrain.data.readers.find_source_files` resolves a file, directory or glob to its data
+files; :func:`load_token_stream` turns ``data.source`` into one token stream
 (:class:`~meshtrain.data.shards.TokenShards`). Text files are read by
 :mod:`meshtrain.data.readers` (the readers ``meshtrain prepare`` uses too), pre-tokenized ``.bin``
 files by :func:`~meshtrain.data.shards.read_token_bin`.
@@ -41,15 +41,10 @@ from meshtrain.data.prepared import (
 from meshtrain.data.readers import (
     BUILTIN_SOURCE,
     CONFIG_TEXT_FIELD,
-    SUPPORTED_SUFFIXES,
     find_source_files,
 )
 from meshtrain.data.shards import TokenShards, read_token_bin, token_dtype
 from meshtrain.data.tokenizer import ByteTokenizer
-
-__all__ = ["BUILTIN_SOURCE", "CACHE_ENV", "SUPPORTED_SUFFIXES", "data_cache_dir",
-           "encode_documents", "file_sha256", "find_source_files", "load_token_stream",
-           "raw_corpus_dir"]
 
 CACHE_ENV = "MESHTRAIN_DATA_CACHE"
 """The environment variable that moves the token cache (:func:`data_cache_dir`)."""

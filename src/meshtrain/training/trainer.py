@@ -415,13 +415,7 @@ class Trainer:
                 if note and self.step < self.config.train.steps:
                     print(f"meshtrain: {note}", file=sys.stderr, flush=True)
         elif self.config.checkpoint.init_from:
-            path = self.config.checkpoint.init_from
-            tensors = state.init_from_weights(self, path)
-            if self.mesh.is_logging_rank:
-                step = state.weights_step(path)
-                saved = f", saved at step {step}" if step is not None else ""
-                print(f"meshtrain: started from the weights in {path} ({tensors} tensors{saved})",
-                      file=sys.stderr, flush=True)
+            state.init_from_weights(self, self.config.checkpoint.init_from)
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the current step (every rank takes part)."""

@@ -140,7 +140,7 @@ def _check_source(config: Config, key: str, source: str, verbose: bool) -> None:
     if source == "builtin":
         return
     from meshtrain.data.prepared import check_prepared_ids, is_prepared_dir, open_prepared
-    from meshtrain.data.sources import find_source_files
+    from meshtrain.data.readers import find_source_files
     from meshtrain.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 
     # The sample-size check concerns what is trained on, not the held-out source.

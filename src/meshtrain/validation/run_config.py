@@ -310,7 +310,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
     """Paths that must exist, and checkpoint cadence."""
     d, c = config.data, config.checkpoint
     if d.source != "builtin":
-        from meshtrain.data.sources import find_source_files
+        from meshtrain.data.readers import find_source_files
 
         find_source_files(d.source)  # raises ConfigError when nothing matches
     if d.tokenizer != "bytes" and not Path(d.tokenizer).is_file():
@@ -321,7 +321,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
         if d.source != "builtin":
             raise ConfigError(f'data.sources (a mixture) and data.source = "{d.source}" are both '
                               "set; give one: clear data.source or data.sources.")
-        from meshtrain.data.sources import find_source_files
+        from meshtrain.data.readers import find_source_files
 
         for item in d.sources:
             if not item["weight"] > 0:
@@ -339,7 +339,7 @@ def validate_data_and_checkpoint(config: Config) -> None:
         raise ConfigError("data.valid_source and data.valid_fraction are both set; held-out data "
                           "comes from one of them: clear one.")
     if d.valid_source:
-        from meshtrain.data.sources import find_source_files
+        from meshtrain.data.readers import find_source_files
 
         if not (Path(d.valid_source).expanduser() / "meta.json").is_file():
             find_source_files(d.valid_source)  # raises ConfigError when nothing matches
@@ -365,7 +365,7 @@ def validate_replica_sources(config: Config) -> None:
     if d.sources or d.source != "builtin":
         raise ConfigError("data.replica_sources replaces data.source and data.sources (each group "
                           "reads its own); clear data.source and data.sources.")
-    from meshtrain.data.sources import find_source_files
+    from meshtrain.data.readers import find_source_files
 
     for path in d.replica_sources:
         if path != "builtin" and not (Path(path).expanduser() / "meta.json").is_file():
