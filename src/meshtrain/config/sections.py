@@ -26,6 +26,7 @@ LR_SCHEDULES = ("cosine", "constant", "wsd")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OUTER_GRAD_DTYPES = ("fp32", "bf16", "int8", "fp8")
+OUTER_AGGREGATES = ("clipped-mean", "trimmed-mean", "median", "mean")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("skip", "stop")
 
@@ -75,6 +76,17 @@ class ParallelConfig(Layout):
     the bytes; the sum is taken in bf16), or ``int8`` / ``fp8`` (e4m3; a quarter of fp32's bytes:
     one byte per value and an fp32 scale per 256, the mean taken in fp32 between two exchanges,
     :mod:`meshtrain.training.diloco.quantized_reduce`). The outer step is fp32 in every case."""
+    outer_aggregate: str = ""
+    """How the replica groups' pseudo-gradients are combined into one outer gradient:
+    ``clipped-mean`` (each group's clipped to the median of the groups' norms, then averaged),
+    ``trimmed-mean`` (coordinate-wise, without each coordinate's largest and smallest),
+    ``median`` (coordinate-wise) or ``mean``; empty = ``clipped-mean`` with 3 or more groups,
+    else ``mean``. Before any of them a group whose pseudo-gradient is not finite, or whose
+    norm exceeds ``outer_max_norm_ratio`` × the median of the groups' norms, is left out of that
+    round (``outer_rejected`` in the metrics; docs/security.md)."""
+    outer_max_norm_ratio: float = 10.0
+    """A group's pseudo-gradient norm above this many times the median of the groups' norms
+    leaves it out of the round (with 3 or more groups; the median of two is their mean)."""
     replica_fault_tolerance: bool = False
     """Each replica group is a job of its own (one ``meshtrain train`` launch per group, its
     world = the inner layout), joined to the others through a torchft lighthouse: a group that
@@ -87,6 +99,19 @@ class ParallelConfig(Layout):
     """With ``replica_fault_tolerance``: the torchft lighthouse's address
     (``HOST:PORT``, or ``http://HOST:PORT`` as ``meshtrain lighthouse`` prints it); empty = the
     ``TORCHFT_LIGHTHOUSE`` environment variable."""
+    tls_dir: str = ""
+    """A directory made by ``meshtrain keys new`` (the run's CA and this site's certificate):
+    every control-plane connection between replica groups (lighthouse, managers, heal) then
+    runs over mutual TLS, and only parties with a certificate from the run's CA are answered
+    (docs/security.md). Needed, or ``insecure_network``, when the groups meet across a network."""
+    insecure_network: bool = False
+    """Let the control plane of replica groups listen beyond loopback without credentials
+    (``tls_dir``): anyone who reaches those ports can join, stall or kill the run. Logged
+    loudly; for a trusted network only (docs/security.md)."""
+    heal_inner_state: bool = False
+    """With ``replica_fault_tolerance``: a restarted group also receives the live group's inner
+    AdamW moments and data position when it heals (more bytes to the peer, and what it reveals);
+    default: weights and outer state only, the inner moments start again from zero."""
     quorum_timeout_s: float = 600.0
     """With ``replica_fault_tolerance``: longest wait for the other groups at a sync (a
     restarted group waits for the others' next sync to heal from them)."""

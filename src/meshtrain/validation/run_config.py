@@ -6,6 +6,7 @@ value given and what would be valid, so the CLI can print it and exit with statu
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from meshtrain.config import (
@@ -34,6 +35,7 @@ from meshtrain.config.layout_rules import (
     dp_for_world,
     model_parallel_size,
 )
+from meshtrain.config.sections import OUTER_AGGREGATES
 from meshtrain.validation.model import validate_model
 
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
@@ -77,6 +79,7 @@ def validate_replicas(config: Config) -> None:
     if not 0 <= train.outer_momentum < 1:
         raise ConfigError(f"train.outer_momentum = {train.outer_momentum} must be in [0, 1) "
                           "(DiLoCo's default 0.9; 0 = plain outer SGD).")
+    validate_outer_aggregate(config)
     if par.replica_fault_tolerance:
         validate_replica_fault_tolerance(config)
     if par.replicas == 1:
@@ -94,6 +97,22 @@ def validate_replicas(config: Config) -> None:
         raise ConfigError("parallel.check_replicas_every checks dp replicas within a group; "
                           "with parallel.replicas > 1 the groups differ between syncs by design, "
                           "so the valid value is 0.")
+
+
+def validate_outer_aggregate(config: Config) -> None:
+    """``parallel.outer_aggregate`` and ``parallel.outer_max_norm_ratio``."""
+    par = config.parallel
+    if par.outer_aggregate:
+        choice(par.outer_aggregate, OUTER_AGGREGATES, "parallel.outer_aggregate")
+    if par.outer_aggregate == "trimmed-mean" and par.replicas < 3:
+        raise ConfigError(f'parallel.outer_aggregate = "trimmed-mean" drops each coordinate\'s '
+                          f"largest and smallest value, which needs at least 3 groups, not "
+                          f"parallel.replicas = {par.replicas}; valid here: clipped-mean, "
+                          "median, mean.")
+    if not (math.isfinite(par.outer_max_norm_ratio) and par.outer_max_norm_ratio > 1):
+        raise ConfigError(f"parallel.outer_max_norm_ratio = {par.outer_max_norm_ratio} must be "
+                          "a finite number above 1 (default 10: a group whose pseudo-gradient "
+                          "norm is over 10 × the median of the groups' is left out).")
 
 
 def validate_sync_overlap(config: Config) -> None:
