@@ -2,10 +2,12 @@
 
 The blocks run one after another, each in its own ``bash -e``, from one empty directory, with
 this checkout's meshtrain first on ``PATH`` (``meshtrain``, ``python`` and ``torchrun`` are small
-wrappers around this interpreter). The SLURM block runs through stand-ins for ``sbatch`` and
-``srun`` that start the batch script and its tasks on this machine with the variables SLURM sets
-for a one-node job, as ``test_slurm.py`` does by hand. A block that exits non-zero fails the test
-with its text and output; afterwards the files and outputs the guide promises are checked.
+wrappers around this interpreter). There is no ``sbatch`` on ``PATH``, so the SLURM block takes
+its path for a machine without SLURM; then that block runs again through stand-ins for ``sbatch``
+and ``srun`` that start the batch script and its tasks on this machine with the variables SLURM
+sets for a one-node job, as ``test_slurm.py`` does by hand, and the comparison block after it
+again. A block that exits non-zero fails the test with its text and output; afterwards the files
+and outputs the guide promises are checked.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -107,31 +110,34 @@ def guide_blocks(text: str) -> list[tuple[int, str]]:
     return blocks
 
 
-def _install_tools(bin_dir: Path) -> None:
+def _install_tools(bin_dir: Path, tools: dict[str, str]) -> None:
     bin_dir.mkdir()
-    tools = {**_WRAPPERS, "sbatch": _SBATCH, "srun": _SRUN}
     for name, template in tools.items():
         path = bin_dir / name
         path.write_text(template.format(python=sys.executable))
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def _user_env(bin_dir: Path) -> dict[str, str]:
+def _user_env(*bin_dirs: Path) -> dict[str, str]:
     """This environment as a user's shell would have it: no SLURM or torchrun job, none of the
     test suite's own settings, this checkout importable and its tools first on PATH."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith("SLURM_") and key not in _LAUNCHER_VARS + _SUITE_VARS}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = os.pathsep.join([*map(str, bin_dirs), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH"))
                                         if p)
     return env
 
 
-def run_doc_blocks(doc: Path, work: Path, env: dict[str, str]) -> list[tuple[str, str]]:
-    """Run every ``sh`` block of ``doc`` in order, each in its own ``bash -e`` from ``work``;
-    returns ``(block, output)`` of each, failing the test at the first block that fails."""
+def run_doc_blocks(doc: Path, work: Path, env: dict[str, str],
+                   only=lambda block: True) -> list[tuple[str, str]]:
+    """Run every ``sh`` block of ``doc`` (those ``only`` accepts) in order, each in its own
+    ``bash -e`` from ``work``; returns ``(block, output)`` of each, failing the test at the first
+    block that fails."""
     outputs = []
     for line, block in guide_blocks(doc.read_text()):
+        if not only(block):
+            continue
         try:
             run = subprocess.run(["bash", "-e", "-c", block], cwd=work, env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -154,11 +160,19 @@ def test_sh_blocks_are_found():
         assert any(command in block for block in blocks), command
 
 
+def _curves(comparison_output: str) -> list[list[float]]:
+    return [ast.literal_eval(line.split(":", 1)[1].strip())
+            for line in comparison_output.splitlines()]
+
+
 def test_guide_runs(tmp_path):
-    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work, bin_dir, slurm_dir = tmp_path / "work", tmp_path / "bin", tmp_path / "slurm-bin"
     work.mkdir()
-    _install_tools(bin_dir)
+    _install_tools(bin_dir, _WRAPPERS)
     outputs = run_doc_blocks(GUIDE, work, _user_env(bin_dir))
+    assert "sbatch" not in "".join(p.name for p in bin_dir.iterdir())
+    assert sorted(p.name for p in work.glob("slurm-*.out")) == ["slurm-local-0.out",
+                                                                "slurm-local-1.out"]
 
     assert (work / "prepared" / "meta.json").is_file()
     records = [json.loads(r) for r in (work / "runs/tiny/metrics.jsonl").read_text().splitlines()]
@@ -175,8 +189,28 @@ def test_guide_runs(tmp_path):
                   if command in block}
     assert by_command["meshtrain generate"].startswith("def ")
     assert by_command["held-out loss"].count("held-out loss") == 2
-    curves = [ast.literal_eval(line.split(":", 1)[1].strip())
-              for line in by_command['for run in ("runs/tiny"'].splitlines()]
+    curves = _curves(by_command['for run in ("runs/tiny"'])
     assert len(curves) == 3
     for curve in curves[1:]:  # the same layout under three launchers: the same losses
         assert curve == pytest.approx(curves[0], abs=1e-3)
+
+    # The SLURM block again, now through the sbatch and srun stand-ins.
+    shutil.rmtree(work / "runs" / "slurm")
+    for log in work.glob("slurm-*.out"):
+        log.unlink()
+    _install_tools(slurm_dir, {"sbatch": _SBATCH, "srun": _SRUN})
+    again = run_doc_blocks(GUIDE, work, _user_env(slurm_dir, bin_dir),
+                           only=lambda block: "sbatch" in block or 'for run in ("runs' in block)
+    assert "Submitted batch job" in again[0][1] and not list(work.glob("slurm-local-*"))
+    assert _curves(again[1][1]) == curves
+
+
+def test_comparison_without_a_run_explains_itself(tmp_path):
+    """The comparison block in a directory where no run was made: a line per missing run, no
+    traceback."""
+    bin_dir = tmp_path / "bin"
+    _install_tools(bin_dir, _WRAPPERS)
+    outputs = run_doc_blocks(GUIDE, tmp_path, _user_env(bin_dir),
+                             only=lambda block: 'for run in ("runs' in block)
+    assert outputs[0][1].count("has no metrics.jsonl: run its section above first") == 3
+    assert "Traceback" not in outputs[0][1]
