@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_lighthouse_options(sub.add_parser(
         "lighthouse", help="serve the torchft lighthouse that fault-tolerant replica groups "
                            "join (docs/diloco.md)"))
+    from meshtrain.commands.keys import add_keys_options
+
+    add_keys_options(sub.add_parser(
+        "keys", help="make the TLS credentials of a run across sites (meshtrain keys new)"))
     return parser
 
 
@@ -175,6 +179,7 @@ COMMANDS = {
     "convert": "meshtrain.commands.convert:run_convert",
     "prepare": "meshtrain.commands.prepare:run_prepare",
     "lighthouse": "meshtrain.commands.lighthouse:serve",
+    "keys": "meshtrain.commands.keys:run_keys",
 }
 """Each subcommand's body, ``module:function`` taking the parsed arguments and returning the exit
 status; imported only when that command runs, so ``meshtrain estimate`` never loads torch."""
@@ -200,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             reexec_with_allocator_env(*requested_allocator_job(args))
         status = command_body(args.command)(args)
     except ConfigError as error:
-        print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100), file=sys.stderr)
+        print(textwrap.fill(f"meshtrain {args.command}: {error}", width=100,
+                            break_on_hyphens=False), file=sys.stderr)
         return 2
     except (LaunchError, RunFailure) as error:
         print(f"meshtrain {args.command}: {error}", file=sys.stderr)

@@ -25,12 +25,18 @@ slow_axis         from ``step`` on (default 1), every collective of ``axis`` (on
                   every rank when omitted) waits ``ms`` milliseconds before it is issued, inside
                   the collective's timing: a slow link on that axis (for
                   ``parallel.replan_every``).
+poison_outer      from inner step ``step`` on, every DiLoCo pseudo-gradient replica group
+                  ``replica`` sends (on ``rank``, or every rank of the group when omitted) is
+                  corrupted before the outer update screens it: ``mode=nan`` all NaN,
+                  ``mode=scale`` times ``factor``, ``mode=noise`` random values with ``factor``
+                  times its norm (docs/diloco.md, "Robust outer updates").
 ================  ===========================================================================
 
 Every fault fires only in restart ``attempt`` (default 0, the first run; torch elastic counts
 restarts in ``TORCHELASTIC_RESTART_COUNT``), so a restarted job runs clean. Steps are 1-based, as
 in ``metrics.jsonl``. Examples: ``MESHTRAIN_FAULT=skip_collective:rank=1:step=2``,
-``MESHTRAIN_FAULT=slow:rank=3:factor=3``, ``MESHTRAIN_FAULT=slow_axis:axis=tp:ms=40``.
+``MESHTRAIN_FAULT=slow:rank=3:factor=3``, ``MESHTRAIN_FAULT=slow_axis:axis=tp:ms=40``,
+``MESHTRAIN_FAULT=poison_outer:replica=1:step=8:mode=scale:factor=1000``.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ import signal
 import time
 
 ENV_VAR = "MESHTRAIN_FAULT"
-KINDS = ("skip_collective", "nan_loss", "kill", "slow", "hold", "slow_axis")
-_INT_KEYS = ("rank", "step", "attempt")
+KINDS = ("skip_collective", "nan_loss", "kill", "slow", "hold", "slow_axis", "poison_outer")
+_INT_KEYS = ("rank", "step", "attempt", "replica")
+POISON_MODES = ("nan", "scale", "noise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,8 @@ class Fault:
     factor: float = 1.0
     file: str = ""
     ms: float = 0.0
+    replica: int | None = None
+    mode: str = ""
 
 
 def parse(spec: str) -> tuple[Fault, ...]:
@@ -72,7 +81,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in ("rank", "step", "axis", "then", "attempt", "factor",
-                                      "file", "ms"):
+                                      "file", "ms", "replica", "mode"):
                 raise ValueError(f"{ENV_VAR}: bad field {pair!r} in {item!r}")
             fields[key] = (int(value) if key in _INT_KEYS
                            else float(value) if key in ("factor", "ms") else value)
@@ -84,6 +93,11 @@ def parse(spec: str) -> tuple[Fault, ...]:
             fields.setdefault("step", 1)
             if "axis" not in fields or float(fields.get("ms", 0)) <= 0:
                 raise ValueError(f"{ENV_VAR}: {item!r} needs axis=NAME and ms=X (X > 0)")
+        if kind == "poison_outer" and ("replica" not in fields
+                                       or fields.get("mode") not in POISON_MODES
+                                       or (fields["mode"] != "nan" and "factor" not in fields)):
+            raise ValueError(f"{ENV_VAR}: {item!r} needs replica=R, step=S and mode=nan, or "
+                             "mode=scale or noise with factor=F")
         if "step" not in fields:
             raise ValueError(f"{ENV_VAR}: {item!r} needs step=N")
         if fields.get("then", "stall") not in ("stall", "continue"):
@@ -194,3 +208,27 @@ def delay_collective(step: int, axis: str) -> float:
     if delay > 0:
         time.sleep(delay)
     return delay
+
+
+def poison_outer(values, step: int, replica: int):
+    """``values`` (a DiLoCo pseudo-gradient shard of replica group ``replica`` at the end of
+    inner step ``step``) as the ``poison_outer`` faults due there corrupt it (a new tensor), or
+    ``values`` itself when none is."""
+    import torch
+
+    rank, attempt = current_rank(), restart_attempt()
+    for fault in active():
+        if (fault.kind != "poison_outer" or fault.replica != replica or step < fault.step
+                or fault.attempt != attempt or fault.rank not in (None, rank)):
+            continue
+        if fault.mode == "nan":
+            values = torch.full_like(values, float("nan"))
+        elif fault.mode == "scale":
+            values = values * fault.factor
+        else:
+            generator = torch.Generator().manual_seed(step * 100003 + rank)
+            noise = torch.randn(values.shape, generator=generator).to(values)
+            norm = torch.linalg.vector_norm(values.float())
+            values = noise * (fault.factor * norm / torch.linalg.vector_norm(noise).clamp_min(
+                1e-30))
+    return values

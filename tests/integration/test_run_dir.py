@@ -98,3 +98,16 @@ def test_init_from_says_what_it_loaded(tmp_path):
     said = " ".join(second["stderr"].split())
     assert f"started from the weights in {source} (" in said
     assert "tensors, saved at step 2)" in said
+
+
+def test_auto_resume_without_checkpoints_says_it_starts_again(tmp_path):
+    run_dir = tmp_path / "run"
+    train = ["train", "--run-dir", str(run_dir), *SMALL, "--set", "checkpoint.every=0"]
+    first, = meshtrain_many([*train, "--steps", "3"])
+    assert first["returncode"] == 0, first["stderr"]
+    again, = meshtrain_many([*train, "--steps", "4", "--set", "checkpoint.resume=auto"])
+    assert again["returncode"] == 0, again["stderr"]
+    said = " ".join(again["stderr"].split())
+    assert (f"holds run {_run_id(run_dir)} up to step 3 but no checkpoint to resume from "
+            "(checkpoint.every = 0); training it again from step 0") in said
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4]

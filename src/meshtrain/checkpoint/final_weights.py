@@ -54,6 +54,7 @@ from torch import nn
 from meshtrain.checkpoint import atomic
 from meshtrain.checkpoint.safetensors_io import INDEX_NAME, ShardedWriter, complete_weights_dir
 from meshtrain.errors import RunFailure
+from meshtrain.parallel.comm import gather_json
 from meshtrain.parallel.gather import StageTensors, TensorSpec
 
 MAX_FILE_BYTES = 2 * 2**30
@@ -165,12 +166,11 @@ class _Writer:
 
 
 def _gather(mesh, value) -> list:
-    """Every rank's ``value``, on every rank (a collective over the whole job)."""
-    values = [value]
+    """Every rank's ``value`` (JSON-able: tuples come back as lists), on every rank (a
+    collective over the whole job, sent as JSON, never pickled)."""
     if dist.is_initialized() and mesh.world_size > 1:
-        values = [None] * mesh.world_size
-        dist.all_gather_object(values, value)
-    return values
+        return gather_json(value, None, mesh.world_size)
+    return [value]
 
 
 def _agree(mesh, problem: str | None) -> list[str]:
@@ -205,7 +205,7 @@ def save_final_weights(model: nn.Module, engine, mesh, out: str | Path, config_j
     out = Path(out)
     tensors = StageTensors(model, engine, mesh)
     stage_files = plan_stage_files(tensors.specs, mesh.tp, max_file_bytes or MAX_FILE_BYTES)
-    layout = mesh.comm("pp").all_gather_object(stage_files)  # names and shapes only
+    layout = mesh.comm("pp").all_gather_json(stage_files)  # names and shapes, as JSON lists
     names = file_names(layout)
     entries = [(name, shape, file) for stage, files in zip(names, layout, strict=True)
                for file, (_, tensors_of_file) in zip(stage, files, strict=True)

@@ -19,7 +19,9 @@ so a good checkpoint is never removed to make room for a bad one. An existing ``
 never overwritten.
 
 On resume, ``auto`` takes the newest checkpoint whose manifest verifies; a truncated or garbled
-one is skipped with a warning naming the problem.
+one, or one whose DCP ``.metadata`` names anything but DCP's metadata classes (it is never
+unpickled with a general unpickler, :mod:`meshtrain.checkpoint.safe_reader`), is skipped with a
+warning naming the problem.
 
 A run directory belongs to one run: ``RUN_DIR/run.json`` holds its run id (written before the
 workers start, :func:`write_run_id`), and every checkpoint's manifest repeats it (``run_id``).
@@ -150,7 +152,13 @@ def write_manifest(directory: Path, step: int, config: Config, layout: dict,
 
 
 def verify(directory: Path) -> str | None:
-    """``None`` when ``directory`` is a complete, intact checkpoint, else what is wrong."""
+    """``None`` when ``directory`` is a complete, intact checkpoint, else what is wrong.
+
+    Intact: every file the manifest lists has its size and SHA-256, and the DCP ``.metadata``
+    names only DCP's metadata classes (:mod:`meshtrain.checkpoint.safe_reader`: read without
+    running anything). The checksums find corruption, not tampering: they have no key."""
+    from meshtrain.checkpoint.safe_reader import metadata_problem
+
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         return "no manifest.json (incomplete save)"
@@ -167,7 +175,7 @@ def verify(directory: Path) -> str | None:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
         if _sha256(path) != expected["sha256"]:
             return f"{name} does not match its checksum"
-    return None
+    return metadata_problem(directory)
 
 
 def read_manifest(directory: Path) -> dict:

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.checkpoint import manager
 from meshtrain.checkpoint.dcp import Chunk, ChunkLoadPlanner
+from meshtrain.checkpoint.safe_reader import SafeFileSystemReader
 from meshtrain.config import Config, ConfigError, config_from_dict
 
 
@@ -28,7 +29,7 @@ def read_checkpoint_tensors(path: str | Path) -> tuple[Config, Iterator[tuple[st
     problem = manager.verify(path)
     if problem is not None:
         raise ConfigError(f"checkpoint {path} is not usable: {problem}.")
-    reader = dcp.FileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path))
     metadata = reader.read_metadata()
     planner = ChunkLoadPlanner([], ["meta"])
     dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
@@ -42,7 +43,7 @@ def read_checkpoint_tensors(path: str | Path) -> tuple[Config, Iterator[tuple[st
                 if key.startswith(prefix):
                     full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
                     chunk = Chunk(key, tuple(md.size), (0,) * len(md.size), full)
-                    dcp.load({}, storage_reader=dcp.FileSystemReader(str(path)),
+                    dcp.load({}, storage_reader=SafeFileSystemReader(str(path)),
                              planner=ChunkLoadPlanner([chunk], []), no_dist=True)
                     yield key[len(prefix):], full
     return config, tensors()

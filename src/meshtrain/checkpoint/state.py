@@ -40,6 +40,7 @@ from meshtrain.checkpoint.dcp import (
     optimizer_chunks,
     shard_chunks,
 )
+from meshtrain.checkpoint.safe_reader import SafeFileSystemReader
 
 META = "meta"
 
@@ -69,7 +70,7 @@ def _chunks(trainer, pending: list | None = None) -> list[Chunk]:
 
 def _saved_pending(directory: Path) -> bool:
     """Whether the checkpoint in ``directory`` holds DiLoCo means in flight."""
-    names = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    names = SafeFileSystemReader(str(directory)).read_metadata().state_dict_metadata
     return any(name.startswith("outer.pending.") for name in names)
 
 
@@ -136,7 +137,7 @@ def load(trainer, directory: Path) -> dict:
         pending = [torch.zeros_like(shard.master) for shard in trainer.optimizer.shards]
     chunks = _chunks(trainer, pending)
     planner = ChunkLoadPlanner(chunks, [META])
-    dcp.load({}, storage_reader=dcp.FileSystemReader(str(directory)), planner=planner,
+    dcp.load({}, storage_reader=SafeFileSystemReader(str(directory)), planner=planner,
              process_group=_group())
     meta = json.loads(planner.blobs[META])
     trainer.step = meta["step"]

@@ -182,7 +182,14 @@ def claim_run_dir(config: Config, overwrite: bool, is_first: bool) -> str:
         return manager.new_run_id()
     recorded = manager.read_run_id(config.train.run_dir)
     if resume == "auto":
-        saved = manager.check_one_run(manager.checkpoint_root(config), recorded)
+        root = manager.checkpoint_root(config)
+        saved = manager.check_one_run(root, recorded)
+        held = held_run(config) if is_first else None
+        if held is not None and manager.newest_valid(root, warn=False) is None:
+            print(f"meshtrain: checkpoint.resume = auto: {config.train.run_dir} holds run "
+                  f"{held[0]} up to step {held[1]} but no checkpoint to resume from "
+                  f"(checkpoint.every = {config.checkpoint.every}); training it again from "
+                  "step 0, its metrics rewritten", file=sys.stderr)
         return recorded or saved or manager.new_run_id()
     return recorded or manager.new_run_id()
 

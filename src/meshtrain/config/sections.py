@@ -100,10 +100,12 @@ class ParallelConfig(Layout):
     (``HOST:PORT``, or ``http://HOST:PORT`` as ``meshtrain lighthouse`` prints it); empty = the
     ``TORCHFT_LIGHTHOUSE`` environment variable."""
     tls_dir: str = ""
-    """A directory made by ``meshtrain keys new`` (the run's CA and this site's certificate):
-    every control-plane connection between replica groups (lighthouse, managers, heal) then
-    runs over mutual TLS, and only parties with a certificate from the run's CA are answered
-    (docs/security.md). Needed, or ``insecure_network``, when the groups meet across a network."""
+    """This site's directory made by ``meshtrain keys new`` (the run's CA and this site's
+    certificate): the link to the lighthouse runs over mutual TLS and heals over HTTPS with
+    client certificates, so only parties with a certificate from the run's CA join, see the
+    quorum or receive weights; the group's store and torchft manager server, which torchft
+    dials directly, listen on ``MESHTRAIN_FT_HOST`` (docs/security.md). Needed, or
+    ``insecure_network``, when the groups meet across a network."""
     insecure_network: bool = False
     """Let the control plane of replica groups listen beyond loopback without credentials
     (``tls_dir``): anyone who reaches those ports can join, stall or kill the run. Logged

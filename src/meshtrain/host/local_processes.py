@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshtrain.errors import RunFailure
+from meshtrain.host.loopback import LOOPBACK, keep_collectives_on_loopback, loopback_store
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 """How long a worker's collectives wait for the other ranks before failing."""
@@ -44,15 +45,21 @@ def free_port() -> int:
 
 def join_local_group(rank: int, world_size: int, port: int, threads: int) -> None:
     """In a spawned worker: set the rank's environment and thread count, and join the gloo group
-    of ``world_size`` ranks whose rendezvous is ``127.0.0.1:port``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    of ``world_size`` ranks whose rendezvous is ``127.0.0.1:port``. Nothing listens beyond
+    loopback: rank 0's store listens on ``127.0.0.1`` only and gloo uses the loopback interface
+    (unless ``GLOO_SOCKET_IFNAME`` is set)."""
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       OMP_NUM_THREADS=str(threads), MESHTRAIN_THREADS=str(threads))
+    keep_collectives_on_loopback()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
+    store = (loopback_store(port, world_size, GROUP_TIMEOUT) if rank == 0
+             else dist.TCPStore(LOOPBACK, port, world_size, False, GROUP_TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=GROUP_TIMEOUT)
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -50,6 +51,49 @@ from meshtrain.errors import CollectiveMismatchError
 # torch >= 2.10 renamed the flat-tensor collectives; use whichever this torch has.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _object_device(group) -> torch.device:
+    """Where the byte tensors of an object collective over ``group`` live (the GPU under NCCL)."""
+    from torch.distributed import distributed_c10d
+
+    pick = getattr(distributed_c10d, "_get_object_coll_device", None)  # private, torch >= 2.2
+    kind = pick(group) if pick is not None else (
+        "cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def gather_json(value, group: dist.ProcessGroup | None, size: int) -> list:
+    """Every rank's ``value`` over ``group`` (``size`` ranks; None = the default group), in
+    group rank order, sent as UTF-8 JSON: never pickled, so a peer's bytes can only ever decode
+    to data. ``value`` must be JSON-able: tuples come back as lists and dict keys as strings;
+    anything else (bytes, sets, tensors, dataclasses) raises ``TypeError`` before sending.
+
+    Two all-gathers of byte tensors: the lengths, then each rank's bytes padded to the
+    longest. Not counted in a :class:`CommLog` (see :meth:`CountedComm.all_gather_json`)."""
+    return _gather_payload(_encode(value), group, size)
+
+
+def _encode(value) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _gather_payload(payload: bytes, group: dist.ProcessGroup | None, size: int) -> list:
+    """Every rank's JSON ``payload``, decoded (see :func:`gather_json`)."""
+    device = _object_device(group)
+    lengths = torch.zeros(size, dtype=torch.int64, device=device)
+    _all_gather_flat(lengths, torch.tensor([len(payload)], dtype=torch.int64, device=device),
+                     group=group)
+    sizes = lengths.tolist()
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = torch.empty(size * longest, dtype=torch.uint8, device=device)
+    _all_gather_flat(gathered, mine.to(device), group=group)
+    data = gathered.cpu().numpy().tobytes()
+    return [json.loads(data[k * longest:k * longest + n].decode()) for k, n in enumerate(sizes)]
 
 
 @dataclasses.dataclass
@@ -255,8 +299,8 @@ class CountedComm:
         other dimensions must agree there."""
         mine = (self.log.seq[self.axis] + 1, op, shape, dtype.removeprefix("torch."), _call_site(),
                 dist.get_rank())
-        calls = [None] * self.size
-        dist.all_gather_object(calls, mine, group=self.group)
+        calls = [(seq, name, tuple(dims), *rest)  # JSON gave the shape back as a list
+                 for seq, name, dims, *rest in gather_json(mine, self.group, self.size)]
 
         def key(call):
             return call[:2] + (call[2][1:] if call[1] == "all_to_all" else call[2], call[3])
@@ -370,15 +414,17 @@ class CountedComm:
         return self._issued(entry, dist.broadcast(tensor, src=src, group=self.group,
                                                   async_op=async_op), async_op)
 
-    def all_gather_object(self, obj) -> list:
-        """Gather a picklable object from every rank of the axis (diagnostics, not hot path)."""
+    def all_gather_json(self, value) -> list:
+        """Every rank's ``value`` (JSON-able: see :func:`gather_json`), in axis rank order
+        (diagnostics and bookkeeping, not the hot path). Logged as an ``all_gather_object`` of
+        no bus bytes; with one rank, ``[value]`` as given."""
         if not self.active:
-            return [obj]
+            return [value]
+        payload = _encode(value)  # a value JSON cannot carry raises here, before any record
         entry = self._enter("all_gather_object", (), torch.uint8, 0)
-        out = [None] * self.size
         if entry is None:
-            return out
-        dist.all_gather_object(out, obj, group=self.group)
+            return [None] * self.size
+        out = _gather_payload(payload, self.group, self.size)
         entry.done = True
         return out
 

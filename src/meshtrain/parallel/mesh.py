@@ -350,7 +350,8 @@ def _attempt_key(store) -> str:
     every start of the workers, the same for all of them), is used when it can be read; else the
     restart count."""
     import base64
-    import pickle
+
+    from meshtrain.host.safe_unpickle import restricted_loads
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -358,11 +359,26 @@ def _attempt_key(store) -> str:
         key = f"torch.rendezvous.{run_id}"
         try:
             if store.check([key]):
-                state = pickle.loads(base64.b64decode(store.get(key)))
-                return f"round_{int(state.round)}"
-        except Exception:  # another backend, or another torch's state: fall back
+                # bytes from the network: read with torch's state classes only, never a plain
+                # unpickler (a planted state would run what it names)
+                state = restricted_loads(base64.b64decode(store.get(key)), RENDEZVOUS_GLOBALS,
+                                         f"the rendezvous state {key} in the agent's store")
+                if type(state).__name__ == "_RendezvousState":
+                    return f"round_{int(state.round)}"
+        except Exception:  # another backend, another torch's state, or refused: fall back
             pass
     return f"attempt_{attempt}"
+
+
+_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+RENDEZVOUS_GLOBALS = frozenset({
+    (_RDZV, "_RendezvousState"), (_RDZV, "_NodeDesc"),
+    ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+    ("builtins", "set"), ("builtins", "frozenset"),
+})
+"""What torch's c10d dynamic rendezvous pickles into its state (``_RendezvousState``: the round,
+``_NodeDesc`` participants in dicts and sets, deadlines and heartbeats as aware datetimes), as
+its default pickle protocol spells them: the only globals :func:`_attempt_key` admits."""
 
 
 def shutdown_distributed() -> None:

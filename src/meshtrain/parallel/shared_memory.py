@@ -159,16 +159,17 @@ def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
         os.write(probe, token)
         read_fd, write_fd = os.pipe()
         own += [read_fd, write_fd]
-        mine = (os.getpid(), probe, token, read_fd)
+        mine = [os.getpid(), probe, token.hex(), read_fd]  # JSON: the token as hex
     except (OSError, AttributeError):  # no memfd on this platform
         mine = None
     try:
-        peers = comm.all_gather_object(mine)
+        peers = comm.all_gather_json(mine)
         rank = dist.get_rank(comm.group)
         to_peer: dict[int, int] = {}
         ok = None not in peers
         if ok:
-            ok = all(_read_token(pid, fd) == peer_token for pid, fd, peer_token, _ in peers)
+            ok = all(_read_token(pid, fd) == bytes.fromhex(peer_token)
+                     for pid, fd, peer_token, _ in peers)
         if ok:
             try:
                 for k, (pid, _, _, peer_read) in enumerate(peers):
@@ -177,7 +178,7 @@ def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
                         opened.append(to_peer[k])
             except OSError:
                 ok = False
-        ok = all(comm.all_gather_object(ok))  # also: everyone has opened what it needs
+        ok = all(comm.all_gather_json(ok))  # also: everyone has opened what it needs
         if not ok:
             return None
         global_ranks = [dist.get_global_rank(comm.group, k) for k in range(comm.size)]
@@ -256,7 +257,7 @@ class SharedMemoryReducer:
         fd = os.memfd_create("meshtrain-grad", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
-            peers = comm.all_gather_object((os.getpid(), fd))
+            peers = comm.all_gather_json([os.getpid(), fd])
             views = [torch.from_file(_peer_path(pid, peer_fd), shared=True, size=numel,
                                      dtype=dtype) for pid, peer_fd in peers]
             self.barrier.wait()  # every rank mapped every buffer: the fds may close

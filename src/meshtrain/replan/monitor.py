@@ -77,7 +77,7 @@ class ReplanMonitor:
                             "message": f"meshtrain: replan: after step {step}: {why}; "
                                        f"keeping the layout"}
         if world.active:
-            decision = world.all_gather_object(decision)[0]
+            decision = world.all_gather_json(decision)[0]  # a JSON record (replan.json)
         if self.mesh.is_logging_rank:
             print(decision["message"], file=sys.stderr, flush=True)
         return {key: value for key, value in decision.items() if key != "message"}

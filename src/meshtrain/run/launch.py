@@ -9,6 +9,15 @@
   to ``train.max_restarts`` times after a failure. ``MASTER_PORT``, when set, is the port they
   rendezvous on (refused with exit 2 when it is taken); otherwise a free one is picked.
 
+Nothing of a run on one machine listens beyond loopback: the local workers' rendezvous store
+listens on ``127.0.0.1`` only (:data:`LOOPBACK_RENDEZVOUS`; torch's own c10d and static
+rendezvous stores listen on every interface whatever host they are given), and gloo and NCCL get
+``GLOO_SOCKET_IFNAME=lo`` and ``NCCL_SOCKET_IFNAME=lo`` unless the user set them (gloo otherwise
+listens on the address the host name resolves to, NCCL's bootstrap on the first interface that is
+not loopback). A job that torchrun or SLURM started is the cluster's rendezvous and is left
+as it is, and so is a fault-tolerant replica group whose lighthouse is on another machine
+(:mod:`meshtrain.validation.network`).
+
 Workers that stop with :data:`~meshtrain.replan.on_measurement.REPLAN_EXIT`
 (``parallel.replan_every`` chose
 another layout and saved a checkpoint) are restarted like failed ones, on a budget of
@@ -30,6 +39,7 @@ machine's cores divided among the local workers), so N workers on few cores do n
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,6 +50,7 @@ from pathlib import Path
 
 from meshtrain.config import Config, ConfigError
 from meshtrain.errors import RunFailure
+from meshtrain.host import loopback
 from meshtrain.host.allocator import allocator_env
 from meshtrain.host.job import (  # noqa: F401 (job_rank, job_world_size: used from here too)
     in_existing_job,
@@ -141,10 +152,26 @@ def launch(config: Config, world_size: int, task: str = "train") -> int:
     if in_existing_job():
         adopt_slurm_environment()
         return worker.run(config, task)
-    if world_size == 1:
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(config, 1)))
-        return worker.run(config, task)
-    return spawn_local(config, world_size, task)
+    chosen = loopback.keep_collectives_on_loopback() if on_one_machine(config) else []
+    try:
+        if world_size == 1:
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(config, 1)))
+            return worker.run(config, task)
+        return spawn_local(config, world_size, task)
+    finally:
+        for name in chosen:  # a test's launch in-process leaves the environment as it was
+            os.environ.pop(name, None)
+
+
+def on_one_machine(config: Config) -> bool:
+    """True when every process this launch talks to runs on this machine: always, except for a
+    fault-tolerant replica group whose lighthouse (and so its peer groups) is elsewhere."""
+    par = config.parallel
+    if not par.replica_fault_tolerance:
+        return True
+    from meshtrain.validation.network import lighthouse_is_local
+
+    return lighthouse_is_local(par.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", ""))
 
 
 def spawn_local(config: Config, nproc: int, task: str) -> int:
@@ -158,7 +185,8 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
     threads = threads_per_worker(config, nproc)
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_backend=register_loopback_rendezvous(),
+        rdzv_endpoint=f"{loopback.LOOPBACK}:{port}",
         max_restarts=restart_budget(config), monitor_interval=0.1, start_method="spawn",
         local_addr="127.0.0.1",
         # SIGTERM and SIGUSR1 are meshtrain's (forwarded to the workers, below), not torch
@@ -202,6 +230,50 @@ def spawn_local(config: Config, nproc: int, task: str) -> int:
         print(f"meshtrain {task}: {preemption.summary(info)}", file=sys.stderr, flush=True)
         return preemption.PREEMPTED_EXIT
     return 0
+
+
+LOOPBACK_RENDEZVOUS = "meshtrain-loopback"
+"""The rendezvous of local workers: torch elastic's static one (one node, the store reused by
+every restart of the workers), whose store listens on ``127.0.0.1`` only."""
+
+
+def register_loopback_rendezvous() -> str:
+    """Register :data:`LOOPBACK_RENDEZVOUS` with torch elastic (idempotent); returns its name."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _create_loopback_rendezvous)
+    return LOOPBACK_RENDEZVOUS
+
+
+def _create_loopback_rendezvous(params):
+    """torch elastic's handler creator for :data:`LOOPBACK_RENDEZVOUS` (one node, rank 0)."""
+    host, port = loopback.split_address(params.endpoint)
+    timeout = int(params.config.get("timeout", 900))
+    return _loopback_rendezvous_class()(host, port, 0, 1, params.run_id, timeout)
+
+
+@functools.cache
+def _loopback_rendezvous_class():
+    """The handler class (built on first use, so that importing this module loads no torch)."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        """torch's static rendezvous with its store on a loopback socket."""
+
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+        def next_rendezvous(self):
+            if self._store is None:
+                self._store = loopback.loopback_store(
+                    self.master_port, self.world_size, self.timeout, multi_tenant=True)
+            return RendezvousInfo(PrefixStore(self.run_id, self._store), self.rank,
+                                  self.world_size,
+                                  RendezvousStoreInfo(loopback.LOOPBACK, self.master_port))
+
+    return LoopbackRendezvous
 
 
 def restart_budget(config: Config) -> int:

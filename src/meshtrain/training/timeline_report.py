@@ -15,7 +15,7 @@ from pathlib import Path
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline import StageTimes, simulate
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
-from meshtrain.parallel.pipeline.schedule import ActionKind
+from meshtrain.parallel.pipeline.schedule import Action, ActionKind
 
 
 def measured_bubble(events, pp: int) -> float:
@@ -45,6 +45,18 @@ def stage_times_from(events, num_stages: int) -> list[StageTimes]:
     return times
 
 
+def event_to_json(event: tuple) -> list:
+    """A measured ``(rank, action, start, end)`` event as JSON-able values (for the gather)."""
+    rank, action, start, end = event
+    return [rank, [action.kind.value, action.microbatch, action.stage, action.peer], start, end]
+
+
+def event_from_json(value: list) -> tuple:
+    """The event :func:`event_to_json` encoded."""
+    rank, (kind, microbatch, stage, peer), start, end = value
+    return int(rank), Action(ActionKind(kind), int(microbatch), int(stage), peer), start, end
+
+
 def write_measured_timeline(executor: PipelineExecutor, mesh: ParallelMesh,
                             run_dir: Path) -> dict | None:
     """Gather this step's events over the pp group; the logging rank writes
@@ -52,12 +64,13 @@ def write_measured_timeline(executor: PipelineExecutor, mesh: ParallelMesh,
     from meshtrain.parallel.timing import events_to_seconds
 
     # CUDA event stamps become host seconds here, once per step (a sync after the step's work)
-    gathered = mesh.comm("pp").all_gather_object(events_to_seconds(executor.events))
+    mine = [event_to_json(e) for e in events_to_seconds(executor.events)]
+    gathered = mesh.comm("pp").all_gather_json(mine)
     if not mesh.is_logging_rank:
         return None
     from meshtrain.parallel.pipeline.timeline import plot_timeline, write_chrome_trace
 
-    events = [e for rank_events in gathered for e in rank_events]
+    events = [event_from_json(e) for rank_events in gathered for e in rank_events]
     origin = min(e[2] for e in events)
     events = [(r, a, t0 - origin, t1 - origin) for r, a, t0, t1 in events]
     schedule = executor.schedule

@@ -104,7 +104,8 @@ class Trainer:
 
             self.outer = OuterOptimizer(self.optimizer, mesh, par.sync_every, train.outer_lr,
                                         train.outer_momentum, par.outer_grad_dtype,
-                                        par.sync_fragments, par.sync_overlap, train.outer_mix)
+                                        par.sync_fragments, par.sync_overlap, train.outer_mix,
+                                        par.outer_aggregate, par.outer_max_norm_ratio)
             if mesh.group_alone and with_data:  # groups as jobs of their own (torchft)
                 from meshtrain.training.diloco.replica_ft import ReplicaQuorum
 
@@ -382,6 +383,8 @@ class Trainer:
                           groups_present=self.outer.quorum.present)
         elif self.outer is not None:
             record["tokens_per_group"] = tokens_per_group
+        if self.outer is not None and self.outer.rejected is not None:  # a round ended here
+            record["outer_rejected"] = self.outer.rejected
         per_source = self.data.tokens_per_source()
         if per_source is not None:
             record["tokens_per_source"] = per_source

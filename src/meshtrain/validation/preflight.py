@@ -72,12 +72,33 @@ def model_vocab_size(config: Config) -> int:
     return tokenizer_vocab_size(config.data.tokenizer)
 
 
+def replica_groups_here(config: Config) -> list[int]:
+    """The replica groups whose processes this launch runs, so that a site reads only its own
+    ``data.replica_sources`` entry: the one ``parallel.replica_group`` of a fault-tolerant group;
+    under torchrun or ``srun`` the group of this rank (the replica dimension is the outermost,
+    so rank // (world / replicas)); every group when this launch starts all the processes."""
+    par = config.parallel
+    if par.replicas <= 1:
+        return [0]
+    if par.replica_fault_tolerance:
+        return [par.replica_group]
+    from meshtrain.host.job import in_existing_job, job_rank, job_world_size
+
+    if in_existing_job():
+        per_group = max(1, job_world_size() // par.replicas)
+        return [min(job_rank() // per_group, par.replicas - 1)]
+    return list(range(par.replicas))
+
+
 def token_sources(config: Config) -> list[tuple[str, str]]:
-    """``(key, source)`` of every source the run reads: ``data.source``, or each of
-    ``data.sources`` (a mixture) or ``data.replica_sources``, and ``data.valid_source``."""
+    """``(key, source)`` of every source this launch reads: ``data.source``, or each of
+    ``data.sources`` (a mixture), or the ``data.replica_sources`` entries of the groups it runs
+    (:func:`replica_groups_here`: a site never opens another site's data), and
+    ``data.valid_source``."""
     data = config.data
     if data.replica_sources:
-        pairs = [(f"data.replica_sources[{i}]", s) for i, s in enumerate(data.replica_sources)]
+        pairs = [(f"data.replica_sources[{i}]", data.replica_sources[i])
+                 for i in replica_groups_here(config)]
     elif data.sources:
         pairs = [(f"data.sources[{i}]", item["path"]) for i, item in enumerate(data.sources)]
     else:

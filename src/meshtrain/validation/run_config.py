@@ -158,6 +158,9 @@ def validate_replica_fault_tolerance(config: Config) -> None:
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError("parallel.replica_fault_tolerance = true needs torchft, which is not "
                           "installed: pip install 'meshtrain[ft]' (or pip install torchft).")
+    from meshtrain.validation.network import validate_network_exposure
+
+    validate_network_exposure(config)
 
 
 def validate_parallel(config: Config) -> None:
@@ -385,8 +388,9 @@ def validate_replica_sources(config: Config) -> None:
         raise ConfigError("data.replica_sources replaces data.source and data.sources (each group "
                           "reads its own); clear data.source and data.sources.")
     from meshtrain.data.readers import find_source_files
+    from meshtrain.validation.preflight import replica_groups_here
 
-    for path in d.replica_sources:
+    for path in (d.replica_sources[g] for g in replica_groups_here(config)):  # this site's only
         if path != "builtin" and not (Path(path).expanduser() / "meta.json").is_file():
             find_source_files(path)  # raises ConfigError when nothing matches
 

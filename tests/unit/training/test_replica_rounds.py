@@ -38,7 +38,7 @@ class FakeManager:
 
     def allreduce(self, tensor):
         self.sent.append(tensor.clone())
-        tensor.div_(2)  # as if the other group sent zeros: the mean of two
+        tensor.div_(self.present)  # as if the other groups sent zeros (so they seem absent)
         return types.SimpleNamespace(wait=lambda: None)
 
     def should_commit(self):
@@ -50,8 +50,11 @@ class FakeManager:
 def _quorum(manager, step=3):
     gradients = iter([torch.full((4,), 2.0), torch.full((4,), 6.0), torch.full((4,), 8.0)])
     applied = []
-    outer = types.SimpleNamespace(grad_dtype=torch.float32,
-                                  pseudo_gradient=lambda fragment: next(gradients),
+    outer = types.SimpleNamespace(grad_dtype=torch.float32, aggregate="mean", screening=True,
+                                  max_norm_ratio=10.0, device=torch.device("cpu"),
+                                  world=types.SimpleNamespace(all_reduce=lambda t: None),
+                                  report=lambda fragments, verdicts: None,
+                                  sent_gradient=lambda fragment: next(gradients),
                                   due=lambda s, last: [s % 2],
                                   apply=lambda fragments, means: applied.append((fragments,
                                                                                  means)))
@@ -71,9 +74,10 @@ def test_a_failed_round_is_retried_with_fresh_pseudo_gradients():
     quorum, _ = _quorum(manager)
     fragments, means = quorum.sync([0])
     assert (fragments, quorum.retries, manager.quorums, quorum.present) == ([0], 1, 2, 1)
-    assert [float(t[0]) for t in manager.sent] == [2.0, 6.0]  # recomputed for the retry
-    assert float(means[0][0]) == 3.0
-    assert quorum.mesh.comm_log.calls["replica"] == 2
+    # recomputed for the retry (the float64 tensors are the groups' norms, sent first)
+    assert [float(t[0]) for t in manager.sent if t.dtype == torch.float32] == [2.0, 6.0]
+    assert float(means[0][0]) == 6.0  # the committed round had this group alone
+    assert quorum.mesh.comm_log.calls["replica"] == 4
 
 
 def test_a_fresh_start_waits_for_every_group():
@@ -96,5 +100,6 @@ def test_a_group_healed_into_a_sync_finishes_it():
     manager = FakeManager(commits=[True], participants=[2], on_quorum=heal)
     quorum, applied = _quorum(manager, step=0)
     quorum.join()
-    assert manager.quorums == 1 and [float(t[0]) for t in manager.sent] == [2.0]
-    assert [(fragments, float(means[0][0])) for fragments, means in applied] == [([1], 1.0)]
+    assert manager.quorums == 1
+    assert [float(t[0]) for t in manager.sent if t.dtype == torch.float32] == [2.0]
+    assert [(fragments, float(means[0][0])) for fragments, means in applied] == [([1], 2.0)]

@@ -44,16 +44,27 @@ round's start. At the run's last step every mean in flight is applied, then ever
 syncs at once without mixing, so all groups end with the same weights. A checkpoint taken
 while means are in flight waits for them and saves them (``outer.pending``), so a resumed run
 applies them at the same steps.
+
+Robustness (``parallel.outer_aggregate``, :mod:`meshtrain.training.diloco.robust`): before each
+exchange every group's pseudo-gradient norm is known everywhere (:meth:`OuterOptimizer.screen`),
+a group whose pseudo-gradient is not finite or far larger than the others' is left out, and the
+kept ones are combined by a mean, clipped mean, coordinate-wise median or trimmed mean. An outer
+gradient that is not finite on any rank is not applied (:meth:`OuterOptimizer.apply`): the
+fragment's masters go back to the round's start and the momentum is untouched, so start weights,
+momentum and masters (what checkpoints save) never take a non-finite value from a round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
+from meshtrain import faults
 from meshtrain.config.runtime_facts import fragment_of_parameters
-from meshtrain.training.diloco.quantized_reduce import FORMATS, quantized_mean
+from meshtrain.training.diloco import robust
+from meshtrain.training.diloco.quantized_reduce import FORMATS, exchange_reduce
 from meshtrain.training.optimizer import FlatAdamW
 
 
@@ -67,6 +78,8 @@ class InFlight:
     flat: torch.Tensor
     """The sum being all-reduced (outer dtype), or the fp32 mean once ``work`` is None."""
     work: object | None
+    kept: int = 1
+    """Groups whose contributions the sum holds (its divisor)."""
 
 
 class OuterOptimizer:
@@ -74,15 +87,29 @@ class OuterOptimizer:
 
     def __init__(self, optimizer: FlatAdamW, mesh, sync_every: int, lr: float, momentum: float,
                  grad_dtype: str = "fp32", fragments: int = 1, overlap: int = 0,
-                 mix: float = 0.0):
+                 mix: float = 0.0, aggregate: str = "", max_norm_ratio: float = 10.0):
         """``optimizer``: the inner AdamW, whose fp32 master shards the outer step updates;
         ``mesh``: gives the ``replica`` comms; the rest as the config keys of the same names
-        (``overlap`` = ``parallel.sync_overlap``, ``mix`` = ``train.outer_mix``)."""
+        (``overlap`` = ``parallel.sync_overlap``, ``mix`` = ``train.outer_mix``, ``aggregate``
+        = ``parallel.outer_aggregate``, ``max_norm_ratio`` = ``parallel.outer_max_norm_ratio``)."""
         self.optimizer = optimizer
         self.engine = optimizer.engine
         self.shards = optimizer.shards
         self.comm = mesh.comm("replica")
         self.replicas = mesh.replicas
+        self.group = mesh.replica_rank
+        self.world = mesh.comm("world")
+        self.device = mesh.device
+        self.verbose = mesh.is_logging_rank
+        self.aggregate = robust.resolve_aggregate(aggregate, mesh.replicas)
+        self.screening = robust.screens(aggregate)
+        """False for an explicit ``mean``: the plain mean, no group left out."""
+        self.max_norm_ratio = max_norm_ratio
+        self.step = 0
+        """The inner step whose end is being handled (for the log and test-only faults)."""
+        self.rejected: list[int] | None = None
+        """The groups left out of the rounds that ended at the last :meth:`end_step` (None: no
+        round ended there): ``outer_rejected`` in ``metrics.jsonl``."""
         self.sync_every = sync_every
         self.lr, self.momentum = lr, momentum
         self.quantized = grad_dtype if grad_dtype in FORMATS else ""
@@ -134,6 +161,7 @@ class OuterOptimizer:
         """After inner step ``step``: take the outer steps of the means in flight that are due
         (all of them at ``last_step``), then end the rounds of the fragments due — in the
         background with ``sync_overlap``, else at once (:meth:`sync`)."""
+        self.step, self.rejected = step, None
         ready = [p for p in self.in_flight if p.apply_at <= step or step == last_step]
         if ready:
             self.in_flight = [p for p in self.in_flight if p not in ready]
@@ -144,18 +172,27 @@ class OuterOptimizer:
         if not self.overlap or step == last_step:
             self.sync(due)
             return
-        for fragment in due:
-            flat = self.pseudo_gradient(fragment).to(self.grad_dtype)
-            work = self.sync_comm.all_reduce(flat, async_op=True) if flat.numel() else None
-            self.in_flight.append(InFlight(fragment, min(step + self.overlap, last_step), flat,
-                                           work))
+        flats = [self.sent_gradient(f) for f in due]
+        verdicts = self.screen(flats)
+        self.report(due, verdicts)
+        apply_at = min(step + self.overlap, last_step)
+        for fragment, flat, verdict in zip(due, flats, verdicts, strict=True):
+            if self.aggregate in robust.SUM_AGGREGATES and flat.numel() and verdict.count:
+                # The norms are known now: each group's weight goes into its own sum.
+                sent = robust.contribution(flat, verdict, self.group, self.aggregate)
+                sent = sent.to(self.grad_dtype)
+                work = self.sync_comm.all_reduce(sent, async_op=True)
+                self.in_flight.append(InFlight(fragment, apply_at, sent, work, verdict.count))
+            else:  # coordinate-wise (two dependent exchanges), empty, or no group kept: now
+                self.in_flight.append(InFlight(fragment, apply_at,
+                                               self._combine(flat, verdict), None))
 
     def _finish(self, pending: InFlight) -> torch.Tensor:
         """Wait for ``pending``'s exchange and return its fp32 mean (kept in ``pending``)."""
         if pending.work is not None:
             pending.work.wait()
             pending.work = None
-            pending.flat = pending.flat.float().div_(self.replicas)
+            pending.flat = pending.flat.float().div_(pending.kept)
         return pending.flat
 
     def pending_buffers(self) -> list[torch.Tensor]:
@@ -191,7 +228,10 @@ class OuterOptimizer:
         if self.quorum is not None:
             fragments, means = self.quorum.sync(fragments)
         else:
-            means = [self._mean(self.pseudo_gradient(f)) for f in fragments]
+            flats = [self.sent_gradient(f) for f in fragments]
+            verdicts = self.screen(flats)
+            self.report(fragments, verdicts)
+            means = [self._combine(flat, v) for flat, v in zip(flats, verdicts, strict=True)]
         self.apply(fragments, means)
 
     def pseudo_gradient(self, fragment: int) -> torch.Tensor:
@@ -200,22 +240,77 @@ class OuterOptimizer:
                  for i, a, n in self._runs[fragment]]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def _mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """The fp32 mean of ``flat`` over the ``replica`` comm, sent in the outer dtype."""
+    def sent_gradient(self, fragment: int) -> torch.Tensor:
+        """:meth:`pseudo_gradient` as this group sends it (a test-only ``poison_outer`` fault,
+        :mod:`meshtrain.faults`, may corrupt it before the screening)."""
+        flat = self.pseudo_gradient(fragment)
+        return faults.poison_outer(flat, self.step, self.group) if faults.active() else flat
+
+    def screen(self, flats: list[torch.Tensor]) -> list[robust.Verdict]:
+        """Each fragment's :class:`~meshtrain.training.diloco.robust.Verdict` from every
+        group's pseudo-gradient norm, the same on every rank: one all-reduce over the world of
+        a float64 ``fragments × groups`` table to which each rank adds its shard's squared norm
+        in its group's column, so each entry is the sum over that group's ranks (the gather over
+        the ``replica`` comm and the sum inside each group in one call). An element held by
+        several ranks of a group (tp-replicated norms, unsharded dp masters) counts once per
+        rank: the same in every group, so the comparisons between groups hold."""
+        table = torch.zeros(len(flats), self.replicas, dtype=torch.float64, device=self.device)
+        for index, flat in enumerate(flats):
+            table[index, self.group] = robust.squared_norm(flat)
+        if flats:
+            self.world.all_reduce(table)
+        return [robust.screen(row.tolist(), self.max_norm_ratio, screening=self.screening)
+                for row in table]
+
+    def report(self, fragments: list[int], verdicts: list[robust.Verdict]) -> None:
+        """Note the groups left out of ``fragments``' rounds (:attr:`rejected`) and say why on
+        stderr (logging rank)."""
+        rejected = set(self.rejected or ())
+        for fragment, verdict in zip(fragments, verdicts, strict=True):
+            rejected.update(verdict.rejected)
+            where = f" (fragment {fragment})" if self.fragments > 1 else ""
+            for group, reason in sorted(verdict.reasons.items()):
+                if self.verbose:
+                    print(f"meshtrain: step {self.step}: replica group {group} left out of the "
+                          f"outer update{where}: {reason}", file=sys.stderr, flush=True)
+        self.rejected = sorted(rejected)
+
+    def _combine(self, flat: torch.Tensor, verdict: robust.Verdict) -> torch.Tensor:
+        """The fp32 aggregate (``parallel.outer_aggregate``) of ``flat`` over the ``replica``
+        comm's kept groups: one all-reduce of each group's contribution in the outer dtype for
+        the sum-style aggregates, else the two exchanges of
+        :func:`~meshtrain.training.diloco.quantized_reduce.exchange_reduce` (also the 8-bit
+        formats' way for every aggregate). All NaN, nothing sent, when no group is kept."""
         if not flat.numel():
             return flat
-        if self.quantized:
-            return quantized_mean(self.comm, flat, self.replicas, self.quantized)
-        flat = flat if flat.dtype == self.grad_dtype else flat.to(self.grad_dtype)
-        self.comm.all_reduce(flat)
-        return flat.float().div_(self.replicas)
+        if not verdict.count:  # the same on every rank
+            return torch.full_like(flat, float("nan"))
+        if self.aggregate in robust.SUM_AGGREGATES and not self.quantized:
+            sent = robust.contribution(flat, verdict, self.group, self.aggregate)
+            sent = sent if sent.dtype == self.grad_dtype else sent.to(self.grad_dtype)
+            self.comm.all_reduce(sent)
+            return sent.float().div_(verdict.count)
+        if not verdict.kept[self.group]:
+            flat = torch.zeros_like(flat)  # replaced, never multiplied: NaN × 0 is NaN
+        return exchange_reduce(self.comm, flat, self.replicas,
+                               lambda rows: robust.combine(rows, verdict, self.aggregate),
+                               self.quantized or self.grad_dtype)
 
     @torch.no_grad()
     def apply(self, fragments: list[int], means: list[torch.Tensor], mix: float = 0.0) -> None:
         """The outer Nesterov step of each of ``fragments`` from its mean pseudo-gradient; the
         results become the fragments' next round's start and, mixed with the masters by
-        ``mix`` (0 = replaced), the masters and the parameters."""
-        for fragment, flat in zip(fragments, means, strict=True):
+        ``mix`` (0 = replaced), the masters and the parameters. A fragment whose mean is not
+        finite on some rank (every rank agrees, one small all-reduce over the world) is not
+        stepped: its masters go back to the round's start, its momentum is untouched."""
+        bad = torch.tensor([0.0 if bool(torch.isfinite(flat).all()) else 1.0 for flat in means],
+                           device=self.device)
+        if means:
+            self.world.all_reduce(bad)
+        for fragment, flat, skip in zip(fragments, means, bad.tolist(), strict=True):
+            if skip:
+                self._skip(fragment)
+                continue
             offset = 0
             for i, a, n in self._runs[fragment]:
                 start, master = self.start[i][a:a + n], self.shards[i].master[a:a + n]
@@ -228,10 +323,23 @@ class OuterOptimizer:
                 start.add_(grad, alpha=-self.lr)
                 if mix:
                     master.mul_(mix).add_(start, alpha=1 - mix)
+                    torch.where(torch.isfinite(master), master, start, out=master)
                 else:
                     master.copy_(start)
             self.rounds += 1
         self.engine.after_step(self.shards)
+
+    def _skip(self, fragment: int) -> None:
+        """Leave ``fragment``'s outer state as it is and put its masters back at the round's
+        start (the parameters follow in :meth:`apply`)."""
+        for i, a, n in self._runs[fragment]:
+            self.shards[i].master[a:a + n].copy_(self.start[i][a:a + n])
+        self.rounds += 1
+        if self.verbose:
+            print(f"meshtrain: step {self.step}: the outer update of fragment {fragment} is not "
+                  "finite (every replica group left out, or an overflow); skipped it: the "
+                  "masters are back at the round's start, the outer momentum is unchanged",
+                  file=sys.stderr, flush=True)
 
     @torch.no_grad()
     def restart_round(self) -> None:
