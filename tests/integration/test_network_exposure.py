@@ -238,15 +238,22 @@ def test_refusals_exit_2_before_anything_starts(tmp_path):
 
 
 @needs_ft
-def test_a_far_group_runs_with_insecure_network_or_a_site_directory(tmp_path):
-    """The refusal is about credentials only: the same dry runs pass with either."""
+def test_a_far_group_runs_with_insecure_network_or_a_site_directory(tmp_path, monkeypatch):
+    """The refusal is about credentials only: the same dry runs pass with either (a site
+    directory together with MESHTRAIN_FT_HOST, the address its other listeners keep to)."""
     far = ["train", "--dry-run", "--world", "1", "--run-dir", str(tmp_path / "g"), *FT,
            "--set", f"parallel.lighthouse={FAR}", *TINY]
-    results = meshtrain_many(
+    site = ["--set", f"parallel.tls_dir={tmp_path / 'keys' / 'site-0'}"]
+    monkeypatch.delenv("MESHTRAIN_FT_HOST", raising=False)
+    keys, insecure, no_host = meshtrain_many(
         ["keys", "new", str(tmp_path / "keys"), "--sites", "1"],
-        [*far, "--set", "parallel.insecure_network=true"],
-        [*far, "--set", f"parallel.tls_dir={tmp_path / 'keys' / 'site-0'}"])
-    assert [r["returncode"] for r in results] == [0, 0, 0], [r["stderr"] for r in results]
+        [*far, "--set", "parallel.insecure_network=true"], [*far, *site])
+    assert [keys["returncode"], insecure["returncode"]] == [0, 0], [keys, insecure]
+    assert no_host["returncode"] == 2, no_host["stderr"]
+    assert "set MESHTRAIN_FT_HOST to this group's address" in " ".join(no_host["stderr"].split())
+    monkeypatch.setenv("MESHTRAIN_FT_HOST", "127.0.0.1")
+    with_host, = meshtrain_many([*far, *site])
+    assert with_host["returncode"] == 0, with_host["stderr"]
 
 
 # ---------------------------------------------------------------- training

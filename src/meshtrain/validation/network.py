@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from meshtrain.config import Config, ConfigError
+from meshtrain.host.ft_network import FT_HOST_ENV
 from meshtrain.host.loopback import is_loopback, split_address
 
 
@@ -31,8 +32,9 @@ def lighthouse_is_local(address: str) -> bool:
 
 def validate_network_exposure(config: Config) -> None:
     """Refuse (ConfigError) a fault-tolerant group whose lighthouse is on another machine unless
-    ``parallel.tls_dir`` holds a site's credentials or ``parallel.insecure_network`` is set; check
-    the ``tls_dir`` files whenever it is given."""
+    ``parallel.tls_dir`` holds a site's credentials and ``MESHTRAIN_FT_HOST`` names the address
+    its other listeners keep to, or ``parallel.insecure_network`` is set; check the ``tls_dir``
+    files whenever it is given."""
     par = config.parallel
     if par.tls_dir:
         from meshtrain.host.credentials import SiteCredentials
@@ -41,7 +43,17 @@ def validate_network_exposure(config: Config) -> None:
     if not par.replica_fault_tolerance:
         return
     address = par.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-    if not address or lighthouse_is_local(address) or par.tls_dir or par.insecure_network:
+    if not address or lighthouse_is_local(address) or par.insecure_network:
+        return
+    if par.tls_dir:
+        if not os.environ.get(FT_HOST_ENV):
+            raise ConfigError(
+                f"parallel.tls_dir guards the lighthouse link and heals, but this group's store "
+                f"and torchft manager server, which torchft dials directly, cannot run over TLS: "
+                f"set {FT_HOST_ENV} to this group's address inside the tunnel or private network "
+                "between the sites (e.g. its WireGuard address, docs/security.md) so that they "
+                "listen there and nowhere else, or set parallel.insecure_network = true to let "
+                "them listen on every interface.")
         return
     raise ConfigError(
         f"parallel.lighthouse = {address!r} is not on this machine, so this replica group's "

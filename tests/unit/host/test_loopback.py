@@ -218,6 +218,10 @@ def test_a_far_lighthouse_needs_credentials_or_insecure_network(tmp_path, monkey
         validate_network_exposure(_config(lighthouse=""))
     validate_network_exposure(_config(lighthouse="203.0.113.7:1", insecure_network="true"))
     site = make_run_credentials(tmp_path / "keys", sites=1)[0]
+    monkeypatch.delenv("MESHTRAIN_FT_HOST", raising=False)
+    with pytest.raises(ConfigError, match="MESHTRAIN_FT_HOST"):  # where store and manager go
+        validate_network_exposure(_config(lighthouse="203.0.113.7:1", tls_dir=str(site)))
+    monkeypatch.setenv("MESHTRAIN_FT_HOST", "10.77.0.2")
     validate_network_exposure(_config(lighthouse="203.0.113.7:1", tls_dir=str(site)))
     with pytest.raises(ConfigError, match="lacks"):
         validate_network_exposure(_config(lighthouse="203.0.113.7:1",
