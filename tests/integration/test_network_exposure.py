@@ -63,9 +63,25 @@ def _env(fault: str = "") -> dict:
     return env
 
 
-def _start(args: list[str], log: Path, fault: str = "") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "meshtrain", *args], env=_env(fault),
-                            cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def _start(args: list[str], log: Path, fault: str = "", **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "meshtrain", *args],
+                            env={**_env(fault), **extra_env}, cwd=ROOT, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+TLS_HOST = "127.0.0.2"
+"""The fault-tolerant groups' advertised address (MESHTRAIN_FT_HOST) in the TLS test: a loopback
+address other than 127.0.0.1, where their servers listen behind the TLS fronts."""
+
+
+def _answers_in_the_clear(host: str, port: int) -> bytes:
+    """What a plain TCP client gets back for an HTTP request to ``host:port`` (b"": nothing)."""
+    try:
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"GET /status HTTP/1.0\r\n\r\n")
+            return sock.recv(4096)
+    except OSError:
+        return b""
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -250,8 +266,11 @@ def test_a_far_group_runs_with_insecure_network_or_a_site_directory(tmp_path, mo
         [*far, "--set", "parallel.insecure_network=true"], [*far, *site])
     assert [keys["returncode"], insecure["returncode"]] == [0, 0], [keys, insecure]
     assert no_host["returncode"] == 2, no_host["stderr"]
-    assert "set MESHTRAIN_FT_HOST to this group's address" in " ".join(no_host["stderr"].split())
-    monkeypatch.setenv("MESHTRAIN_FT_HOST", "127.0.0.1")
+    assert "parallel.tls_dir needs MESHTRAIN_FT_HOST" in " ".join(no_host["stderr"].split())
+    monkeypatch.setenv("MESHTRAIN_FT_HOST", "127.0.0.1")  # where the servers sit behind TLS
+    taken, = meshtrain_many([*far, *site])
+    assert taken["returncode"] == 2 and "is 127.0.0.1" in taken["stderr"], taken["stderr"]
+    monkeypatch.setenv("MESHTRAIN_FT_HOST", "127.0.0.2")
     with_host, = meshtrain_many([*far, *site])
     assert with_host["returncode"] == 0, with_host["stderr"]
 
@@ -331,10 +350,17 @@ def test_fault_tolerant_groups_meet_over_tls_and_listen_on_loopback(tmp_path):
                  "--set", f"parallel.replica_group={group}",
                  "--set", f"parallel.lighthouse={address}",
                  "--set", f"parallel.tls_dir={sites[group + 1]}"],
-                logs[-1], fault=f"hold:step=3:file={release}"))
+                logs[-1], fault=f"hold:step=3:file={release}", MESHTRAIN_FT_HOST=TLS_HOST))
+
+        fronts: dict = {}
 
         def both_synced(found, tree):  # held at step 3: after the first sync (step 2)
-            return all(_logged(tmp_path / f"group{g}", 2) for g in (0, 1))
+            if not all(_logged(tmp_path / f"group{g}", 2) for g in (0, 1)):
+                return False
+            for where in found:  # while held: every port on the groups' address, in the clear
+                if where[0] == TLS_HOST and where not in fronts:
+                    fronts[where] = _answers_in_the_clear(*where)
+            return True
 
         found, _ = _sample_while_held(procs, release, logs, both_synced)
         for proc, log in zip(procs[1:], logs[1:], strict=True):
@@ -342,6 +368,10 @@ def test_fault_tolerant_groups_meet_over_tls_and_listen_on_loopback(tmp_path):
     finally:
         _stop(*procs)
     assert not _non_loopback(found), found
+    # each group's store, manager server and heal transport: TLS fronts on the advertised
+    # address, which answer nothing to a client without a run certificate
+    assert len(fronts) >= 2 * 3, (fronts, found)
+    assert all(answer == b"" for answer in fronts.values()), fronts
     weights = [(tmp_path / f"group{g}" / "final" / "model-00001-of-00001.safetensors")
                .read_bytes() for g in (0, 1)]
     assert weights[0] == weights[1]

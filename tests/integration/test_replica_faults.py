@@ -43,11 +43,18 @@ TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
         "train.collective_timeout_s=60"]
 
 
-def _env(fault: str = "") -> dict:
+TLS_HOST = "127.0.0.2"
+"""With credentials: the groups' MESHTRAIN_FT_HOST (loopback, but not where their servers listen
+behind the TLS fronts)."""
+
+
+def _env(fault: str = "", tls: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     env.pop("MESHTRAIN_FAULT", None)
     if fault:
         env["MESHTRAIN_FAULT"] = fault
+    if tls:
+        env["MESHTRAIN_FT_HOST"] = TLS_HOST
     return env
 
 
@@ -64,13 +71,14 @@ def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout: float) 
     raise AssertionError(f"no {text!r} in {path} after {timeout} s")
 
 
-def _train(tmp: Path, run_dir: str, log: str, sets: list[str], fault: str = ""):
+def _train(tmp: Path, run_dir: str, log: str, sets: list[str], fault: str = "",
+           tls: bool = False):
     args = [sys.executable, "-m", "meshtrain", "train", "--steps", str(STEPS),
             "--run-dir", str(tmp / run_dir)]
     for item in sets:
         args += ["--set", item]
     out = open(tmp / log, "w")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_env(fault),
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=_env(fault, tls),
                             cwd=tmp)
 
 
@@ -78,14 +86,25 @@ def _group(tmp: Path, index: int, lighthouse: str, log: str, fault: str = "",
            extra: tuple[str, ...] = ()):
     sets = [*TINY, *extra, "parallel.replica_fault_tolerance=true",
             f"parallel.replica_group={index}", f"parallel.lighthouse={lighthouse}"]
-    return _train(tmp, f"group{index}", log, sets, fault)
+    keys = tmp / "keys"
+    if keys.is_dir():  # the run's credentials: this group is site index + 1
+        sets.append(f"parallel.tls_dir={keys / f'site-{index + 1}'}")
+    return _train(tmp, f"group{index}", log, sets, fault, tls=keys.is_dir())
 
 
-def _lighthouse(tmp: Path) -> tuple[subprocess.Popen, str]:
-    """A ``meshtrain lighthouse`` on a free loopback port, and its address."""
+def _lighthouse(tmp: Path, tls: bool = False) -> tuple[subprocess.Popen, str]:
+    """A ``meshtrain lighthouse`` on a free loopback port, and its address; with ``tls`` the
+    run's credentials are made in ``tmp/keys`` (site 0: the lighthouse) and it serves over
+    mutual TLS."""
+    extra = []
+    if tls:
+        from meshtrain.host.credentials import make_run_credentials
+
+        make_run_credentials(tmp / "keys", sites=3)
+        extra = ["--tls-dir", str(tmp / "keys" / "site-0")]
     process = subprocess.Popen(
         [sys.executable, "-m", "meshtrain", "lighthouse", "--bind", "127.0.0.1:0",
-         "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000"],
+         "--join-timeout-ms", "500", "--heartbeat-timeout-ms", "1000", *extra],
         stdout=open(tmp / "lighthouse.out", "w"), stderr=subprocess.DEVNULL, env=_env())
     line = _wait_for(tmp / "lighthouse.out", "TORCHFT_LIGHTHOUSE=", process, 120)
     return process, line.split("=", 1)[1]
@@ -100,14 +119,17 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(400)
-def test_killed_group_others_go_on_and_it_rejoins_in_sync(tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["loopback", "mutual-tls"])
+def test_killed_group_others_go_on_and_it_rejoins_in_sync(tmp_path, tls):
     """Group 0 finishes every step (alone while group 1 is dead); the restarted group 1 heals
-    from it and both end with identical weights."""
+    from it and both end with identical weights. ``mutual-tls``: the same with the run's
+    credentials, every connection between the groups (lighthouse, stores, manager servers,
+    the heal) over mutual TLS."""
     release = tmp_path / "release"
     reference = _train(tmp_path, "reference", "reference.log", TINY)  # both groups, one job
     procs = [reference]
     try:
-        lighthouse, address = _lighthouse(tmp_path)
+        lighthouse, address = _lighthouse(tmp_path, tls)
         procs.append(lighthouse)
         survivor = _group(tmp_path, 0, address, "group0.log",
                           fault=f"hold:step={HOLD_AT}:file={release}")

@@ -19,10 +19,12 @@ is given; both are bound here through a listening socket made first.
   :mod:`meshtrain.validation.network`): they advertise ``MESHTRAIN_FT_HOST`` (else the host
   name) and listen on that address when ``MESHTRAIN_FT_HOST`` is set (a WireGuard tunnel's
   address keeps them inside the tunnel, docs/security.md), else on every interface. With
-  ``tls_dir`` rank 0 reaches the lighthouse through a local mutual-TLS forwarder
-  (:func:`meshtrain.host.tls_forward.dial_tls`) and the heal transport speaks HTTPS with client
-  certificates; the store and the manager server, which torchft dials directly, are protected
-  by where they listen, which the group says on stderr when it starts.
+  ``tls_dir`` (which needs ``MESHTRAIN_FT_HOST``, on one machine or across sites) rank 0 reaches
+  the lighthouse through a local mutual-TLS forwarder
+  (:func:`meshtrain.host.tls_forward.dial_tls`), the heal transport speaks HTTPS with client
+  certificates, and the store and the manager server listen on loopback behind mutual-TLS
+  fronts on ``MESHTRAIN_FT_HOST``, which the other groups dial through TLS routes
+  (:mod:`meshtrain.host.tls_routes`). The group says on stderr what it exposes when it starts.
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ class GroupNetwork:
     every interface."""
     credentials: object | None = None
     """This site's :class:`~meshtrain.host.credentials.SiteCredentials` (``tls_dir``), else
-    None."""
+    None: with them every connection torchft makes between groups runs over mutual TLS
+    (:mod:`meshtrain.host.tls_routes`)."""
+    served: object | None = None
+    """The TLS fronts of this group's store and manager server (with credentials)."""
+    routes: object | None = None
+    """The TLS routes of this process's connections to other groups (with credentials)."""
 
     @classmethod
     def plan(cls, lighthouse: str, tls_dir: str, insecure: bool, rank: int, world_size: int,
@@ -72,7 +79,7 @@ class GroupNetwork:
         ``announce``: say on stderr what listens beyond loopback (the group's logging rank)."""
         host, port = split_address(lighthouse)
         one_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) >= world_size
-        local = is_loopback(host) and one_machine
+        local = is_loopback(host) and one_machine and not tls_dir
         if local:
             keep_collectives_on_loopback()
         chosen = os.environ.get(FT_HOST_ENV, "")
@@ -80,31 +87,41 @@ class GroupNetwork:
                       bind=LOOPBACK if local else chosen)
         if tls_dir:
             from meshtrain.host.credentials import SiteCredentials
+            from meshtrain.host.tls_routes import ServedOverTls, TlsRoutes
 
             network.credentials = SiteCredentials.load(tls_dir, "parallel.tls_dir")
+            network.served = ServedOverTls(network.bind, network.credentials.server_context())
+            network.routes = TlsRoutes(network.credentials.client_context())
+            network.routes.install()
         if tls_dir and rank == 0:  # only rank 0's manager server talks to the lighthouse
             from meshtrain.host.tls_forward import dial_tls
 
             network.forwarder = dial_tls((host, port), network.credentials.client_context(),
                                          name="link to the lighthouse")
             network.lighthouse = f"http://{LOOPBACK}:{network.forwarder.address[1]}"
-        if announce and not local:
-            how = ("over mutual TLS (parallel.tls_dir), and heals over HTTPS with client "
-                   "certificates" if tls_dir else "without authentication" + (
-                       " (parallel.insecure_network)" if insecure else ""))
+        if announce and tls_dir:
+            print(f"meshtrain: replica group control plane over mutual TLS (parallel.tls_dir): "
+                  f"the lighthouse link, and this group's store, torchft manager server and "
+                  f"heal transport on {network.bind}; the cross-group gloo connections of the "
+                  "outer all-reduce are not encrypted: keep them inside a tunnel between the "
+                  "sites (docs/security.md).", file=sys.stderr, flush=True)
+        elif announce and not local:
+            insecure_note = " (parallel.insecure_network)" if insecure else ""
             where = (f"on {chosen} ({FT_HOST_ENV})" if chosen else
                      f"on every interface (set {FT_HOST_ENV} to a private or WireGuard address "
                      "to keep them there)")
             print(f"meshtrain: WARNING: this replica group reaches the lighthouse {host}:{port} "
-                  f"{how}; its store, torchft manager server and cross-group gloo connections "
-                  f"listen {where} without authentication (torchft dials them directly): keep "
-                  "them inside a tunnel or firewall between the sites (docs/security.md).",
-                  file=sys.stderr, flush=True)
+                  f"without authentication{insecure_note}; its store, torchft manager server, "
+                  f"heal transport and cross-group gloo connections listen {where} without "
+                  "authentication: keep them inside a tunnel or firewall between the sites "
+                  "(docs/security.md).", file=sys.stderr, flush=True)
         return network
 
     def store(self, world_size: int):
         """A TCPStore server for the group (rank 0), listening on :attr:`bind` (every interface
-        when that is empty)."""
+        when that is empty); with credentials on loopback, fronted by TLS on :attr:`bind`."""
+        if self.served is not None:
+            return self.served.store(world_size)
         if self.bind:
             return loopback_store(world_size=world_size, host=self.bind)
         import torch.distributed as dist
@@ -113,13 +130,18 @@ class GroupNetwork:
 
     def manager_server(self) -> contextlib.AbstractContextManager:
         """Around the construction of torchft's Manager: its manager server binds :attr:`bind`
-        (torchft 0.2.0 binds ``[::]`` and offers no option)."""
+        (torchft 0.2.0 binds ``[::]`` and offers no option); with credentials it binds
+        loopback, fronted by TLS on :attr:`bind`."""
+        if self.served is not None:
+            return self.served.manager_server()
         return manager_server_bound_to(self.bind) if self.bind else contextlib.nullcontext()
 
     def close(self) -> None:
-        """Stop the lighthouse forwarder, if any."""
-        if self.forwarder is not None:
-            self.forwarder.close()
+        """Stop the forwarders (lighthouse link, TLS fronts and routes) and put torchft's
+        names back."""
+        for part in (self.forwarder, self.served, self.routes):
+            if part is not None:
+                part.close()
 
 
 @contextlib.contextmanager

@@ -30,11 +30,34 @@ def lighthouse_is_local(address: str) -> bool:
     return is_loopback(host)
 
 
+def check_tls_host(host: str) -> None:
+    """With ``parallel.tls_dir``: ``MESHTRAIN_FT_HOST`` names the address this group's TLS
+    fronts listen on and advertise (its store and manager server themselves listen on
+    ``127.0.0.1`` behind them, at the same ports, so it cannot be that address)."""
+    import socket
+
+    if not host:
+        raise ConfigError(
+            f"parallel.tls_dir needs {FT_HOST_ENV}: the address this group's store, torchft "
+            "manager server and heal transport are reached at over mutual TLS (its address "
+            "between the sites, e.g. a WireGuard or private address, docs/security.md; on one "
+            "machine 127.0.0.2).")
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        raise ConfigError(f"{FT_HOST_ENV} = {host!r} does not resolve to an address of this "
+                          "machine; give this group's address between the sites.") from None
+    if "127.0.0.1" in addresses:
+        raise ConfigError(
+            f"{FT_HOST_ENV} = {host!r} is 127.0.0.1, where this group's servers listen behind "
+            "their TLS fronts; give its address between the sites (on one machine 127.0.0.2).")
+
+
 def validate_network_exposure(config: Config) -> None:
     """Refuse (ConfigError) a fault-tolerant group whose lighthouse is on another machine unless
-    ``parallel.tls_dir`` holds a site's credentials and ``MESHTRAIN_FT_HOST`` names the address
-    its other listeners keep to, or ``parallel.insecure_network`` is set; check the ``tls_dir``
-    files whenever it is given."""
+    ``parallel.tls_dir`` holds a site's credentials (with ``MESHTRAIN_FT_HOST``,
+    :func:`check_tls_host`) or ``parallel.insecure_network`` is set; check the ``tls_dir`` files
+    whenever it is given."""
     par = config.parallel
     if par.tls_dir:
         from meshtrain.host.credentials import SiteCredentials
@@ -42,18 +65,11 @@ def validate_network_exposure(config: Config) -> None:
         SiteCredentials.load(par.tls_dir, "parallel.tls_dir")
     if not par.replica_fault_tolerance:
         return
+    if par.tls_dir:
+        check_tls_host(os.environ.get(FT_HOST_ENV, ""))
+        return
     address = par.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
     if not address or lighthouse_is_local(address) or par.insecure_network:
-        return
-    if par.tls_dir:
-        if not os.environ.get(FT_HOST_ENV):
-            raise ConfigError(
-                f"parallel.tls_dir guards the lighthouse link and heals, but this group's store "
-                f"and torchft manager server, which torchft dials directly, cannot run over TLS: "
-                f"set {FT_HOST_ENV} to this group's address inside the tunnel or private network "
-                "between the sites (e.g. its WireGuard address, docs/security.md) so that they "
-                "listen there and nowhere else, or set parallel.insecure_network = true to let "
-                "them listen on every interface.")
         return
     raise ConfigError(
         f"parallel.lighthouse = {address!r} is not on this machine, so this replica group's "

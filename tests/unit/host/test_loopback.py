@@ -176,9 +176,19 @@ def test_a_groups_plan_follows_the_lighthouse(tmp_path, monkeypatch):
         assert tls.forwarder.target == ("203.0.113.7", 29510)
     finally:
         tls.close()
-    # rank 1 never talks to the lighthouse: no forwarder
-    assert GroupNetwork.plan("http://203.0.113.7:29510", str(site), False, 1, 2,
-                             announce=False).forwarder is None
+    # rank 1 never talks to the lighthouse: no forwarder; its servers sit behind TLS fronts
+    # and its connections to other groups go through TLS routes
+    import torchft.manager as manager_module
+
+    real = manager_module.ManagerClient
+    rank1 = GroupNetwork.plan("http://203.0.113.7:29510", str(site), False, 1, 2,
+                              announce=False)
+    try:
+        assert rank1.forwarder is None and not rank1.local
+        assert rank1.served is not None and manager_module.ManagerClient is not real
+    finally:
+        rank1.close()
+    assert manager_module.ManagerClient is real
     # a group spread over machines cannot keep its store on loopback
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert not GroupNetwork.plan("http://127.0.0.1:1", "", False, 0, 4, announce=False).local
