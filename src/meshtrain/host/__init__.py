@@ -1,5 +1,8 @@
 """This machine and this job: where the process stands in a job (:mod:`.job`), the glibc
-allocator settings of training processes (:mod:`.allocator`), and a function run on N local
-processes over gloo (:mod:`.local_processes`). Low in the tree so that the launcher, the planner's
-calibration and the automatic layout all read the same facts.
+allocator settings of training processes (:mod:`.allocator`), a function run on N local
+processes over gloo (:mod:`.local_processes`), where sockets listen (:mod:`.loopback`,
+:mod:`.ft_network`), the run's TLS credentials (:mod:`.credentials`) and forwarders
+(:mod:`.tls_forward`, :mod:`.tls_routes`), and the restricted unpickler (:mod:`.safe_unpickle`).
+Low in the tree so that the launcher, the planner's calibration, the automatic layout and the
+fault-tolerant groups all read the same facts.
 """
