@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 
 # The demo: 8 CPU processes, dp 2 × tp 2 × pp 2 with a Mixture-of-Experts model at ep 2, then a
 # sample from the trained weights. `make train DEMO_CONFIG=configs/demo.toml` for one process.
+# Each `make train` starts the demo over (--overwrite: the run directory holds one run).
 DEMO_CONFIG ?= configs/4d_moe.toml
 DEMO_RUN_DIR ?= runs/demo
 
 train: setup
-	$(VENV)/bin/meshtrain train --config $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR)
+	$(VENV)/bin/meshtrain train --config $(DEMO_CONFIG) --run-dir $(DEMO_RUN_DIR) --overwrite
 	OMP_NUM_THREADS=1 $(VENV)/bin/meshtrain generate --checkpoint $(DEMO_RUN_DIR) --prompt "def " \
 		--max-new-tokens 160 --temperature 0.7
 

@@ -33,34 +33,74 @@ def train_many(config_dicts: list[dict], steps: int) -> list[list[dict]]:
     return [train_steps(c, steps) for c in config_dicts]
 
 
-def assert_matches_one_process(records: list[dict], config: Config, steps: int) -> None:
+def train_many_with_gradients(config_dicts: list[dict], steps: int) -> list[tuple]:
+    """:func:`train_many` that also gathers each config's first-step gradients: per config
+    ``(records on rank 0 or [], the gradients this rank gathered)``."""
+    from meshtrain.commands.verify import train_steps_and_gradients
+
+    return [train_steps_and_gradients(c, steps) for c in config_dicts]
+
+
+def assert_gradients_match(gradients: list, reference: list, label: object = "") -> dict:
+    """Assert every gathered gradient copy matches the one-process gradient of its parameter
+    within meshtrain.commands.verify_grads's fp32 per-tensor tolerance; returns the report."""
+    from meshtrain.commands.verify_grads import (
+        GRAD_ATOL_FP32,
+        GRAD_RTOL_FP32,
+        compare_gradients,
+        describe_failures,
+    )
+
+    report = compare_gradients(gradients, reference, GRAD_RTOL_FP32, GRAD_ATOL_FP32)
+    assert report["ok"], f"{label}\n{describe_failures(report)}"
+    return report
+
+
+def assert_matches_one_process(records: list[dict], config: Config, steps: int,
+                               gradients: list | None = None, reference: Config | None = None,
+                               ) -> None:
     """Assert a layout's per-step records (losses, gradient norms) match ``config``'s
-    one-process reference run within meshtrain.commands.verify's fp32 tolerances."""
+    one-process reference run (or ``reference``) within meshtrain.commands.verify's fp32
+    tolerances, and, given the layout's first-step ``gradients``, every parameter's gradient
+    within the per-tensor tolerance (each failure names the parameter)."""
     from meshtrain.commands.verify import (
         GRAD_NORM_RTOL_FP32,
         LOSS_TOLERANCE_FP32,
         compare,
         reference_config,
-        run_layout,
+        run_layout_with_gradients,
     )
 
-    reference = run_layout(reference_config(config), 1, steps)
-    report = compare(records, reference, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
+    expected, expected_grads = run_layout_with_gradients(reference or reference_config(config),
+                                                         1, steps)
+    report = compare(records, expected, LOSS_TOLERANCE_FP32, GRAD_NORM_RTOL_FP32)
     assert report["ok"], (config.parallel, report)
+    if gradients is not None:
+        assert_gradients_match(gradients, expected_grads, config.parallel)
+
+
+def run_with_gradients(world: int, cases: list[Config], steps: int,
+                       timeout: float = 900) -> list[tuple[list[dict], list]]:
+    """Train each config on ``world`` processes (one launch); per config ``(rank 0's records,
+    the first-step gradients gathered on every rank)``."""
+    from meshtrain.commands.verify_grads import merge_gradients
+    from tests.distributed import run_distributed
+
+    by_rank = run_distributed(world, train_many_with_gradients, [c.to_dict() for c in cases],
+                              steps, timeout=timeout)
+    return [(by_rank[0][i][0], merge_gradients([rank[i][1] for rank in by_rank]))
+            for i in range(len(cases))]
 
 
 def assert_layouts_match_one_process(world: int, cases: list[Config], steps: int,
                                      timeout: float = 900) -> list[list[dict]]:
     """Train each config on ``world`` processes and assert its losses and gradient norms match
-    its one-process reference within meshtrain.commands.verify's fp32 tolerances; returns the
-    records."""
-    from tests.distributed import run_distributed
-
-    results = run_distributed(world, train_many, [c.to_dict() for c in cases], steps,
-                              timeout=timeout)[0]
-    for config, records in zip(cases, results, strict=True):
-        assert_matches_one_process(records, config, steps)
-    return results
+    its one-process reference within meshtrain.commands.verify's fp32 tolerances, and its
+    first-step gradients parameter by parameter; returns the records."""
+    results = run_with_gradients(world, cases, steps, timeout)
+    for config, (records, gradients) in zip(cases, results, strict=True):
+        assert_matches_one_process(records, config, steps, gradients)
+    return [records for records, _ in results]
 
 
 def adjacent_communication(compute: list, stage_to_rank: list[int]) -> list:

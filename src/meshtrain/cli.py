@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=50)
     gen.add_argument("--seed", type=int, default=0)
+    from meshtrain.commands.eval_tasks import add_eval_options
+
+    add_eval_options(sub.add_parser(
+        "eval", help="score saved weights on lm-evaluation-harness tasks (docs/evaluation.md)"))
     bench = sub.add_parser("bench", help="meshtrain vs PyTorch-native peers, side by side")
     bench.add_argument("--suite", dest="suites", action="append", default=[], metavar="NAME",
                        help="suite to run (repeatable or comma-separated; default: all)")
@@ -161,6 +165,11 @@ def _add_planner_parsers(sub) -> None:
     prep.add_argument("--out", required=True, help="directory to write the prepared corpus to")
     prep.add_argument("--tokenizer", default="bytes", help='"bytes" or a tokenizer.json path')
     prep.add_argument("--text-field", default="text", help="jsonl field / parquet column")
+    prep.add_argument("--format", default="text", dest="data_format",
+                      help="text, chat or prompt_completion (.jsonl rows; stores a loss mask)")
+    prep.add_argument("--chat-template", default="",
+                      help="--format chat: a Jinja template or its file (default: the one "
+                           "beside the tokenizer)")
     prep.add_argument("--workers", type=int, default=1,
                       help="tokenizer processes (large files are shared between them)")
     add_calibrate_options(sub.add_parser("calibrate",
@@ -171,6 +180,7 @@ COMMANDS = {
     "train": "meshtrain.commands.train:run_train",
     "verify": "meshtrain.commands.verify:run_verify",
     "generate": "meshtrain.commands.generate:run_generate",
+    "eval": "meshtrain.commands.eval_tasks:run_eval",
     "bench": "meshtrain.commands.bench.command:run_command",
     "estimate": "meshtrain.commands.planner:run_estimate",
     "plan": "meshtrain.commands.planner:run_plan",

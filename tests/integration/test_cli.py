@@ -144,6 +144,9 @@ def test_verify_json_zero3_two_processes():
         assert key in report
     assert report["ok"] is True and len(report["layout_losses"]) == 3
     assert report["max_abs_loss_diff"] <= report["tolerance"]
+    grads = report["gradients"]  # every parameter's step-1 gradient, gathered from ZeRO-3 shards
+    assert grads["ok"] and grads["parameters"] == 2 * 9 + 3 and not grads["failures"]
+    assert grads["max_rel_diff"] <= grads["grad_rtol"] == 1e-5
 
 
 @pytest.mark.parametrize("case", range(len(BAD_VERIFY)),

@@ -36,7 +36,7 @@ def test_estimate_json_has_the_contract_keys(meshtrain):
 
 README_REFUSED = ["--model", "llama3-70b", "--set", "parallel.tp=8", "--hardware", "h100-80g",
                   "--gpus", "64"]
-"""The README's refusal: one micro-batch of 64 x 8,192 tokens per GPU, 4,405.7 GB."""
+"""The README's refusal: one micro-batch of 64 x 8,192 tokens per GPU, 4,766.9 GB."""
 
 
 def test_estimate_that_does_not_fit_says_why(meshtrain):
@@ -46,9 +46,12 @@ def test_estimate_that_does_not_fit_says_why(meshtrain):
     why = out["why_not_fits"]
     assert not out["fits"] and why["largest"] == "activations"
     assert why["activations"] == pytest.approx(4246.9, abs=0.1)
-    assert why["estimate_gb"] == pytest.approx(4405.7, abs=0.1) and why["capacity_gb"] == 77.0
+    assert why["estimate_gb"] == pytest.approx(4766.9, abs=0.1) and why["capacity_gb"] == 82.5
     assert set(why) >= {"activations", "parameters", "gradients", "optimizer", "buffers",
-                        "largest", "capacity_gb", "estimate_gb", "suggestions"}
+                        "reserve", "largest", "capacity_gb", "estimate_gb", "suggestions"}
+    parts = ("activations", "parameters", "gradients", "optimizer", "buffers", "reserve")
+    assert sum(why[k] for k in parts) == pytest.approx(why["estimate_gb"], abs=0.5)
+    assert why["reserve"] > 0  # the caching allocator's reserve on a GPU
     changed = {text.split("=")[0] for s in why["suggestions"] for text in s["set"]}
     assert {"parallel.microbatches", "parallel.activation_checkpointing"} <= changed
     assert any(s["fits"] for s in why["suggestions"])
@@ -56,7 +59,9 @@ def test_estimate_that_does_not_fit_says_why(meshtrain):
         assert key in out
     text = meshtrain("estimate", *README_REFUSED)
     assert "DOES NOT FIT" in text.stdout
-    assert "why: activations are the largest part, 4,246.9 of 4,405.7 GB" in text.stdout
+    assert "why: activations are the largest part, 4,246.9 of 4,766.9 GB" in text.stdout
+    assert "by component (GB): activations 4,246.9, parameters" in text.stdout
+    assert "fragmentation reserve" in text.stdout
     assert "--set parallel.microbatches=64: peak" in text.stdout
     assert "(does not fit: not runnable)" in text.stdout
 
@@ -175,7 +180,8 @@ def test_estimate_warns_about_tp_beyond_a_node(meshtrain):
     assert json.loads(inside.stdout)["warnings"] == [] and "warning" not in inside.stderr
 
 
-@pytest.mark.parametrize("name,memory", [("h800", 80.0), ("h100-96g", 96.0)])
+@pytest.mark.parametrize("name,memory", [("h800", 81559 * 2**20 / 1e9),
+                                         ("h100-96g", 96 * 2**30 / 1e9)])
 def test_h800_and_h100_96g_profiles(meshtrain, name, memory):
     run = meshtrain("estimate", "--hardware", name, "--gpus", "8", "--json", *SMALL)
     assert run.returncode == 0, run.stderr
@@ -254,3 +260,36 @@ def test_every_layout_plan_searches_for_a_stack_is_one_it_can_run():
         assert layouts
         for layout in layouts:
             check_stack_offers(work, layout, name)
+
+
+EXPLAIN = ["plan", "--model", "gpt3-175b", "--gpus", "96", "--hardware", "a100-80g", "--stack",
+           "megatron-2021", "--set", "train.global_batch=1536", "--explain",
+           "tp=8,pp=12,ckpt=full"]
+"""Narayanan 2021 Figure 12's GPT-3 175B layout (tp 8 × pp 12, 1F1B, full recompute)."""
+
+
+def test_plan_explain_puts_the_layout_beside_the_first_choice(meshtrain):
+    text = meshtrain(*EXPLAIN)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[1].startswith("given:        dp=1 tp=8 pp=12")
+    assert lines[2].startswith("first choice: ")
+    assert "ranks" in lines[3] and "that fit" in lines[3]
+    for term in ("compute", "recompute", "tp communication", "pp communication",
+                 "pipeline bubble", "dp communication (exposed)", "  activations",
+                 "  optimizer", "  reserve", "  total"):
+        assert any(line.startswith(term) for line in lines), term
+    out = json.loads(meshtrain(*EXPLAIN, "--json").stdout)["explain"]
+    assert out["rank"] >= 1 and out["given"]["layout"]["tp"] == 8
+    assert set(out["given"]["memory"]) == {"activations", "parameters", "gradients",
+                                           "optimizer", "buffers", "reserve"}
+    assert out["first"]["step_time_s"] <= out["given"]["step_time_s"]
+    assert out["stack"] == "megatron-2021" and out["gpus"] == 96
+
+
+@pytest.mark.parametrize("layout,words", [("tp=8,pp=12,zero=1", "megatron-2021 cannot run"),
+                                          ("tp=8,pp=7", "does not divide --gpus"),
+                                          ("tp=8,bogus=1", "unknown key")])
+def test_plan_explain_refuses_a_layout_it_cannot_price(meshtrain, layout, words):
+    run = meshtrain(*EXPLAIN[:-1], layout)
+    assert run.returncode == 2 and words in run.stderr, run.stderr

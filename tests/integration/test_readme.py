@@ -88,7 +88,7 @@ def test_planning_block_runs_and_says_what_the_readme_quotes(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 0
     fits, refused = [out for command, out in outputs.items() if "estimate" in command]
     readme = README.read_text()
-    quoted_fit = re.search(r"The first `estimate` fits \(([\d.]+) GB of the (\d+) GB", readme)
+    quoted_fit = re.search(r"The first `estimate` fits \(([\d.]+) GB of the ([\d.]+) GB", readme)
     assert quoted_fit and f"peak {quoted_fit[1]} GB of {quoted_fit[2]} GB usable" in fits
     quoted = re.search(r"```\n(peak [^\n]*DOES NOT FIT)\n(why: [^\n]*)\n", readme)
     assert quoted, "README no longer quotes the refusal"

@@ -163,10 +163,14 @@ def buffer_chunks(model: torch.nn.Module) -> list[Chunk]:
 class ChunkSavePlanner(DefaultSavePlanner):
     """Writes this rank's chunks plus (on the coordinator) named byte blobs."""
 
-    def __init__(self, chunks: list[Chunk], blobs: dict[str, bytes]):
+    def __init__(self, chunks: list[Chunk], blobs: dict[str, bytes], release=None):
+        """``release(tensor)``: called on each chunk once the writer has moved on from it
+        (offloaded state drops its pages, :mod:`meshtrain.parallel.offload.store`)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.chunks = {(c.fqn, torch.Size(c.offsets)): c for c in chunks}
         self.blobs = blobs
+        self.release = release
+        self._resolved: torch.Tensor | None = None
 
     def create_local_plan(self) -> SavePlan:
         """One SHARD write item per chunk; BYTE_IO items for the blobs on the coordinator."""
@@ -196,6 +200,10 @@ class ChunkSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.blobs[write_item.index.fqn])
         chunk = self.chunks[(write_item.index.fqn, write_item.index.offset)]
+        if self.release is not None:  # the writer is done with the chunk it asked for before
+            if self._resolved is not None:
+                self.release(self._resolved)
+            self._resolved = chunk.tensor
         return _own_storage(chunk.tensor.detach().contiguous())
 
 
@@ -215,11 +223,13 @@ _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch
 class ChunkLoadPlanner(DefaultLoadPlanner):
     """Reads, for each of this rank's chunks, the overlapping parts of the saved chunks."""
 
-    def __init__(self, chunks: list[Chunk], blob_names: Sequence[str]):
+    def __init__(self, chunks: list[Chunk], blob_names: Sequence[str], release=None):
+        """``release(tensor)``: called on each part of a chunk once it has been read into."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.chunks = {(c.fqn, torch.Size(c.offsets)): c for c in chunks}
         self.blob_names = list(blob_names)
         self.blobs: dict[str, bytes] = {}
+        self.release = release
 
     def create_local_plan(self) -> LoadPlan:
         """Read items for every chunk, refusing names or shapes the checkpoint lacks."""
@@ -255,6 +265,8 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         target = self.resolve_tensor(read_item)
         if tensor.data_ptr() != target.data_ptr():
             target.copy_(tensor)
+        if self.release is not None:
+            self.release(target)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Keep a named blob."""

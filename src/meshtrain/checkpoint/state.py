@@ -109,9 +109,13 @@ def save(trainer) -> Path:
         pending = outer.pending_buffers()
         meta["outer_pending"] = [[p.fragment, p.apply_at] for p in outer.in_flight]
     chunks = _chunks(trainer, pending)
+    offload = getattr(trainer.engine, "offload", None)  # its chunks' pages go once written
     dcp.save({}, storage_writer=dcp.FileSystemWriter(str(temp)),
-             planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()}),
+             planner=ChunkSavePlanner(chunks, {META: json.dumps(meta).encode()},
+                                      offload.release if offload is not None else None),
              process_group=_group())
+    if offload is not None:
+        offload.release_all()
     mesh.barrier()
     delay = os.environ.get("MESHTRAIN_TEST_SAVE_DELAY_S")  # test-only: widen the crash window
     if delay:
@@ -136,7 +140,8 @@ def load(trainer, directory: Path) -> dict:
     if outer is not None and _saved_pending(directory):
         pending = [torch.zeros_like(shard.master) for shard in trainer.optimizer.shards]
     chunks = _chunks(trainer, pending)
-    planner = ChunkLoadPlanner(chunks, [META])
+    offload = getattr(trainer.engine, "offload", None)
+    planner = ChunkLoadPlanner(chunks, [META], offload.release if offload is not None else None)
     dcp.load({}, storage_reader=SafeFileSystemReader(str(directory)), planner=planner,
              process_group=_group())
     meta = json.loads(planner.blobs[META])
@@ -203,6 +208,8 @@ def init_from_weights(trainer, path: str) -> None:
     trainer.engine.after_step(trainer.optimizer.shards)
     if getattr(trainer, "outer", None) is not None:
         trainer.outer.restart_round()  # the first round starts from these weights
+    if getattr(trainer.engine, "offload", None) is not None:
+        trainer.engine.offload.release_all()
     if trainer.mesh.is_logging_rank:
         step = weights_step(path)
         saved = f", saved at step {step}" if step is not None else ""

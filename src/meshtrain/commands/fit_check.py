@@ -49,6 +49,7 @@ import os
 import subprocess
 import sys
 
+from meshtrain.commands.fit_offload import offloaded_parts
 from meshtrain.config import Config, ConfigError
 
 GB = 1e9
@@ -146,6 +147,7 @@ def estimate_ranks(config: Config, world: int, device_type: str = "cpu") -> list
             parts["DiLoCo outer state"] = (mem.optim_bytes * 8
                                            / (12 if workload.precision == "bf16" else 8))
         parts["runtime"] = CUDA_CONTEXT_BYTES if device_type == "cuda" else CPU_RUNTIME_BYTES
+        parts = offloaded_parts(parts, config, device_type)  # parallel.offload: kept elsewhere
         out.append(RankEstimate(stage, world // layout.pp, parts))
     return out
 

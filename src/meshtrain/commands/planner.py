@@ -205,6 +205,10 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="--objective cost: price of one GPU hour (default 0: energy only)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override a model/train value")
+    parser.add_argument("--explain", metavar="LAYOUT",
+                        help="show LAYOUT (e.g. dp=8,tp=8,pp=4,sp=true,schedule=interleaved-"
+                             "1f1b,v=2,mbs=1,ckpt=full) beside the first choice, term by term, "
+                             "and where it ranks (docs/planner.md)")
     add_hardware_options(parser, gpus_required=True)
 
 
@@ -233,11 +237,15 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--tokens and --deadline-hours go together (a budget and a deadline).")
     cluster = cluster_from_args(args, profile, args.gpus)
     if args.tokens is not None:
+        if getattr(args, "explain", None):
+            raise ConfigError("plan --explain prices one layout on --gpus; drop --tokens.")
         if cluster.wan is not None:
             raise ConfigError("plan --tokens (a GPU-count budget) prices one site; drop "
                               "--sites / --nodes-per-site, or plan the sites without --tokens.")
         return _run_budget_plan(args, config, profile)
     work = Workload.from_config(config, STACKS[args.stack])
+    if getattr(args, "explain", None):
+        return _run_explain(args, config, work, cluster, profile.name)
     result = plan(work, cluster, args.top, _energy(args)).to_dict()
     if args.objective != "time":
         from meshtrain.planner.search.objective import rank_rows
@@ -259,6 +267,22 @@ def run_plan(args: argparse.Namespace) -> int:
                                                    _energy(args))
         text += "\n" + format_site_plan(result["across_sites"])
     print(json.dumps(result, indent=2) if args.json else text)
+    return 0
+
+
+def _run_explain(args: argparse.Namespace, config: Config, work, cluster,
+                 profile_name: str) -> int:
+    """``plan --explain LAYOUT``: the layout beside the first choice, term by term."""
+    from meshtrain.planner.search.explain import explain, format_explain, parse_layout
+
+    layout = parse_layout(args.explain, work, args.gpus)
+    result = explain(work, cluster, layout, args.stack, _energy(args))
+    result.update(model=args.model, hardware=profile_name, stack=args.stack, gpus=args.gpus,
+                  seq_len=config.train.seq_len, global_batch=config.train.global_batch)
+    title = (f"{args.model} on {args.gpus} x {profile_name} ({args.stack}), seq "
+             f"{config.train.seq_len}, global batch {config.train.global_batch}")
+    print(json.dumps({"explain": result}, indent=2) if args.json
+          else title + "\n" + format_explain(result))
     return 0
 
 

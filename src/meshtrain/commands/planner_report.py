@@ -16,15 +16,15 @@ def format_estimate(result: dict, profile_name: str) -> str:
         f"sp={lay['sequence_parallel']} schedule={lay['schedule']} "
         f"(v={lay['virtual_stages']}) microbatches={lay['microbatches']} x "
         f"{result['micro_batch_size']} seq, checkpointing={lay['activation_checkpointing']}",
-        "memory per GPU (GB):   stage  params   grads   optim    acts  buffers   total",
+        "memory per GPU (GB):   stage  params   grads   optim    acts  buffers  reserve   total",
     ]
     for rank in result["per_rank"]:
         lines.append("                      " + f"{rank['stage']:>5}" + "".join(
-            f"{rank[k] / GB:>8.1f}" for k in ("param_bytes", "grad_bytes", "optim_bytes",
-                                              "activation_bytes", "buffer_bytes",
-                                              "total_bytes")))
+            f"{rank.get(k, 0) / GB:>{9 if k == 'reserve_bytes' else 8}.1f}"
+            for k in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes",
+                      "buffer_bytes", "reserve_bytes", "total_bytes")))
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
-    lines.append(f"peak {result['memory_gb_per_gpu']:.1f} GB of {result['memory_limit_gb']:.0f} "
+    lines.append(f"peak {result['memory_gb_per_gpu']:.1f} GB of {result['memory_limit_gb']:.1f} "
                  f"GB usable: {verdict}")
     if result.get("why_not_fits"):
         lines += format_why_not_fits(result["why_not_fits"])

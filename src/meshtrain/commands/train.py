@@ -89,9 +89,11 @@ def requested_allocator_job(args: argparse.Namespace) -> tuple[str, int]:
 
 
 RUN_DIR_FILES = ("metrics.jsonl", "config.json", "run.json", "run.json.tmp", "preempted.json",
-                 "timeline.json", "timeline.png", "timeline_summary.json")
+                 "timeline.json", "timeline.png", "timeline_summary.json", "trackers.json",
+                 "mlflow.db")
 """Files meshtrain writes at the top of a run directory (``--overwrite`` removes these)."""
-RUN_DIR_DIRS = ("final", "final.tmp", "diagnostics", "tensorboard")
+RUN_DIR_DIRS = ("final", "final.tmp", "diagnostics", "tensorboard", "wandb", "mlflow-artifacts",
+                "task_eval")
 """Directories meshtrain writes in a run directory, besides the checkpoints."""
 
 
@@ -228,6 +230,11 @@ def run_train(args: argparse.Namespace) -> int:
     preflight(config)  # a checkpoint of another model shape: exit 2 before anything starts
     # run dir writable, data readable, its token ids inside the vocabulary
     check_before_launch(config, verbose=is_first)
+    if config.train.eval_tasks and is_first:  # every harness task and its data, on rank 0's host
+        from meshtrain.training.harness.tasks import check_tasks
+
+        check_tasks(config.train.eval_tasks, config.train.eval_tasks_include,
+                    "train.eval_tasks_include")
     # another run's files in the run dir: refused, or removed with --overwrite (rank 0)
     run_id = claim_run_dir(config, overwrite, is_first)
     from meshtrain.commands.fit_check import check_fits

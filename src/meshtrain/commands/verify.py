@@ -1,5 +1,7 @@
 """``meshtrain verify``: train a layout and a one-process reference on the same data and initial
-weights, and compare their loss and gradient-norm curves.
+weights, and compare their loss and gradient-norm curves and, at the first step, every
+parameter's full gradient (:mod:`meshtrain.commands.verify_grads`: 1e-5 relative per tensor in
+fp32, each failure naming the parameter).
 
 The reference runs the same model, data, seed and optimizer with every parallel degree at 1 and
 ZeRO off, in this process. It uses ``dp × microbatches`` micro-batches, which groups the global
@@ -10,7 +12,10 @@ Default tolerance (fp32): 2e-4 absolute on the loss and 1e-3 relative on the gra
 Summing the same terms in another order and across ranks changes fp32 results by ~1e-6 per step,
 and AdamW amplifies tiny gradient differences for parameters whose second moment is near zero, so
 a few steps drift by up to ~1e-5; 2e-4 leaves margin while any real bug (a missed reduction, a
-wrong normalisation, a stale shard) shows up as differences of 1e-2 or more.
+wrong normalisation, a stale shard) shows up as differences of 1e-2 or more. The curves are
+the coarse check; the strict one is the first step's per-parameter gradients (1e-5 relative per
+tensor in fp32, :mod:`meshtrain.commands.verify_grads`), taken before any optimizer step can
+amplify a difference.
 
 bf16 (``train.precision = "bf16"``): the layout runs in bf16 as a GPU user runs it (bf16
 parameters and activations, fp32 master weights, and gradients accumulated and reduced in fp32
@@ -30,6 +35,17 @@ import copy
 import json
 import os
 
+from meshtrain.commands.verify_grads import (
+    GRAD_ATOL_BF16,
+    GRAD_ATOL_FP32,
+    GRAD_RTOL_BF16,
+    GRAD_RTOL_FP32,
+    Gradients,
+    capture_first_gradients,
+    compare_gradients,
+    describe_failures,
+    merge_gradients,
+)
 from meshtrain.config import Config, ConfigError, config_from_dict
 
 LOSS_TOLERANCE_FP32 = 2e-4
@@ -76,6 +92,28 @@ def train_steps(config_dict: dict, steps: int) -> list[dict]:
     trainer = worker_trainer(config_dict)
     records = [trainer.train_step() for _ in range(steps)]
     return records if trainer.mesh.is_logging_rank else []
+
+
+def train_steps_and_gradients(config_dict: dict, steps: int) -> tuple[list[dict], Gradients]:
+    """:func:`train_steps`, also gathering the first step's full gradients (before clipping):
+    ``(records on the logging rank or [], the gradients this rank gathered)``."""
+    trainer = worker_trainer(config_dict)
+    gradients = capture_first_gradients(trainer)
+    records = [trainer.train_step() for _ in range(steps)]
+    return (records if trainer.mesh.is_logging_rank else []), gradients
+
+
+def run_layout_with_gradients(config: Config, world_size: int, steps: int,
+                              timeout: float = 900) -> tuple[list[dict], Gradients]:
+    """:func:`run_layout` that also returns the first step's gradients gathered on every rank
+    (:func:`~meshtrain.commands.verify_grads.merge_gradients`); a world of 1 runs in-process."""
+    if world_size == 1:
+        return train_steps_and_gradients(config.to_dict(), steps)
+    from meshtrain.host.local_processes import run_distributed
+
+    results = run_distributed(world_size, train_steps_and_gradients, config.to_dict(), steps,
+                              timeout=timeout, threads=max(config.train.threads_per_worker, 1))
+    return results[0][0], merge_gradients([gradients for _, gradients in results])
 
 
 def run_layout(config: Config, world_size: int, steps: int, timeout: float = 900,
@@ -128,9 +166,13 @@ def verify(config: Config, world_size: int, steps: int, loss_tol: float | None =
         LOSS_TOLERANCE_BF16 if bf16 else LOSS_TOLERANCE_FP32)
     grad_norm_rtol = grad_norm_rtol if grad_norm_rtol is not None else (
         GRAD_NORM_RTOL_BF16 if bf16 else GRAD_NORM_RTOL_FP32)
-    layout = run_layout(config, world_size, steps)
-    reference = run_layout(reference_config(config), 1, steps)
+    layout, layout_grads = run_layout_with_gradients(config, world_size, steps)
+    reference, reference_grads = run_layout_with_gradients(reference_config(config), 1, steps)
     report = compare(layout, reference, loss_tol, grad_norm_rtol)
+    report["gradients"] = compare_gradients(
+        layout_grads, reference_grads, GRAD_RTOL_BF16 if bf16 else GRAD_RTOL_FP32,
+        GRAD_ATOL_BF16 if bf16 else GRAD_ATOL_FP32)
+    report["ok"] = report["ok"] and report["gradients"]["ok"]
     par = config.parallel
     report["layout"] = {"world_size": world_size, "dp": par.dp, "tp": par.tp, "pp": par.pp,
                         "ep": par.ep, "cp": par.cp, "zero": par.zero,
@@ -155,6 +197,15 @@ def format_report(report: dict) -> str:
         lines.append(f"{step:>4}  {a:>14.6f}  {b:>14.6f}  {abs(a - b):>9.2e}  {ga:>14.6f}  "
                      f"{gb:>14.6f}")
     verdict = "OK" if report["ok"] else "MISMATCH"
+    grads = report.get("gradients")
+    if grads is not None:
+        worst = grads["worst"][0]["name"] if grads["worst"] else "-"
+        lines.append(f"step-1 gradients of {grads['parameters']} parameters: largest relative "
+                     f"difference {grads['max_rel_diff']:.2e} ({worst}; tolerance "
+                     f"{grads['grad_rtol']:.0e} per tensor)")
+        failures = describe_failures(grads)
+        if failures:
+            lines.append(failures)
     lines.append(f"max |loss diff| {report['max_abs_loss_diff']:.3e} (tolerance "
                  f"{report['tolerance']:.1e}); max |grad-norm diff| "
                  f"{report['max_abs_grad_norm_diff']:.3e} (relative tolerance "

@@ -19,6 +19,7 @@ ROPE_SCALING_KEYS: dict[str, dict[str, bool]] = {
              "attention_factor": False, "truncate": False},
 }
 MOE_BALANCE_KINDS = ("aux-loss", "bias", "none")
+MOE_BALANCE_SCOPES = ("micro-batch", "sequence", "global-batch")
 MOE_SCORE_KINDS = ("softmax", "sigmoid")
 
 @dataclass
@@ -79,6 +80,13 @@ class ModelConfig:
     ``train.seq_len`` (under context parallelism ``seq_len / (2 cp)``), so every layout sees the
     same groups and drops the same assignments."""
     moe_balance: str = "aux-loss"
+    moe_balance_scope: str = "micro-batch"
+    """Over which tokens the auxiliary loss's expert load fractions and mean probabilities are
+    taken: ``micro-batch`` (each forward's tokens), ``sequence`` (each sequence, averaged over
+    sequences) or ``global-batch`` (the load of every micro-batch and data- / context-parallel
+    rank of the step; the only scope whose numbers do not depend on how the batch is split).
+    The bias update of ``moe_balance = "bias"`` always uses the global batch's load; see
+    docs/parallelism.md, "MoE balance scopes"."""
     moe_aux_coef: float = 0.01
     moe_bias_rate: float = 0.001
     """Step size of the auxiliary-loss-free bias update (``moe_balance = "bias"``)."""

@@ -27,8 +27,12 @@ PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 OUTER_GRAD_DTYPES = ("fp32", "bf16", "int8", "fp8")
 OUTER_AGGREGATES = ("clipped-mean", "trimmed-mean", "median", "mean")
+OFFLOAD_KINDS = ("none", "optimizer", "optimizer+params")
+OFFLOAD_DEVICES = ("host", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("skip", "stop")
+DATA_FORMATS = ("text", "chat", "prompt_completion")
+TRAIN_ON = ("assistant", "all")
 
 
 @dataclass
@@ -49,6 +53,24 @@ class ParallelConfig(Layout):
     """dtype gradients are accumulated over micro-batches and reduced over data-parallel ranks
     in: ``fp32`` (default: with bf16 parameters a separate fp32 gradient buffer, as Megatron's
     ``main_grad``) or ``bf16`` (bf16 buffers and reductions; needs ``train.precision = bf16``)."""
+    offload: str = "none"
+    """Keep this rank's ZeRO shard of model states off the compute device (docs/offload.md):
+    ``none``; ``optimizer`` (fp32 masters, Adam moments and, at ZeRO 2-3, the gradient shard;
+    ZeRO 1-3) or ``optimizer+params`` (also the parameter shard; ZeRO-3 only). The optimizer
+    step runs where the state lives, streamed in chunks of ``offload_chunk_mb``."""
+    offload_device: str = "host"
+    """Where offloaded state lives: ``host`` (host memory, pinned under CUDA) or ``nvme``
+    (memory-mapped files under ``offload_dir``, paged in one chunk at a time)."""
+    offload_dir: str = ""
+    """Directory of ``offload_device = nvme``'s files (one ``rank<N>`` directory per rank);
+    empty = ``RUN_DIR/offload``."""
+    offload_chunk_mb: float = 16.0
+    """MiB of each fp32 state tensor the offloaded optimizer step (and every pass over
+    offloaded state) handles at a time: bounds the resident memory of an nvme step."""
+    offload_overlap: bool = False
+    """ZeRO-3 with offload: run the optimizer step on a background thread, bucket by bucket
+    in the next forward's order, each gather waiting only for its own bucket (the same update,
+    bit for bit). Uses a CPU core beside the training thread."""
     check_replicas_every: int = 0
     """Every N steps, check that replicated parameters are identical on all dp ranks; 0 = off."""
     ep_rebalance_every: int = 0
@@ -179,6 +201,15 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     log_every: int = 1
     tensorboard: bool = False
+    """Write TensorBoard logs to RUN_DIR/tensorboard: the same as ``"tensorboard"`` in
+    ``loggers``."""
+    loggers: list[str] = field(default_factory=list)
+    """Experiment trackers that receive the resolved config, every metrics row (with eval and
+    task scores) and the final weights' path, from the logging rank: any of ``"tensorboard"``,
+    ``"wandb"`` (offline under RUN_DIR/wandb unless ``WANDB_MODE`` says otherwise) and
+    ``"mlflow"`` (``sqlite:///RUN_DIR/mlflow.db`` unless ``MLFLOW_TRACKING_URI`` is set). TOML
+    ``["wandb", "mlflow"]`` or ``--set train.loggers=wandb,mlflow``. See
+    :mod:`meshtrain.training.trackers`."""
     peak_tflops: float = 0.0
     """Device peak dense TFLOP/s for MFU; 0 = look the device up (unknown devices report null)."""
     timeline_step: int = 0
@@ -209,6 +240,17 @@ class TrainConfig:
     eval_batches: int = 4
     """Global batches (``train.global_batch`` sequences each) per evaluation: the same held-out
     sequences every time, so evaluations are comparable."""
+    eval_tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks to score during training, as ``meshtrain eval --tasks``
+    names them: every ``eval_tasks_every`` steps and after the last, the logging rank scores the
+    gathered weights and writes each task's metrics into that step's record under ``tasks``.
+    Needs the ``eval`` extra; empty = off. See :mod:`meshtrain.training.harness`."""
+    eval_tasks_every: int = 0
+    """Score ``eval_tasks`` every N steps and after the last; 0 = after the last step only."""
+    eval_tasks_include: str = ""
+    """A directory of local task YAMLs that ``eval_tasks`` may name (``--include-path``)."""
+    eval_tasks_limit: int = 0
+    """Score at most this many documents of each task (``--limit``); 0 = all of them."""
     max_restarts: int = 0
     """Restart every worker up to this many times after a failure; a restarted run resumes from
     the newest valid checkpoint (needs checkpoint.every > 0 to lose little work)."""
@@ -266,6 +308,18 @@ class DataConfig:
     """Hold out this fraction of the training source's tokens, at its end and starting at a
     document boundary (as Megatron-LM's contiguous splits): never trained on, evaluated by
     ``train.eval_every``. 0 = nothing held out; not combined with ``valid_source``."""
+    format: str = "text"
+    """What a document of a raw source is: ``text`` (plain documents, every token trained on),
+    ``chat`` (``.jsonl`` rows ``{"messages": [{"role", "content"}, ...]}`` rendered with the
+    chat template) or ``prompt_completion`` (``.jsonl`` rows ``{"prompt", "completion"}``).
+    A prepared directory keeps the format it was prepared with. See docs/data.md."""
+    train_on: str = "assistant"
+    """Which tokens of chat / prompt_completion data the loss is taken on: ``assistant`` (the
+    assistant turns / the completion; the rest is masked) or ``all``. Text data: every token."""
+    chat_template: str = ""
+    """The chat template of ``format = "chat"``: a Jinja template string or the path of a file
+    holding one; empty = the one beside ``tokenizer`` (its ``chat_template.jinja`` or
+    ``tokenizer_config.json``'s ``chat_template``), as Hugging Face renders it."""
 
 
 @dataclass

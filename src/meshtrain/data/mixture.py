@@ -163,17 +163,17 @@ def mixture_data(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, mic
         tokens = load_token_stream(single, tokenizer, cache_dir)
         if data_cfg.valid_fraction:
             tokens, held = hold_out_tail(tokens, data_cfg.valid_fraction, tokenizer.eos_id)
-            held_parts += held.arrays
+            held_parts.append(held)
         dataset = PackedDataset(tokens, train_cfg.seq_len)
         if len(dataset) < 1:
             raise ConfigError(f'data.sources: "{item["path"]}" gives {len(tokens)} tokens, no '
                               f"complete sample of train.seq_len = {train_cfg.seq_len}; add data "
                               "or drop the source.")
         datasets.append(dataset)
-        train_parts += tokens.arrays
+        train_parts.append(tokens)
         names.append(item["path"])
     sampler = MixtureSampler([len(d) for d in datasets], [i["weight"] for i in data_cfg.sources],
                              names, train_cfg.global_batch, train_cfg.seed, dp_rank, dp_size,
                              microbatches)
-    held_out = TokenShards(held_parts) if data_cfg.valid_fraction else None
-    return TokenShards(train_parts), held_out, MixedDataset(datasets), sampler
+    held_out = TokenShards.concat(held_parts) if data_cfg.valid_fraction else None
+    return TokenShards.concat(train_parts), held_out, MixedDataset(datasets), sampler

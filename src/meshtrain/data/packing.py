@@ -3,6 +3,10 @@ at a document boundary.
 
 Documents run across sample boundaries (separated by the tokenizer's eos), so no token is wasted
 on padding; :func:`hold_out_tail` splits a stream for evaluation without splitting a document.
+A stream that carries a loss mask (chat and prompt/completion data, ``data.train_on =
+"assistant"``) gives targets of :data:`IGNORE_INDEX` where the mask is 0: every loss (plain and
+vocab-parallel cross-entropy, evaluation) skips them and the token counts that normalise the loss
+leave them out, so the mask needs nothing else on any parallel axis.
 """
 
 from __future__ import annotations
@@ -14,13 +18,17 @@ from torch import Tensor
 from meshtrain.config import ConfigError
 from meshtrain.data.shards import TokenShards
 
+IGNORE_INDEX = -100
+"""The target id of a token that is not trained on (PyTorch's cross-entropy default)."""
+
 
 class PackedDataset:
     """Fixed-length samples cut from one token stream, with next-token targets.
 
     Sample ``i`` is ``(tokens[i*L : i*L+L], tokens[i*L+1 : i*L+L+1])`` for ``L = seq_len``:
     consecutive non-overlapping windows whose targets are the inputs shifted by one. Documents run
-    across sample boundaries (separated by eos), so no token is wasted on padding.
+    across sample boundaries (separated by eos), so no token is wasted on padding. Where the
+    stream's loss mask is 0 the target is :data:`IGNORE_INDEX` (the inputs are unchanged).
     """
 
     def __init__(self, tokens: TokenShards | Tensor, seq_len: int):
@@ -35,8 +43,13 @@ class PackedDataset:
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        window = torch.from_numpy(self.tokens.window(index * self.seq_len, self.seq_len + 1))
-        return window[:-1], window[1:]
+        start = index * self.seq_len
+        window = self.tokens.window(start, self.seq_len + 1)
+        targets = window[1:].copy()
+        mask = self.tokens.mask_window(start + 1, self.seq_len)
+        if mask is not None:
+            targets[~mask] = IGNORE_INDEX
+        return torch.from_numpy(window[:-1].copy()), torch.from_numpy(targets)
 
     def batch(self, indices: list[int]) -> tuple[Tensor, Tensor]:
         """Samples ``indices`` stacked: ``(inputs, targets)``, each ``[len(indices), seq_len]``."""
@@ -44,8 +57,12 @@ class PackedDataset:
         window = np.empty((len(indices), length), dtype=np.int64)
         for row, index in enumerate(indices):
             window[row] = self.tokens.window(index * self.seq_len, length)
-        window = torch.from_numpy(window)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        targets = window[:, 1:].copy()
+        if self.tokens.has_mask:
+            for row, index in enumerate(indices):
+                targets[row, ~self.tokens.mask_window(index * self.seq_len + 1, self.seq_len)] = \
+                    IGNORE_INDEX
+        return torch.from_numpy(window[:, :-1].copy()), torch.from_numpy(targets)
 
 
 def hold_out_tail(tokens: TokenShards, fraction: float,

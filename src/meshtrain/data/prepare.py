@@ -40,6 +40,14 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
+from meshtrain.data.encoding import (
+    Encoder,
+    ShardWriter,
+    batches,
+    lines_split_safely,
+    safe_cut,
+    write_txt,
+)
 from meshtrain.data.prepared import (
     FORMAT,
     MARKER,
@@ -57,111 +65,18 @@ from meshtrain.data.readers import (
     text_chunks,
 )
 from meshtrain.data.shards import token_dtype
+from meshtrain.data.supervised import DocumentFormat, masked_rows
 
 SHARD_BYTES = 16 << 20
 """Input bytes per shard (a job of one worker)."""
-BATCH_CHARS = 1 << 20
-"""Characters of ``.jsonl``/``.parquet`` documents tokenized together."""
 OPTION_TEXT_FIELD = "--text-field"
 """How error messages name the text field (the command-line option)."""
 _SCAN_BYTES = 1 << 16
 _SAFE_LINE_START = re.compile(rb"\n(?=[\x21-\x7e])")  # a newline, then printable non-space ASCII
-_OWN_FILE = re.compile(r"(shard-\d{5}\.(bin|idx)|meta\.json|COMPLETE)(\.partial)?")
+_OWN_FILE = re.compile(r"(shard-\d{5}\.(bin|idx|mask)|meta\.json|COMPLETE)(\.partial)?")
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
-
-
-def _safe_cut(text: str) -> int:
-    """Index just after the last newline followed by a non-space character (0: none)."""
-    cut = text.rfind("\n", 0, len(text) - 1)
-    while cut >= 0 and text[cut + 1].isspace():
-        cut = text.rfind("\n", 0, cut)
-    return cut + 1
-
-
-def _batches(texts, limit: int = BATCH_CHARS):
-    """``texts`` in consecutive lists of at least ``limit`` characters (the last one shorter);
-    a text of ``limit`` characters or more is a list of its own."""
-    batch, size = [], 0
-    for text in texts:
-        if len(text) >= limit and batch:
-            yield batch
-            batch, size = [], 0
-        batch.append(text)
-        size += len(text)
-        if size >= limit:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-# ------------------------------------------------------------------------------------- encoding
-
-
-class _Encoder:
-    """Tokenizes text into ``dtype`` arrays the way
-    :func:`~meshtrain.data.sources.encode_documents` does. ``tokenizer``: a loaded tokenizer, or
-    the ``data.tokenizer`` string of one (what a spawned worker gets)."""
-
-    def __init__(self, tokenizer, dtype: str):
-        from meshtrain.data.tokenizer import ByteTokenizer, load_tokenizer
-
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.bytes = isinstance(self.tokenizer, ByteTokenizer)
-        self.dtype = np.dtype(dtype)
-        self.eos = self.tokenizer.eos_id
-
-    def text(self, text: str) -> np.ndarray:
-        """Ids of a piece of one document (no eos)."""
-        if self.bytes:
-            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
-        return np.asarray(self.tokenizer.encode(text), dtype=np.int64).astype(self.dtype)
-
-    def documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of whole documents, each followed by eos; and each one's end offset."""
-        if self.bytes and len(texts) == 1:  # a long document: no copy beyond its ids
-            encoded = texts[0].encode("utf-8")
-            extra = 0 if self.eos is None else 1
-            out = np.empty(len(encoded) + extra, dtype=self.dtype)
-            out[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-            if extra:
-                out[-1] = self.eos
-            return out, np.array([len(out)], dtype=np.int64)
-        if self.bytes:
-            encoded = [text.encode("utf-8") for text in texts]
-            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-            flat = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(self.dtype)
-        else:
-            encode_batch = getattr(self.tokenizer, "encode_batch", None)
-            ids = encode_batch(texts) if encode_batch else [self.tokenizer.encode(t) for t in texts]
-            lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-            flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64,
-                               int(lengths.sum())).astype(self.dtype)
-        ends = np.cumsum(lengths)
-        if self.eos is None:
-            return flat, ends
-        return np.insert(flat, ends, self.eos), ends + np.arange(1, len(ends) + 1)
-
-    def eos_array(self) -> np.ndarray:
-        """The eos id as a 1-token array (empty when the tokenizer has none)."""
-        return np.array([] if self.eos is None else [self.eos], dtype=self.dtype)
-
-
-def lines_split_safely(tokenizer) -> bool:
-    """Whether tokenizing text piece by piece, cut after a newline followed by a non-space
-    character, gives the ids of tokenizing it whole (checked on probe strings)."""
-    probes = ["The cat sat.\nThe dog ran!\n\nThe end\n", "x = 1\n    y = (2, 3)\nz\n\n\n  w\n",
-              "über naïve 123\n456 日本語\n«quoted»\n-- done", "a\nb\n c\td\r\ne"]
-    for text in probes:
-        cuts, rest = [], text
-        while (cut := _safe_cut(rest)) > 0:
-            cuts.insert(0, rest[cut:])
-            rest = rest[:cut]
-        pieces = [rest, *cuts]
-        if [i for piece in pieces for i in tokenizer.encode(piece)] != tokenizer.encode(text):
-            return False
-    return True
-
+# The encoder and shard writer live in meshtrain.data.encoding; these names are kept here.
+_Encoder, _ShardWriter, _safe_cut, _batches = Encoder, ShardWriter, safe_cut, batches
 
 # -------------------------------------------------------------------------------------- workers
 
@@ -185,69 +100,22 @@ def _init_worker(counter, stop) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
 
 
-class _ShardWriter:
-    """Appends tokens and document ends to ``STEM.bin.partial``/``.idx.partial``; ``finish``
-    makes them durable and renames them into place."""
-
-    def __init__(self, stem: Path):
-        self.stem = stem
-        self.bin = open(f"{stem}.bin.partial", "wb")
-        self.idx = open(f"{stem}.idx.partial", "wb")
-        self.tokens = self.documents = 0
-
-    def write(self, tokens: np.ndarray, ends: np.ndarray | None = None) -> None:
-        """Append ``tokens``, and the ends (relative to ``tokens``) of documents ending in it."""
-        tokens.tofile(self.bin)
-        if ends is not None and len(ends):
-            (np.asarray(ends, dtype=np.int64) + self.tokens).astype("<i8").tofile(self.idx)
-            self.documents += len(ends)
-        self.tokens += len(tokens)
-
-    def finish(self) -> None:
-        """Flush and fsync both files, then rename them to their final names."""
-        for handle in (self.bin, self.idx):
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-        for kind in ("bin", "idx"):
-            os.replace(f"{self.stem}.{kind}.partial", f"{self.stem}.{kind}")
-
-
-def _write_txt(writer: _ShardWriter, encoder: _Encoder, chunks, split: bool) -> None:
-    """Tokenize the text ``chunks`` (of one ``.txt`` piece) into ``writer``: chunk by chunk for
-    bytes, cut after the last newline followed by a non-space character for a tokenizer that
-    ``split``s safely there, else whole. Linear: the text since the last cut is a list of chunks
-    joined once, and a cut is looked for in the newest chunk only (the text before it has none,
-    but for its last character: a newline whose next character was not read yet)."""
-    pending: list[str] = []
-    for chunk in chunks:
-        if not chunk:
-            continue
-        if encoder.bytes:
-            writer.write(encoder.text(chunk))
-            continue
-        if split:
-            tail = pending[-1][-1:] if pending else ""
-            cut = _safe_cut(tail + chunk) - len(tail)
-            if cut >= 0 and (cut or tail):
-                writer.write(encoder.text("".join([*pending, chunk[:cut]])))
-                pending.clear()
-                chunk = chunk[cut:]
-        if chunk:
-            pending.append(chunk)
-    if pending:
-        writer.write(encoder.text("".join(pending)))
-
-
 def _tokenize_job(job: dict) -> dict:
-    """Worker: tokenize the pieces of one job into ``shard-NNNNN.bin``/``.idx``."""
+    """Worker: tokenize the pieces of one job into ``shard-NNNNN.bin``/``.idx`` (and ``.mask``
+    for chat / prompt_completion data)."""
     encoder = _Encoder(job["tokenizer"], job["dtype"])
-    writer = _ShardWriter(Path(job["out"]) / f"shard-{job['index']:05d}")
+    fmt: DocumentFormat = job["format"]
+    writer = _ShardWriter(Path(job["out"]) / f"shard-{job['index']:05d}", masked=fmt.masked)
     try:
         for path, kind, start, end, ends_file in job["pieces"]:
+            if fmt.masked:  # .jsonl rows of chat / prompt_completion: ids and their loss mask
+                rows = masked_rows(path, fmt, start, end, report=_report)
+                for batch in batches(rows, length=lambda row: len(row[0])):
+                    writer.write(*encoder.masked_documents(batch))
+                continue
             if kind == "txt":
-                _write_txt(writer, encoder, text_chunks(path, start, end, final=ends_file,
-                                                        report=_report), job["split"])
+                write_txt(writer, encoder, text_chunks(path, start, end, final=ends_file,
+                                                       report=_report), job["split"])
                 if ends_file:
                     writer.write(encoder.eos_array(), np.array([len(encoder.eos_array())]))
                 continue
@@ -257,12 +125,15 @@ def _tokenize_job(job: dict) -> dict:
                 writer.write(*encoder.documents(batch))
         writer.finish()
     finally:
-        for handle in (writer.bin, writer.idx):
+        for handle in writer.handles:
             handle.close()
-    return {"file": writer.stem.name + ".bin", "tokens": writer.tokens,
-            "documents": writer.documents,
-            "sources": [{"path": p[0], "kind": p[1], "start": p[2], "end": p[3]}
-                        for p in job["pieces"]]}
+    shard = {"file": writer.stem.name + ".bin", "tokens": writer.tokens,
+             "documents": writer.documents,
+             "sources": [{"path": p[0], "kind": p[1], "start": p[2], "end": p[3]}
+                         for p in job["pieces"]]}
+    if fmt.masked:
+        shard["mask"] = writer.stem.name + ".mask"
+    return shard
 
 
 # ------------------------------------------------------------------------------------- planning
@@ -398,10 +269,14 @@ def tokenizer_identity(tokenizer) -> dict:
 def write_corpus(files: list[Path], out: Path, tokenizer, *, text_field: str, fingerprint: str,
                  sources: list[dict], spec: str | None = None, workers: int = 1,
                  progress: bool = False, shard_bytes: int = SHARD_BYTES,
-                 setting: str = OPTION_TEXT_FIELD, empty: str | None = None) -> dict:
+                 setting: str = OPTION_TEXT_FIELD, empty: str | None = None,
+                 document_format: DocumentFormat | None = None) -> dict:
     """Tokenize the text ``files`` (in this order) with ``tokenizer`` into the directory ``out``
     (created; or cleared of what ``meshtrain prepare`` writes) as a finished prepared corpus whose
     ``COMPLETE`` marker holds ``fingerprint``; return its meta.
+
+    ``document_format`` (default text) says what a document is: for chat and prompt_completion
+    (``.jsonl`` files only) every shard gets a ``.mask`` beside it, the loss mask of its tokens.
 
     ``sources`` is what ``meta.json`` records of the files; ``setting`` how error messages name
     the text field; ``empty``, when given, the message of the :class:`ConfigError` raised when
@@ -409,6 +284,12 @@ def write_corpus(files: list[Path], out: Path, tokenizer, *, text_field: str, fi
     ``spec``, the tokenizer's ``data.tokenizer`` string, for the spawned workers to load it. On
     any failure what was written is removed (and ``out`` too when this call created it).
     """
+    fmt = document_format or DocumentFormat()
+    for path in files if fmt.masked else ():
+        if path.suffix.lower() != ".jsonl":
+            raise ConfigError(f'{path}: data.format = "{fmt.kind}" reads .jsonl files only (one '
+                              "JSON object per line); convert it, or prepare it separately as "
+                              "text.")
     identity = tokenizer_identity(tokenizer)
     split = lines_split_safely(tokenizer)  # always true for bytes
     jobs, total = _plan(files, text_field, shard_bytes, split, setting)
@@ -419,13 +300,16 @@ def write_corpus(files: list[Path], out: Path, tokenizer, *, text_field: str, fi
     meta = {"format": FORMAT, "complete": False, "fingerprint": fingerprint,
             "tokenizer": identity, "vocab_size": identity["vocab_size"], "dtype": dtype.name,
             "text_field": text_field, "shard_bytes": shard_bytes, "sources": sources}
+    if fmt.masked:  # text corpora keep the meta.json they always had
+        meta.update(data_format=fmt.kind, loss_mask="uint8",
+                    chat_template=None if fmt.template is None else fmt.template.sha256)
     _write_json(out / META, meta)  # marks the directory as ours (unfinished) from the start
     spawned = workers > 1 and len(jobs) > 1
     if spawned and spec is None:
         raise ValueError("write_corpus with workers > 1 needs the tokenizer's spec")
     specs = [{"index": i, "pieces": pieces, "tokenizer": spec if spawned else tokenizer,
               "field": text_field, "dtype": dtype.str, "out": str(out), "split": split,
-              "setting": setting} for i, pieces in enumerate(jobs)]
+              "setting": setting, "format": fmt} for i, pieces in enumerate(jobs)]
     try:
         results = _run_jobs(specs, workers, progress, total)
         if empty is not None and not sum(r["tokens"] for r in results):
@@ -448,9 +332,12 @@ def write_corpus(files: list[Path], out: Path, tokenizer, *, text_field: str, fi
 
 
 def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_field: str = "text",
-            workers: int = 1, progress: bool = False, shard_bytes: int = SHARD_BYTES) -> dict:
+            workers: int = 1, progress: bool = False, shard_bytes: int = SHARD_BYTES,
+            data_format: str = "text", chat_template: str = "") -> dict:
     """Tokenize ``sources`` (files, directories, globs) into the directory ``out``; return its
     meta (with ``"up_to_date": True`` when an earlier run already prepared the same input).
+    ``data_format`` and ``chat_template`` are ``data.format`` and ``data.chat_template``'s: chat
+    and prompt_completion ``.jsonl`` rows are stored with their loss mask (``docs/data.md``).
 
     Raises :class:`ConfigError` before any worker starts for a missing, unreadable or empty
     source, a parquet file without the ``text_field`` column, a tokenizer that does not load, or
@@ -471,11 +358,13 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_
         loaded = load_tokenizer(tokenizer)
     except ConfigError as error:
         raise ConfigError(str(error).replace("data.tokenizer:", "--tokenizer:", 1)) from None
+    fmt = _document_format(data_format, chat_template, tokenizer)
     stats = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
              for p in files]
     key = [[str(p.resolve()), s["size"], s["mtime_ns"]] for p, s in zip(files, stats, strict=True)]
     fingerprint = hashlib.sha256(json.dumps(
-        [FORMAT, key, text_field, tokenizer_hash(loaded), shard_bytes]).encode()).hexdigest()
+        [FORMAT, key, text_field, tokenizer_hash(loaded), shard_bytes]
+        + ([fmt.key()] if fmt.masked else [])).encode()).hexdigest()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a new or empty directory.")
     if is_complete(out) and read_meta(out)["fingerprint"] == fingerprint:
@@ -486,10 +375,26 @@ def prepare(sources: list[str], out: str | Path, tokenizer: str = "bytes", text_
                           "deleted.")
     meta = write_corpus(files, out, loaded, text_field=text_field, fingerprint=fingerprint,
                         sources=stats, spec=tokenizer, workers=workers, progress=progress,
-                        shard_bytes=shard_bytes,
+                        shard_bytes=shard_bytes, document_format=fmt,
                         empty=f"{', '.join(sources)}: no document to prepare (only blank lines "
                               "or null rows).")
     return {**meta, "up_to_date": False}
+
+
+def _document_format(data_format: str, chat_template: str, tokenizer: str) -> DocumentFormat:
+    """The :class:`DocumentFormat` of ``--format`` / ``--chat-template``; ConfigError naming the
+    valid formats, or what the chat template lacks."""
+    from meshtrain.config.sections import DATA_FORMATS
+
+    if data_format not in DATA_FORMATS:
+        raise ConfigError(f'--format "{data_format}" is not one of {", ".join(DATA_FORMATS)}.')
+    if chat_template and data_format != "chat":
+        raise ConfigError(f'--chat-template applies to --format chat only, not "{data_format}".')
+    if data_format != "chat":
+        return DocumentFormat(data_format)
+    from meshtrain.data.chat_template import load_chat_template
+
+    return DocumentFormat("chat", load_chat_template(chat_template, tokenizer, "--chat-template"))
 
 
 def _run_jobs(jobs: list[dict], workers: int, progress: bool, total: int) -> list[dict]:

@@ -5,6 +5,7 @@ A prepared directory (the format ``docs/data.md`` describes)::
 
     shard-00000.bin   headerless little-endian uint16 (uint32 when vocab > 65535) token ids
     shard-00000.idx   int64 shard-local end offsets (in tokens) of the documents ending there
+    shard-00000.mask  chat / prompt_completion data only: one uint8 per token, 1 = trained on
     meta.json         format, tokenizer name/hash, vocab size, dtype, counts, per-shard counts
     COMPLETE          written last (atomically); a directory without it is not finished
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtrain.config import ConfigError
-from meshtrain.data.shards import TokenScan, check_token_file, open_bin
+from meshtrain.data.shards import TokenScan, TokenShards, check_token_file, open_bin
 
 FORMAT = "meshtrain-tokens-1"
 """The ``format`` field of a prepared directory's ``meta.json``."""
@@ -112,10 +113,33 @@ def open_prepared(directory: str | Path, tokenizer,
         if not index.is_file() or index.stat().st_size != 8 * shard["documents"]:
             raise ConfigError(f"{index}: missing or not {shard['documents']} int64 document "
                               "ends; prepare the corpus again.")
+        mask = directory / shard["mask"] if "mask" in shard else None
+        if mask is not None and (not mask.is_file() or mask.stat().st_size != shard["tokens"]):
+            raise ConfigError(f"{mask}: missing or not {shard['tokens']} bytes (one loss-mask "
+                              "byte per token); prepare the corpus again.")
         arrays.append(open_bin(path, dtype))
     if vocab_size is not None:
         check_prepared_ids(directory, vocab_size)
     return arrays
+
+
+def open_prepared_stream(directory: str | Path, tokenizer) -> TokenShards:
+    """The prepared ``directory`` as one token stream (:func:`open_prepared`'s memory maps),
+    with its loss mask when it holds chat or prompt_completion data (``shard-NNNNN.mask``, one
+    ``uint8`` per token, memory-mapped too)."""
+    directory = Path(directory)
+    arrays = open_prepared(directory, tokenizer)
+    meta = read_meta(directory)
+    if not meta.get("loss_mask"):
+        return TokenShards(arrays)
+    masks = [open_bin(directory / shard["mask"], np.dtype(np.uint8)) for shard in meta["shards"]]
+    return TokenShards(arrays, masks)
+
+
+def data_format_of(directory: str | Path) -> str:
+    """What the documents of a prepared ``directory`` are: ``text``, ``chat`` or
+    ``prompt_completion`` (``meshtrain prepare --format``)."""
+    return (read_meta(directory) or {}).get("data_format", "text")
 
 
 def check_prepared_ids(directory: str | Path, vocab_size: int,

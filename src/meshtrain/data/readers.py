@@ -135,6 +135,31 @@ def line_number(path: str | Path, offset: int) -> int:
     return sum(chunk.count("\n") for chunk in text_chunks(path, 0, offset, final=False))
 
 
+def jsonl_objects(path: str | Path, start: int = 0, end: int | None = None,
+                  report: Report = None) -> Iterator[tuple[int, object]]:
+    """``(number, value)`` of each non-blank line in bytes ``[start, end)`` of a ``.jsonl`` file
+    (``start`` at a line start; the whole file by default): its parsed JSON and its number
+    counted from ``start`` (:func:`line_of` gives the file's). Raises :class:`ConfigError`
+    naming the file and line for a line that is not valid JSON."""
+    number = 0
+    for line in _lines(text_chunks(path, start, end, final=True, report=report)):
+        number += 1
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}, line {line_of(path, start, number)}: not valid JSON "
+                              f"({error.msg}).") from None
+        del line  # a long line is not held beside its document
+        yield number, value
+
+
+def line_of(path: str | Path, start: int, number: int) -> int:
+    """The line number in the file of line ``number`` of a piece starting at byte ``start``."""
+    return line_number(path, start) + number
+
+
 def jsonl_texts(path: str | Path, field: str, start: int = 0, end: int | None = None,
                 report: Report = None, setting: str = CONFIG_TEXT_FIELD) -> Iterator[str]:
     """The documents of the lines in bytes ``[start, end)`` of a ``.jsonl`` file (``start`` at a
@@ -143,24 +168,15 @@ def jsonl_texts(path: str | Path, field: str, start: int = 0, end: int | None = 
     Raises :class:`ConfigError` naming the file and line for a line that is not valid JSON, not
     an object with ``field``, or whose ``field`` is not a string.
     """
-    number = 0
-    for line in _lines(text_chunks(path, start, end, final=True, report=report)):
-        number += 1
-        if not line.strip():
-            continue
-        try:
-            record, problem = json.loads(line), None
-        except json.JSONDecodeError as error:
-            record, problem = None, f"not valid JSON ({error.msg})."
-        del line  # a long line is not held beside its document
-        if problem is None and (not isinstance(record, dict) or field not in record):
+    for number, record in jsonl_objects(path, start, end, report):
+        problem = None
+        if not isinstance(record, dict) or field not in record:
             problem = (f'no "{field}" field ({setting}); each line must be a JSON object '
                        f'like {{"{field}": "..."}}.')
-        elif problem is None and not isinstance(record[field], str):
+        elif not isinstance(record[field], str):
             problem = f'field "{field}" is {type(record[field]).__name__}, not a string.'
         if problem:
-            where = line_number(path, start) + number
-            raise ConfigError(f"{path}, line {where}: {problem}")
+            raise ConfigError(f"{path}, line {line_of(path, start, number)}: {problem}")
         text = record[field]
         del record
         yield text

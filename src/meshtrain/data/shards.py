@@ -200,18 +200,49 @@ def read_token_bin(path: Path, vocab_size: int) -> np.ndarray:
 
 
 class TokenShards:
-    """Several 1-D token arrays seen as one stream, read window by window as ``int64``."""
+    """Several 1-D token arrays seen as one stream, read window by window as ``int64``.
 
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = [a for a in arrays if len(a)]
+    ``masks``, when given, holds one loss mask per array (``uint8``, 1 = the token is trained on
+    as a target, 0 = it is not; ``None`` for an array whose tokens are all trained on), the same
+    length as its array: :meth:`mask_window` reads it beside :meth:`window`, and :meth:`slice`
+    and :meth:`concat` keep it aligned with the tokens (``docs/data.md``, the loss mask).
+    """
+
+    def __init__(self, arrays: list[np.ndarray], masks: list[np.ndarray | None] | None = None):
+        if masks is not None and len(masks) != len(arrays):
+            raise ValueError(f"{len(masks)} masks for {len(arrays)} token arrays")
+        pairs = [(a, None if masks is None else masks[i]) for i, a in enumerate(arrays) if len(a)]
+        self.arrays = [a for a, _ in pairs]
+        self.masks: list[np.ndarray | None] | None = None
+        if any(m is not None for _, m in pairs):
+            self.masks = [m for _, m in pairs]
         self.starts: list[int] = []
         total = 0
-        for array in self.arrays:
+        for array, mask in pairs:
             if array.ndim != 1:
                 raise ValueError(f"expected 1-D token arrays, got shape {array.shape}")
+            if mask is not None and mask.shape != array.shape:
+                raise ValueError(f"a loss mask of shape {mask.shape} for tokens {array.shape}")
             self.starts.append(total)
             total += len(array)
         self.total = total
+
+    @classmethod
+    def concat(cls, streams: list[TokenShards]) -> TokenShards:
+        """The ``streams`` one after another (views, no copy), masks kept with their tokens."""
+        arrays = [a for stream in streams for a in stream.arrays]
+        masks = [m for stream in streams
+                 for m in (stream.masks or [None] * len(stream.arrays))]
+        return cls(arrays, masks)
+
+    @property
+    def has_mask(self) -> bool:
+        """Whether some token of the stream is not trained on (a loss mask is carried)."""
+        return self.masks is not None
+
+    def without_mask(self) -> TokenShards:
+        """The same tokens with every one trained on (``data.train_on = "all"``)."""
+        return TokenShards(self.arrays)
 
     @classmethod
     def of(cls, tokens) -> TokenShards:
@@ -244,15 +275,37 @@ class TokenShards:
             shard += 1
         return out
 
+    def mask_window(self, start: int, length: int) -> np.ndarray | None:
+        """The loss mask of tokens ``[start, start + length)`` as a fresh ``bool`` array (True =
+        trained on); ``None`` when the stream carries no mask (every token is trained on)."""
+        if self.masks is None:
+            return None
+        if start < 0 or start + length > self.total:
+            raise IndexError(f"window [{start}, {start + length}) outside {self.total} tokens")
+        out = np.ones(length, dtype=bool)
+        shard = bisect.bisect_right(self.starts, start) - 1
+        filled = 0
+        while filled < length:
+            array, mask = self.arrays[shard], self.masks[shard]
+            offset = start + filled - self.starts[shard]
+            take = min(length - filled, len(array) - offset)
+            if mask is not None:
+                out[filled:filled + take] = mask[offset:offset + take] != 0
+            filled += take
+            shard += 1
+        return out
+
     def slice(self, start: int, stop: int) -> TokenShards:
-        """Tokens ``[start, stop)`` as a stream of views (no copy)."""
+        """Tokens ``[start, stop)`` (and their loss mask) as a stream of views (no copy)."""
         start, stop = max(0, start), min(stop, self.total)
-        parts = []
-        for array, first in zip(self.arrays, self.starts, strict=True):
+        parts, masks = [], []
+        for i, (array, first) in enumerate(zip(self.arrays, self.starts, strict=True)):
             lo, hi = max(start - first, 0), min(stop - first, len(array))
             if lo < hi:
                 parts.append(array[lo:hi])
-        return TokenShards(parts)
+                mask = None if self.masks is None else self.masks[i]
+                masks.append(None if mask is None else mask[lo:hi])
+        return TokenShards(parts, masks)
 
     def rfind(self, token: int, stop: int, limit: int = 1 << 24) -> int:
         """Position of the last ``token`` before ``stop`` within ``limit`` tokens, read in

@@ -36,6 +36,7 @@ from meshtrain.data.prepared import (
     is_complete,
     is_prepared_dir,
     open_prepared,
+    open_prepared_stream,
     tokenizer_hash,
 )
 from meshtrain.data.readers import (
@@ -44,6 +45,7 @@ from meshtrain.data.readers import (
     find_source_files,
 )
 from meshtrain.data.shards import TokenShards, read_token_bin, token_dtype
+from meshtrain.data.supervised import DocumentFormat, document_format
 from meshtrain.data.tokenizer import ByteTokenizer
 
 CACHE_ENV = "MESHTRAIN_DATA_CACHE"
@@ -73,8 +75,9 @@ def _stream_key(data: DataConfig, tokenizer, files: list[Path]) -> tuple:
     tokenizer_file = getattr(tokenizer, "path", None)
     files = [*files, tokenizer_file] if tokenizer_file is not None else files
     stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in map(Path, files))
+    masked = () if data.format == "text" else (data.format, data.chat_template, data.train_on)
     return (data.source, data.text_field, data.max_bytes, tokenizer.name, tokenizer.vocab_size,
-            tokenizer.eos_id, stats, sys.version, sysconfig.get_paths()["stdlib"])
+            tokenizer.eos_id, stats, sys.version, sysconfig.get_paths()["stdlib"], *masked)
 
 
 def data_cache_dir(cache_dir: str | Path | None = None) -> Path:
@@ -106,13 +109,16 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _raw_key(files: list[Path], hashes: list[str], text_field: str, tokenizer) -> str:
+def _raw_key(files: list[Path], hashes: list[str], text_field: str, tokenizer,
+             fmt: DocumentFormat | None = None) -> str:
     """The cache key of a raw source: what its token stream depends on, nothing else (not the
-    paths, sizes or mtimes: the same bytes anywhere share one entry, changed bytes never do)."""
+    paths, sizes or mtimes: the same bytes anywhere share one entry, changed bytes never do);
+    for chat / prompt_completion data also the format and the chat template."""
     kinds = [path.suffix.lower() for path in files]
+    masked = [fmt.key()] if fmt is not None and fmt.masked else []
     return hashlib.sha256(json.dumps(
         [FORMAT, _RAW_VERSION, list(zip(kinds, hashes, strict=True)), text_field,
-         tokenizer_hash(tokenizer), tokenizer.vocab_size, tokenizer.eos_id, SHARD_BYTES]
+         tokenizer_hash(tokenizer), tokenizer.vocab_size, tokenizer.eos_id, SHARD_BYTES, *masked]
     ).encode()).hexdigest()
 
 
@@ -133,9 +139,10 @@ def raw_corpus_dir(data: DataConfig, tokenizer, cache_dir: str | Path | None = N
     behind), and when the cache cannot be created.
     """
     files = find_source_files(data.source) if files is None else files
+    fmt = document_format(data)
     hashes = [file_sha256(path) for path in files]
     root = data_cache_dir(cache_dir)
-    entry = root / f"tokens-{_raw_key(files, hashes, data.text_field, tokenizer)[:32]}"
+    entry = root / f"tokens-{_raw_key(files, hashes, data.text_field, tokenizer, fmt)[:32]}"
     if _usable(entry, tokenizer):
         return entry
     try:
@@ -155,7 +162,7 @@ def raw_corpus_dir(data: DataConfig, tokenizer, cache_dir: str | Path | None = N
                 raise
             locked = False
         if not _usable(entry, tokenizer):
-            _write_entry(entry, files, hashes, data.text_field, tokenizer, locked)
+            _write_entry(entry, files, hashes, data.text_field, tokenizer, locked, fmt)
     finally:
         os.close(handle)  # releases the lock; the lock file stays (removing it would race)
     return entry
@@ -173,7 +180,7 @@ def _usable(entry: Path, tokenizer) -> bool:
 
 
 def _write_entry(entry: Path, files: list[Path], hashes: list[str], text_field: str,
-                 tokenizer, locked: bool = True) -> None:
+                 tokenizer, locked: bool = True, fmt: DocumentFormat | None = None) -> None:
     """Tokenize ``files`` into ``entry`` through a temporary directory renamed into place.
     ``locked``: this process holds the entry's lock, which every writer takes, so any other
     temporary directory of the entry was left by a writer that died, and is removed."""
@@ -186,7 +193,7 @@ def _write_entry(entry: Path, files: list[Path], hashes: list[str], text_field: 
     try:
         write_corpus(files, partial, tokenizer, text_field=text_field,
                      fingerprint=entry.name.removeprefix("tokens-"), sources=sources,
-                     shard_bytes=SHARD_BYTES, setting=CONFIG_TEXT_FIELD)
+                     shard_bytes=SHARD_BYTES, setting=CONFIG_TEXT_FIELD, document_format=fmt)
         if entry.exists():
             shutil.rmtree(entry)  # damaged: mapped files stay readable to processes using them
         try:
@@ -248,7 +255,12 @@ def load_token_stream(data: DataConfig, tokenizer,
       are concatenated.
     - a directory written by ``meshtrain prepare`` (:mod:`meshtrain.data.prepare`): its shards,
       memory-mapped after checking they are complete and were written with ``tokenizer``
-      (``data.text_field`` and ``data.max_bytes`` do not apply; prepare decided the documents).
+      (``data.text_field``, ``data.format`` and ``data.max_bytes`` do not apply; prepare decided
+      the documents), and their loss mask when they hold chat or prompt_completion data.
+
+    With ``data.format`` ``chat`` or ``prompt_completion`` each ``.jsonl`` row is one document
+    (:mod:`meshtrain.data.supervised`) and the stream carries its loss mask, unless
+    ``data.train_on = "all"``.
 
     ``.txt``, ``.jsonl`` and ``.parquet`` sources are tokenized once into the token cache under
     ``cache_dir`` (default :func:`data_cache_dir`) and memory-mapped from there
@@ -258,20 +270,27 @@ def load_token_stream(data: DataConfig, tokenizer,
     files once.
     """
     if is_prepared_dir(Path(data.source).expanduser()):  # meshtrain prepare's output: memory maps
-        return TokenShards(open_prepared(Path(data.source).expanduser(), tokenizer))
+        tokens = open_prepared_stream(Path(data.source).expanduser(), tokenizer)
+        return tokens.without_mask() if data.train_on == "all" else tokens
     builtin = data.source == BUILTIN_SOURCE
     files = [] if builtin else find_source_files(data.source)
+    if data.format != "text" and (builtin or files[0].suffix.lower() == ".bin"):
+        raise ConfigError(f'data.format = "{data.format}" reads .jsonl rows, but data.source = '
+                          f'"{data.source}" is {"the built-in corpus" if builtin else ".bin ids"};'
+                          ' give .jsonl files, or a directory meshtrain prepare --format wrote.')
     key = (*_stream_key(data, tokenizer, files), str(data_cache_dir(cache_dir)))
     if key in _STREAM_CACHE:
         return _STREAM_CACHE[key]
     if builtin:
-        stream = [_disk_cached(key[:-1], cache_dir, tokenizer.vocab_size, lambda: encode_documents(
-            builtin_corpus_texts(data.max_bytes), tokenizer))]
+        tokens = TokenShards([_disk_cached(key[:-1], cache_dir, tokenizer.vocab_size,
+                                           lambda: encode_documents(
+                                               builtin_corpus_texts(data.max_bytes), tokenizer))])
     elif files[0].suffix.lower() == ".bin":
-        stream = [read_token_bin(path, tokenizer.vocab_size) for path in files]
+        tokens = TokenShards([read_token_bin(path, tokenizer.vocab_size) for path in files])
     else:
-        stream = open_prepared(raw_corpus_dir(data, tokenizer, cache_dir, files), tokenizer)
-    tokens = TokenShards(stream)
+        tokens = open_prepared_stream(raw_corpus_dir(data, tokenizer, cache_dir, files), tokenizer)
+        if data.train_on == "all":
+            tokens = tokens.without_mask()
     if len(_STREAM_CACHE) >= _STREAM_CACHE_SIZE:
         _STREAM_CACHE.pop(next(iter(_STREAM_CACHE)))
     _STREAM_CACHE[key] = tokens

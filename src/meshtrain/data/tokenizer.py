@@ -105,6 +105,12 @@ class HFTokenizer:
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         return [list(e.ids) for e in encodings]
 
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list]]:
+        """``(ids, offsets)`` of each text (no special tokens added): ``offsets[i]`` is the
+        ``(start, end)`` character range of ``text`` that token ``i`` came from."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [(list(e.ids), list(e.offsets)) for e in encodings]
+
     def decode(self, ids) -> str:
         """Text of ``ids``, skipping special tokens (eos included)."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -29,15 +29,17 @@ layout routes alike. Dense first blocks (``moe_first_dense``) are plain feed-for
 Load balancing (``config.moe_balance``):
 
 * ``"aux-loss"``: the Switch-Transformer auxiliary loss ``coef * E * sum_i f_i * P_i`` is stored
-  in ``last_stats["aux_loss"]`` for the trainer to add to the objective. It is computed **per
-  forward**, i.e. over the tokens of one micro-batch of one data-parallel rank (exactly the
-  reference's micro-batch in ``meshtrain verify``): ``f_i`` is the fraction of that micro-batch's
-  ``T * k`` assignments that chose expert ``i`` and ``P_i`` the mean router probability of expert
-  ``i`` over its ``T`` tokens. Under tensor parallelism every tp rank routes the *whole*
-  micro-batch (sequence parallelism first gathers the sequence), so the statistics already cover
-  the tokens the tp ranks share and need no further reduction; the trainer averages the per
-  micro-batch losses over all micro-batches and data-parallel ranks (each expert-parallel rank
-  routes its own micro-batch, so ep changes nothing here).
+  in ``last_stats["aux_loss"]`` for the trainer to add to the objective, averaged over the step's
+  micro-batches and data-parallel ranks. ``f_i`` is the fraction of the assignments that chose
+  expert ``i`` and ``P_i`` the mean router probability of expert ``i``, over the tokens that
+  ``config.moe_balance_scope`` names (:mod:`meshtrain.model.moe_balance`): one forward's
+  (``micro-batch``, the reference's micro-batch in ``meshtrain verify``), each sequence's
+  (``sequence``), or, for ``f``, the whole step's (``global-batch``: :attr:`MoE.global_load`, the
+  step's per-expert assignments over every micro-batch and rank, which the trainer provides, or
+  which the layer sums over :attr:`MoE.batch_comm` in its forward). Under tensor parallelism
+  every tp rank routes the *whole* micro-batch (sequence parallelism first gathers the
+  sequence), so the statistics already cover the tokens the tp ranks share and need no further
+  reduction (each expert-parallel rank routes its own micro-batch, so ep changes nothing here).
 * ``"bias"``: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert ``expert_bias`` is added to
   the scores for *selection only*, and nudged by :meth:`MoE.update_bias` after each step from the
   load of the **global batch** (every micro-batch of every data-parallel rank).
@@ -59,6 +61,12 @@ from torch import nn
 from meshtrain.config import ModelConfig
 from meshtrain.model.feed_forward import FeedForward, MLPActivation
 from meshtrain.model.grouped_gemm import ExpertGroups
+from meshtrain.model.moe_balance import (
+    balance,
+    forward_balance_stats,
+    selection_probs,
+    sequence_counts,
+)
 from meshtrain.model.weight_grad import grouped_expert_matmul
 
 
@@ -110,8 +118,10 @@ class MoE(nn.Module):
     Buffer ``expert_bias`` [E] (fp32, persistent).
 
     After every forward, ``last_stats`` holds ``tokens_per_expert`` (LongTensor [E], assignments
-    before capacity dropping), ``dropped`` (LongTensor scalar) and ``aux_loss`` (scalar, in the
-    autograd graph, already multiplied by ``moe_aux_coef``; zero unless balance is aux-loss).
+    before capacity dropping), ``dropped`` (LongTensor scalar), ``aux_loss`` (scalar, in the
+    autograd graph, already multiplied by ``moe_aux_coef``; zero unless balance is aux-loss) and
+    the forward's balance numbers ``balance_*``
+    (:func:`~meshtrain.model.moe_balance.forward_balance_stats`, detached).
     """
 
     def __init__(self, config: ModelConfig):
@@ -125,6 +135,7 @@ class MoE(nn.Module):
         self.score_func = config.moe_score
         self.norm_topk = config.moe_norm_topk
         self.balance = config.moe_balance
+        self.balance_scope = config.moe_balance_scope
         self.aux_coef = config.moe_aux_coef
         self.bias_rate = config.moe_bias_rate
         self.capacity_factor = config.moe_capacity_factor
@@ -149,6 +160,17 @@ class MoE(nn.Module):
         """The ranks that each hold part of every sequence of this micro-batch (context
         parallelism; a :class:`~meshtrain.parallel.comm.CountedComm`), over which the aux loss's
         statistics are summed so it is the whole micro-batch's; None = this rank has it all."""
+        self.batch_comm = None
+        """``global-batch`` scope: the ranks whose tokens make up the step's batch with this
+        rank's (dp × cp), over which the first training forward of a step sums its counts into
+        :attr:`global_load` (one all-reduce); None = this forward's tokens are the whole batch."""
+        self.global_load: torch.Tensor | None = None
+        """``global-batch`` scope: the step's assignments per expert over every micro-batch and
+        rank (before capacity dropping), set by the trainer before the step's forwards (or by
+        the first forward over :attr:`batch_comm`), cleared when the step starts."""
+        self.load_tally: torch.Tensor | None = None
+        """When a LongTensor [E], every forward adds its assignments per expert to it (the
+        trainer's routing pre-pass)."""
 
     def _check_sequence_split(self, seq_len: int | None) -> None:
         """Under context parallelism a rank holds two chunks of each sequence: capacity groups
@@ -171,8 +193,10 @@ class MoE(nn.Module):
         self.last_stats = {}
         self._step_stats = {}
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Choose experts for tokens ``x`` [T, dim].
+    def route(self, x: torch.Tensor, seq_len: int | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Choose experts for tokens ``x`` [T, dim] (whole sequences of ``seq_len`` tokens;
+        None = one sequence).
 
         Router logits and scores are computed in fp32; scores are ``softmax`` over experts or an
         independent ``sigmoid`` each (``config.moe_score``). Experts are selected by top-k of
@@ -187,7 +211,8 @@ class MoE(nn.Module):
         token's best groups first (:meth:`limit_to_groups`).
 
         Returns ``indices`` [T, k] (long), ``weights`` [T, k] (fp32) and a stats dict with
-        ``tokens_per_expert`` [E] and ``aux_loss`` (scalar).
+        ``tokens_per_expert`` [E], ``aux_loss`` (scalar) and ``balance`` (this forward's
+        :func:`~meshtrain.model.moe_balance.forward_balance_stats`).
         """
         logits = F.linear(x.float(), self.router.weight.float())
         if self.score_func == "sigmoid":
@@ -202,9 +227,14 @@ class MoE(nn.Module):
         if self.norm_topk and (self.score_func == "sigmoid" or self.top_k > 1):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         tokens_per_expert = count_values(indices.flatten(), self.num_experts)
+        if self.load_tally is not None:
+            self.load_tally += tokens_per_expert
+        probs = selection_probs(scores, self.score_func)
         stats = {
             "tokens_per_expert": tokens_per_expert,
-            "aux_loss": self.aux_loss(scores, tokens_per_expert),
+            "aux_loss": self.aux_loss(scores, tokens_per_expert, indices, seq_len),
+            "balance": forward_balance_stats(probs, indices, tokens_per_expert, seq_len,
+                                             self.num_experts),
         }
         return indices, weights, stats
 
@@ -222,29 +252,59 @@ class MoE(nn.Module):
         keep.scatter_(1, chosen, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
 
-    def aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """Switch-Transformer balance loss ``coef * E * sum_i f_i * P_i`` (0 unless aux-loss).
+    def aux_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 indices: torch.Tensor | None = None, seq_len: int | None = None,
+                 ) -> torch.Tensor:
+        """Switch-Transformer balance loss ``coef * E * sum_i f_i * P_i`` at the layer's scope
+        (0 unless aux-loss; :mod:`meshtrain.model.moe_balance`).
 
-        ``f_i``: fraction of the ``T * k`` assignments that chose expert ``i`` (before capacity
-        dropping; no gradient). ``P_i``: mean over tokens of expert ``i``'s router probability
-        (sigmoid scores are first normalised to sum to 1 per token). Minimal (= coef) when both
-        are uniform.
+        ``f_i``: fraction of the assignments that chose expert ``i`` (before capacity dropping;
+        no gradient); ``P_i``: mean over tokens of expert ``i``'s router probability (sigmoid
+        scores are first normalised to sum to 1 per token). Minimal (= coef) when both are
+        uniform. ``micro-batch``: over this forward's ``T`` tokens (``tokens_per_expert``);
+        ``sequence``: per sequence of ``seq_len`` tokens (``indices`` [T, k]), averaged over
+        the sequences; ``global-batch``: ``f`` of the step's whole batch (:attr:`global_load`)
+        with this forward's share of ``P``, so that the step's average over its micro-batches
+        is the global-batch loss. Under context parallelism counts are summed over the ranks
+        that hold parts of the same sequences, and each rank's ``P`` is its share of the
+        sum, so the ranks' losses add up to the whole micro-batch's.
         """
         if self.balance != "aux-loss" or scores.shape[0] == 0:
             return scores.sum() * 0.0
-        counts, tokens = tokens_per_expert.float(), scores.shape[0]
+        probs = selection_probs(scores, self.score_func)
         split = self.sequence_comm is not None and self.sequence_comm.active
-        if split:
-            # Each rank holds part of every sequence: f over the whole micro-batch, and this
-            # rank's share of P's sum, so the ranks' aux losses sum to the whole micro-batch's.
-            counts = counts.clone()
-            self.sequence_comm.all_reduce(counts)
-            tokens *= self.sequence_comm.size
-        fraction = counts / counts.sum().clamp_min(1)
-        probs = scores
-        if self.score_func == "sigmoid":
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        return self.aux_coef * self.num_experts * (fraction * probs.sum(dim=0) / tokens).sum()
+        share = self.sequence_comm.size if split else 1  # ranks holding parts of a sequence
+        if self.balance_scope == "sequence":
+            local = seq_len or scores.shape[0]
+            counts = sequence_counts(indices, local, self.num_experts)
+            if split:
+                self.sequence_comm.all_reduce(counts)
+            prob_sums = probs.reshape(counts.shape[0], local, self.num_experts).sum(dim=1)
+            losses = balance(counts, prob_sums, local * share, self.num_experts)
+            return self.aux_coef * losses.mean()
+        if self.balance_scope == "global-batch":
+            counts = self.step_load(tokens_per_expert)
+        else:
+            counts = tokens_per_expert
+            if split:
+                counts = counts.clone()
+                self.sequence_comm.all_reduce(counts)
+        return self.aux_coef * balance(counts, probs.sum(dim=0), scores.shape[0] * share,
+                                       self.num_experts)
+
+    def step_load(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The step's assignments per expert (``global-batch`` scope): :attr:`global_load` when
+        known; else this forward's counts summed over :attr:`batch_comm` (one all-reduce, kept
+        in :attr:`global_load` for the rest of the step, e.g. a recomputation in backward);
+        without a ``batch_comm``, this forward's own counts (its tokens are the batch)."""
+        if self.global_load is not None:
+            return self.global_load
+        if self.batch_comm is None:
+            return tokens_per_expert
+        load = tokens_per_expert.clone()
+        self.batch_comm.all_reduce(load)
+        self.global_load = load
+        return load
 
     def capacity(self, num_tokens: int) -> int:
         """Assignments one expert accepts from a routing group of ``num_tokens`` tokens:
@@ -319,8 +379,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MoE feed-forward to ``x`` [..., dim] and record ``last_stats``."""
         flat = x.reshape(-1, x.shape[-1])
-        indices, weights, stats = self.route(flat)
         seq_len = x.shape[-2] if x.dim() >= 3 else None
+        indices, weights, stats = self.route(flat, seq_len)
         self._check_sequence_split(seq_len)
         out, dropped = self.compute_experts(flat, indices, weights, seq_len)
         if self.shared_experts is not None:
@@ -332,6 +392,7 @@ class MoE(nn.Module):
             "tokens_per_expert": stats["tokens_per_expert"],
             "dropped": dropped,
             "aux_loss": stats["aux_loss"],
+            **{f"balance_{key}": value for key, value in stats["balance"].items()},
         }
         if self.record_step_stats and not recomputing_in_backward():
             self._accumulate(self.last_stats)
@@ -342,7 +403,9 @@ class MoE(nn.Module):
         current = {"tokens_per_expert": stats["tokens_per_expert"].detach().long(),
                    "dropped": stats["dropped"].detach().long(),
                    "aux_loss": stats["aux_loss"].detach().float(),
-                   "forwards": torch.ones((), dtype=torch.long, device=self.expert_bias.device)}
+                   "forwards": torch.ones((), dtype=torch.long, device=self.expert_bias.device),
+                   **{key: value for key, value in stats.items()
+                      if key.startswith("balance_")}}
         if not self._step_stats:
             self._step_stats = current
         else:
@@ -351,13 +414,20 @@ class MoE(nn.Module):
 
     def pop_step_stats(self) -> dict[str, torch.Tensor]:
         """Sums since the last call over every forward: ``tokens_per_expert`` [E] (before capacity
-        dropping), ``dropped``, ``aux_loss`` (detached) and ``forwards``; then start afresh."""
+        dropping), ``dropped``, ``aux_loss`` (detached), ``forwards`` and the balance numbers
+        ``balance_prob_sum`` [E], ``balance_tokens``, ``balance_micro_batch``,
+        ``balance_sequence_sum``, ``balance_sequences``
+        (:func:`~meshtrain.model.moe_balance.forward_balance_stats`); then start afresh."""
         device = self.expert_bias.device
+        zero = torch.zeros((), device=device)
         stats = self._step_stats or {
             "tokens_per_expert": torch.zeros(self.num_experts, dtype=torch.long, device=device),
             "dropped": torch.zeros((), dtype=torch.long, device=device),
-            "aux_loss": torch.zeros((), device=device),
+            "aux_loss": zero,
             "forwards": torch.zeros((), dtype=torch.long, device=device),
+            "balance_prob_sum": torch.zeros(self.num_experts, device=device),
+            **{f"balance_{key}": zero for key in ("tokens", "micro_batch", "sequence_sum",
+                                                   "sequences")},
         }
         self._step_stats = {}
         return stats

@@ -75,10 +75,12 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
 
         compile_blocks(model)  # after checkpointing: the compiled graph holds the checkpoint
     from meshtrain.parallel.data import apply_data_parallel
+    from meshtrain.parallel.offload.store import open_store
 
     grad_dtype = torch.bfloat16 if plan.grad_dtype == "bf16" else torch.float32
     state.dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
-                                          plan.dp_shared_memory, grad_dtype, init_values)
+                                          plan.dp_shared_memory, grad_dtype, init_values,
+                                          offload=open_store(plan, mesh))
     return model
 
 

@@ -15,6 +15,12 @@ together with the stage's other ranks: each step is a collective for one tensor,
 3. if tensor-parallel (the record's ``tp_dim``), is gathered over ``tp`` by the dp-rank-0 ranks and
    concatenated along that dim (tp-replicated tensors are taken as they are).
 
+With ``grads = True`` the same walk gathers the parameters' accumulated **gradients** instead
+(after a step's backward and reduction, before the optimizer step): from the full gradient
+buffer at ZeRO stage 0, from each rank's gradient shard at stages 1-3 (assembled like a ZeRO-3
+parameter), gathered over ep and tp alike; buffers have none and are left out. ``meshtrain
+verify`` compares them parameter by parameter with one process.
+
 Gathers are one in-place broadcast per rank of the group (see :func:`_gather_along`). Afterwards
 every dp-rank-0 rank of the stage holds the full tensor, exactly as one process would hold it;
 the other ranks get ``None``. Nothing else stays alive: a rank holds the full tensor, its own
@@ -89,14 +95,16 @@ class StageTensors:
     the last stage is left out (the first stage writes it: it is saved once).
     """
 
-    def __init__(self, model: nn.Module, engine, mesh):
-        self.mesh, self.engine = mesh, engine
+    def __init__(self, model: nn.Module, engine, mesh, grads: bool = False):
+        """``grads``: gather the parameters' gradients (no buffers) instead of their values."""
+        self.mesh, self.engine, self.grads = mesh, engine, grads
         self.shardings = engine.shardings
         self._slots = {s.name: (b, s) for b in engine.buckets for s in b.slots
                        if not self.shardings[s.name].tied_copy}
         persistent = model.state_dict(keep_vars=True)
-        self._buffers = {name: buffer for name, buffer in model.named_buffers()
-                         if name in persistent and name not in self._slots}
+        self._buffers = {} if grads else {
+            name: buffer for name, buffer in model.named_buffers()
+            if name in persistent and name not in self._slots}
         names = sorted([*self._slots, *self._buffers])  # equal on every rank of a stage
         self.specs = [self._spec(name) for name in names]
 
@@ -116,8 +124,13 @@ class StageTensors:
 
     def __iter__(self) -> Iterator[tuple[TensorSpec, torch.Tensor | None]]:
         """``(spec, full tensor or None)`` for every tensor of the stage, one at a time."""
+        offload = getattr(self.engine, "offload", None)
+        if offload is not None:
+            self.engine.wait_for_step()  # an offloaded step may still be updating the shards
         for spec in self.specs:
             yield spec, self.gather(spec.name)
+            if offload is not None:  # offloaded shards read for this tensor leave memory
+                offload.release_all()
 
     @torch.no_grad()
     def gather(self, name: str) -> torch.Tensor | None:
@@ -143,20 +156,31 @@ class StageTensors:
         return value
 
     def _local(self, name: str) -> torch.Tensor | None:
-        """This rank's piece of parameter ``name`` whole over data parallelism. Under ZeRO-3 a
+        """This rank's piece of parameter ``name`` (or of its gradient) whole over data
+        parallelism. Under ZeRO-3 (gradients: ZeRO 1-3, which shard them) a
         dense parameter is assembled on dp rank 0 (None on the other ranks); an expert
         parameter on every rank of its ``edp`` group, since with experts folded over more tp
         ranks than ``ep`` (``ep < tp``) several of the dp-rank-0 ranks are in one edp group."""
         bucket, slot = self._slots[name]
-        if self.engine.stage != 3:
+        stage = self.engine.stage
+        if self.grads:
+            if stage == 0:
+                return bucket.grad_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            shard = bucket.shard(bucket.grad_buffer) if stage == 1 else bucket.grad_shard
+            return self._assemble(bucket, slot, shard)
+        if stage != 3:
             return bucket.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return self._assemble(bucket, slot, self.engine.gather_source(bucket))  # on the device
+
+    def _assemble(self, bucket, slot, shard: torch.Tensor) -> torch.Tensor | None:
+        """``slot``'s parameter put together from the dp ranks' ``shard`` of ``bucket`` (values
+        or gradients): on dp rank 0 (None elsewhere), or on every rank of an ``edp`` group."""
         comm = self.engine.comms[bucket.axis]
         me, size = bucket.shard_start // bucket.shard_numel, bucket.shard_numel
         lo, hi = slot.offset, slot.offset + slot.numel
         pieces = [(r, max(lo, r * size), min(hi, (r + 1) * size))
                   for r in range(max(comm.size, 1))]
         pieces = [(r, a, b) for r, a, b in pieces if a < b]  # the ranks holding a part of it
-        shard = bucket.param_shard
         if bucket.axis == "edp":  # each holder broadcasts its part straight into its place
             out = torch.empty(slot.numel, dtype=shard.dtype, device=shard.device)
             for r, a, b in pieces:

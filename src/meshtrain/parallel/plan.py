@@ -9,6 +9,7 @@ degrees of every axis and how the step is scheduled) with the tensor-parallel sh
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from meshtrain.config import Config
 from meshtrain.config.layout import Layout
@@ -54,6 +55,16 @@ class ParallelPlan(Layout):
     """dtype gradients are accumulated and reduced in (``parallel.grad_reduce_dtype``)."""
     compile_blocks: bool = False
     """``torch.compile`` each block's forward (``train.compile``)."""
+    offload: str = "none"
+    """What of this rank's ZeRO shard lives off the device (``parallel.offload``)."""
+    offload_device: str = "host"
+    """``host`` or ``nvme`` (``parallel.offload_device``)."""
+    offload_dir: str = ""
+    """Where nvme offload's files go (``parallel.offload_dir``, default ``RUN_DIR/offload``)."""
+    offload_chunk_mb: float = 16.0
+    """MiB of a state tensor each pass over offloaded state handles at a time."""
+    offload_overlap: bool = False
+    """Run the offloaded ZeRO-3 step in the background (``parallel.offload_overlap``)."""
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelPlan:
@@ -65,4 +76,8 @@ class ParallelPlan(Layout):
                    init_seed=config.train.seed,
                    param_dtype=config.train.precision,
                    grad_dtype=par.grad_reduce_dtype,
-                   compile_blocks=config.train.compile)
+                   compile_blocks=config.train.compile,
+                   offload=par.offload, offload_device=par.offload_device,
+                   offload_dir=par.offload_dir or str(Path(config.train.run_dir) / "offload"),
+                   offload_chunk_mb=par.offload_chunk_mb,
+                   offload_overlap=par.offload_overlap)

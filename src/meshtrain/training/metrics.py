@@ -1,4 +1,6 @@
-"""Step metrics: ``RUN_DIR/metrics.jsonl`` (rank 0), a progress display, optional TensorBoard.
+"""Step metrics: ``RUN_DIR/metrics.jsonl`` (rank 0), a progress display, and the run's
+experiment trackers (``train.loggers``: TensorBoard, W&B, MLflow;
+:mod:`meshtrain.training.trackers`).
 
 Every line of ``metrics.jsonl`` is one optimizer step with at least ``step, loss, grad_norm, lr,
 tokens, step_time_s, tokens_per_s, mfu, comm_bytes, mem, energy_j, energy_total_j,
@@ -8,7 +10,9 @@ FLOP/s is unknown: it is never guessed. ``mem.peak_bytes`` is ``torch.cuda.max_m
 on CUDA and the process's peak resident set size (the kernel's ``VmHWM``) on CPU.
 ``compute_s`` and ``wait_s`` split rank 0's step time into work and time in collectives;
 ``straggler`` is ``{rank, excess_s, factor}``, the rank whose compute most exceeded the other
-ranks' median, or null for one process (:mod:`meshtrain.training.straggler`).
+ranks' median, or null for one process (:mod:`meshtrain.training.straggler`). A step that scored
+``train.eval_tasks`` has ``tasks``: ``{task: {metric: value}}``
+(:mod:`meshtrain.training.harness.scorer`).
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """Writes one JSON line per step and shows progress; used on the logging rank only."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, trackers=None):
+        """``trackers``: a :class:`~meshtrain.training.trackers.Trackers` that gets every row
+        too (and, through :meth:`final_weights` and :meth:`close`, how the run ended)."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         if start_step > 0 and self.path.is_file():
@@ -76,11 +82,8 @@ class MetricsWriter:
         self.file = self.path.open("a" if start_step > 0 else "w")
         self.total_steps = total_steps
         self.start_time = time.time()
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.trackers = trackers
+        self.finished = False
         self.progress = None
         if sys.stderr.isatty():  # every human-readable line of a run goes to stderr
             from rich.console import Console
@@ -102,22 +105,30 @@ class MetricsWriter:
                   f"lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s")
         if "eval_loss" in record:
             status += f"  eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.2f})"
+        for task, scores in record.get("tasks", {}).items():  # its first metric
+            status += "".join(f"  {task} {name} {value:.4g}"
+                              for name, value in list(scores.items())[:1])
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
         else:
             print(f"step {record['step']:>5}/{self.total_steps}  {status}",
                   file=sys.stderr, flush=True)
-        if self.tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
-                self.tb.add_scalar(f"train/{key}", record[key], record["step"])
-            for key in ("eval_loss", "eval_ppl"):
-                if key in record:
-                    self.tb.add_scalar(f"eval/{key[5:]}", record[key], record["step"])
+        if self.trackers is not None:
+            self.trackers.log_row(record)
+
+    def final_weights(self, path: Path | None) -> None:
+        """The run trained to its last step and wrote its final weights to ``path``."""
+        self.finished = True
+        if self.trackers is not None and path is not None:
+            self.trackers.log_final_weights(Path(path).resolve())
 
     def close(self) -> None:
-        """Flush and close everything."""
+        """Flush and close everything; the trackers' runs end as finished (after
+        :meth:`final_weights`), failed (an exception is on its way) or stopped early."""
         if self.progress is not None:
             self.progress.stop()
-        if self.tb is not None:
-            self.tb.close()
         self.file.close()
+        if self.trackers is not None:
+            failed = sys.exc_info()[0] is not None
+            self.trackers.close("FAILED" if failed else "FINISHED" if self.finished
+                                else "KILLED")

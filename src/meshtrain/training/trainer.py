@@ -6,8 +6,9 @@ counted collectives.
 
 Loss normalisation: each micro-batch's summed token cross-entropy is divided by the number of
 target tokens in the **global** batch (all data-parallel ranks, all micro-batches), counted before
-any forward. Gradients summed over micro-batches and data-parallel ranks are therefore exactly the
-gradient of the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
+any forward; tokens a loss mask leaves out (chat data, ``data.train_on``) are not targets.
+Gradients summed over micro-batches and data-parallel ranks are therefore exactly the gradient of
+the global mean loss, whatever the layout or micro-batching. With DiLoCo replica
 groups (``parallel.replicas > 1``, :mod:`meshtrain.training.diloco.outer`) each group is such a job
 on its own part of every global batch, and its outer step averages the groups every round.
 """
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from meshtrain import faults
 from meshtrain.config import Config, ConfigError
 from meshtrain.config.layout_rules import batch_readers
+from meshtrain.data.packing import IGNORE_INDEX
 from meshtrain.data.prefetch import BatchPrefetcher
 from meshtrain.data.tokenizer import load_tokenizer
 from meshtrain.data.train_data import trainer_data
@@ -48,19 +50,20 @@ from meshtrain.training import straggler
 from meshtrain.training.diloco.outer import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
+from meshtrain.training.harness.scorer import TaskScorer
 from meshtrain.training.lr_schedule import continue_schedule, learning_rate
 from meshtrain.training.metrics import (
     MetricsWriter,
     device_peak_flops,
     peak_memory_bytes,
 )
+from meshtrain.training.moe_balance import GlobalBatchLoads, scaled_aux_loss, stage_aux_loss
 from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.preemption import save_on_signal
 from meshtrain.training.straggler import StragglerDetector
-
-IGNORE_INDEX = -100
+from meshtrain.training.trackers import open_trackers
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,12 +114,14 @@ class Trainer:
 
                 self.outer.quorum = ReplicaQuorum(self)
         self.moe_stats = MoEStepStats(self.model, mesh, config.model)
-        self.expert_placer = self.evaluator = None
+        self.global_loads = GlobalBatchLoads.build(self)  # moe_balance_scope = "global-batch"
+        self.expert_placer = self.evaluator = self.task_scorer = None
         self.ignore_index = IGNORE_INDEX
         if with_data:
             self.expert_placer = ExpertPlacer.build(self.model, self.engine, self.optimizer,
                                                     mesh, config)  # None unless ep > 1
             self.evaluator = Evaluator.build(self)  # None unless train.eval_every
+            self.task_scorer = TaskScorer.build(self)  # None unless train.eval_tasks
         self.nonfinite = NonFiniteGuard(train.on_nonfinite, train.max_nonfinite_skips,
                                         verbose=mesh.is_logging_rank)
         self.restarts = faults.restart_attempt()  # torch elastic's restart count (0 = first run)
@@ -206,21 +211,11 @@ class Trainer:
         self.mesh.comm("dp").all_reduce(count)
         return float(count.item())
 
-    def _moe_aux_loss(self) -> torch.Tensor | None:
-        terms = [layer.last_stats["aux_loss"] for layer in moe_layers(self.model)
-                 if layer.last_stats]
-        return torch.stack(terms).sum() if terms else None
-
     def _stage_aux_loss(self, chunk) -> torch.Tensor | None:
         """The MoE aux loss of a pipeline stage's layers for the micro-batch it just ran, scaled
         like :meth:`_forward_backward`'s (None without aux-loss balancing)."""
-        if self.config.model.moe_balance != "aux-loss":
-            return None
-        terms = [layer.last_stats["aux_loss"] for i in chunk.layers
-                 for layer in moe_layers(self.model.layers[str(i)])]
-        if not terms:
-            return None
-        return torch.stack(terms).sum() / (self.plan.microbatches * self.mesh.dp)
+        return stage_aux_loss(self.model, chunk, self.config.model.moe_balance,
+                              self.plan.microbatches, self.mesh.dp)
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy; vocab-parallel (never gathering logits) under tp."""
@@ -241,13 +236,13 @@ class Trainer:
         """Forward one micro-batch, backward its share of the global loss; return (lm, aux)."""
         inputs = inputs.to(self.device)
         logits = self.model(inputs, self.layout_of(inputs))
-        lm_loss = self._loss_sum(logits, targets.to(self.device)) / global_tokens
+        # max(.., 1): a global batch with no target (all masked) gives loss and gradients 0
+        lm_loss = self._loss_sum(logits, targets.to(self.device)) / max(global_tokens, 1.0)
         objective = lm_loss
-        aux = self._moe_aux_loss()
+        # Each micro-batch's aux loss is normalised like a mean over its own tokens; averaging
+        # over every micro-batch of every data-parallel rank (training.moe_balance).
+        aux = scaled_aux_loss(moe_layers(self.model), self.plan.microbatches, self.mesh.dp)
         if aux is not None:
-            # Each micro-batch's aux loss is a mean over its own tokens; averaging over every
-            # micro-batch of every data-parallel rank makes the summed gradient their mean.
-            aux = aux / (self.plan.microbatches * self.mesh.dp)
             objective = objective + aux
         objective.backward()
         return lm_loss.detach(), None if aux is None else aux.detach()
@@ -260,6 +255,8 @@ class Trainer:
         global_tokens = self._global_token_count(microbatches, local_tokens)
         microbatches = self.local_targets(microbatches)
         self.moe_stats.start_step()
+        if self.global_loads is not None:  # the step's expert loads before any aux loss
+            self.global_loads.begin_step(microbatches)
         if self.pipeline is not None:
             return self._compute_gradients_pipelined(microbatches, global_tokens)
         lm_total = torch.zeros((), device=self.device)
@@ -279,7 +276,8 @@ class Trainer:
         self.engine.begin_accumulation()
         self.pipeline.record_events = self.config.train.timeline_step == self.step + 1
         lm_total = self.pipeline.run(
-            microbatches, lambda logits, targets: self._loss_sum(logits, targets) / global_tokens)
+            microbatches,
+            lambda logits, targets: self._loss_sum(logits, targets) / max(global_tokens, 1.0))
         self.engine.sync_all()
         self.engine.reduce_partial_grads(self.optimizer.shards)
         if self.pipeline.record_events:
@@ -352,15 +350,17 @@ class Trainer:
         received = self.stop_signals.received if self.stop_signals is not None else 0
         table = straggler.exchange(self.mesh, elapsed - wait_s, wait_s, received)
         self.stop_signal = straggler.stop_signal_of(table)
-        tokens = int(global_tokens)
+        tokens = int(global_tokens)  # the loss's targets (fewer than processed under a mask)
+        processed = self.processed_tokens
         record = {
             "step": self.step,
             "loss": float(losses[0]),
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": tokens,
+            "tokens_processed": processed,
             "step_time_s": elapsed,
-            "tokens_per_s": tokens / elapsed,
+            "tokens_per_s": processed / elapsed,
             "mfu": None,
             "comm_bytes": self.mesh.comm_log.snapshot(),
             "mem": memory,
@@ -374,7 +374,7 @@ class Trainer:
             "straggler": self.stragglers.observe(self.step, table[:, 0].tolist()),
         }
         if self.peak_flops:
-            record["mfu"] = (tokens * self.flops_per_token / elapsed
+            record["mfu"] = (processed * self.flops_per_token / elapsed
                              / (self.peak_flops * self.mesh.world_size))
         if moe_summary is not None:
             record["moe"] = {"aux_loss": float(losses[1]), **moe_summary}
@@ -390,7 +390,17 @@ class Trainer:
             record["tokens_per_source"] = per_source
         if self.evaluator is not None and self.evaluator.due(self.step):
             record.update(self.evaluator.evaluate())
+        if self.task_scorer is not None and self.task_scorer.due(self.step):
+            record.update(self.task_scorer.score())  # harness scores (logging rank)
         return record
+
+    @property
+    def processed_tokens(self) -> int:
+        """Tokens this job runs through the model per step (its share of the global batch when
+        each replica group is a job of its own): the throughput's and MFU's count."""
+        train, par = self.config.train, self.config.parallel
+        groups = par.replicas if par.replica_fault_tolerance else 1
+        return train.seq_len * train.global_batch // groups
 
     def _memory(self) -> dict:
         """Model states this rank holds (parameters, gradients, optimizer) and its peak."""
@@ -448,7 +458,8 @@ class Trainer:
                 print(f"meshtrain: train.energy_schedule (rank 0): {note}",
                       file=sys.stderr, flush=True)
         if self.mesh.is_logging_rank:
-            writer = MetricsWriter(self.run_dir, train.steps, self.step, train.tensorboard)
+            writer = MetricsWriter(self.run_dir, train.steps, self.step,
+                                   open_trackers(self.config, resuming=self.step > 0))
             self.energy_total_j = writer.resumed_energy_j
             summary = reduction_summary(self.engine)
             if summary:
@@ -477,6 +488,9 @@ class Trainer:
                     return history
                 if replan is not None and self.replan.relaunch_after(self, replan, saved):
                     return history
+            final = self.save_final()
+            if writer is not None:  # the trackers record it, and that the run finished
+                writer.final_weights(final)
         finally:
             if writer is not None:
                 writer.close()
@@ -493,7 +507,6 @@ class Trainer:
                 if failure:
                     print(f"meshtrain: train.energy_schedule (rank 0): {failure}; the run used "
                           "the default clocks", file=sys.stderr, flush=True)
-        self.save_final()
         return history
 
     def save_final(self) -> Path | None:

@@ -13,6 +13,7 @@ from meshtrain.config.layout_rules import at_least, choice, divisors
 from meshtrain.config.model import (
     MLP_KINDS,
     MOE_BALANCE_KINDS,
+    MOE_BALANCE_SCOPES,
     MOE_SCORE_KINDS,
     ROPE_SCALING_KEYS,
     ROPE_TYPES,
@@ -74,6 +75,7 @@ def validate_model(config: Config, tokenizer_vocab: int | None) -> None:
         at_least(m.moe_ffn_dim, 0, "model.moe_ffn_dim")
         _check_shared_experts(m)
         choice(m.moe_balance, MOE_BALANCE_KINDS, "model.moe_balance")
+        _check_balance_scope(m)
         choice(m.moe_score, MOE_SCORE_KINDS, "model.moe_score")
         _check_capacity_group(m.moe_capacity_group, config.train.seq_len)
         _check_moe_layers_and_groups(m)
@@ -119,6 +121,17 @@ def _check_moe_layers_and_groups(m) -> None:
             f"model.moe_max_groups = {m.moe_max_groups} groups of "
             f"{m.moe_experts // m.moe_groups} experts hold fewer than model.moe_top_k = "
             f"{m.moe_top_k} experts; use moe_max_groups >= {least}.")
+
+
+def _check_balance_scope(m) -> None:
+    """A known scope; the sequence-wise one is an auxiliary loss's (the bias update has none)."""
+    choice(m.moe_balance_scope, MOE_BALANCE_SCOPES, "model.moe_balance_scope")
+    if m.moe_balance_scope == "sequence" and m.moe_balance != "aux-loss":
+        raise ConfigError(
+            f'model.moe_balance_scope = "sequence" is a scope of the auxiliary loss, but '
+            f'model.moe_balance = "{m.moe_balance}" has none (the bias update always uses the '
+            f'global batch\'s load); use moe_balance = "aux-loss", or moe_balance_scope = '
+            f'"micro-batch" or "global-batch".')
 
 
 def _check_capacity_group(group: int, seq_len: int) -> None:

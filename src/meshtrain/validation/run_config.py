@@ -36,7 +36,10 @@ from meshtrain.config.layout_rules import (
     model_parallel_size,
 )
 from meshtrain.config.sections import OUTER_AGGREGATES
+from meshtrain.validation.data_format import validate_data_format
 from meshtrain.validation.model import validate_model
+from meshtrain.validation.offload import validate_offload
+from meshtrain.validation.reporting import validate_reporting
 
 MAX_PIPELINE_WORK = 1_000_000  # pp x microbatches x virtual_stages: beyond it, refuse, not hang
 
@@ -185,6 +188,7 @@ def validate_parallel(config: Config) -> None:
             f"moves experts between expert-parallel ranks. Set parallel.ep > 1 (an MoE model), "
             f"or parallel.ep_rebalance_every = 0."
         )
+    validate_offload(config)
     check_sequence_parallel(par.sequence_parallel, par.tp)
     dp = max(par.dp, 1)
     # first: it bounds microbatches for the schedule below
@@ -399,7 +403,9 @@ def validate_config(config: Config, world_size: int | None = None) -> int:
     """Run every check; fills ``parallel.dp`` when auto and returns the world size."""
     world = resolve_world(config, world_size)
     validate_train(config)
+    validate_reporting(config)  # trackers, train.eval_tasks
     validate_data_and_checkpoint(config)
+    validate_data_format(config)  # data.format, data.train_on, data.chat_template
     from meshtrain.data.tokenizer import tokenizer_vocab_size
 
     validate_model(config, tokenizer_vocab_size(config.data.tokenizer))

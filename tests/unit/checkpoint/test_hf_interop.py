@@ -114,6 +114,7 @@ def test_round_trip_keeps_bf16_tokenizer_and_run_dir_is_accepted(tmp_path):
     vocab = {f"t{i}": i for i in range(VOCAB - 1)} | {"</s>": VOCAB - 1}
     tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")).save(
         str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     run_dir = tmp_path / "run"
     convert_from_hf(tmp_path / "hf", run_dir / "final")
     saved = json.loads((run_dir / "final" / "config.json").read_text())
@@ -125,8 +126,8 @@ def test_round_trip_keeps_bf16_tokenizer_and_run_dir_is_accepted(tmp_path):
     original, restored = _tensors(tmp_path / "hf"), _tensors(tmp_path / "back")
     assert all(torch.equal(restored[n], t) and restored[n].dtype == torch.bfloat16
                for n, t in original.items())
-    assert (tmp_path / "back" / "tokenizer.json").read_text() == \
-        (tmp_path / "hf" / "tokenizer.json").read_text()
+    for name in ("tokenizer.json", "chat_template.jinja"):  # the chat template travels too
+        assert (tmp_path / "back" / name).read_text() == (tmp_path / "hf" / name).read_text()
 
 
 def test_converted_dir_is_a_meshtrain_weights_dir(hf_dirs, tmp_path):

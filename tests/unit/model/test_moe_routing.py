@@ -82,8 +82,8 @@ def test_load_summary():
                          dtype=torch.float64)
     summary = summarize_loads(table, [1, 3])
     assert summary["dropped"] == 3
-    assert summary["layers"]["1"] == {"max_load": 4, "mean_load": 4.0, "max_over_mean": 1.0,
-                                      "cv": 0.0, "dropped": 0}
+    assert summary["layers"]["1"] == {"min_load": 4, "max_load": 4, "mean_load": 4.0,
+                                      "max_over_mean": 1.0, "cv": 0.0, "dropped": 0}
     assert summary["layers"]["3"]["max_over_mean"] == pytest.approx(2.5)
     assert summary["layers"]["3"]["cv"] == pytest.approx(torch.tensor(
         [10.0, 2, 2, 2]).std(unbiased=False).item() / 4)

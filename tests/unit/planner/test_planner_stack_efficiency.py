@@ -20,14 +20,22 @@ from meshtrain.planner.cost.workload import (
 )
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.hardware.stack_efficiency import StackEfficiency, kernel_efficiency
+from meshtrain.planner.tables.fitting import (
+    fit_gemm_efficiency,
+    fit_groups,
+    priced,
+    speed_error,
+    with_gemm_efficiency,
+)
 from meshtrain.planner.tables.presets import preset_config
 from meshtrain.planner.tables.profiles import PROFILES
-from meshtrain.planner.tables.published import (
-    fit_groups,
-    mean_signed_error,
-    published_rows,
+from meshtrain.planner.tables.published import published_rows
+from meshtrain.planner.tables.stacks import (
+    MEGATRON_2021_A100,
+    MEGATRON_CORE_2024_H100,
+    TORCHTITAN_2024_A100,
+    TORCHTITAN_2025_H100,
 )
-from meshtrain.planner.tables.stacks import MEGATRON_2021_A100, TORCHTITAN_2024_A100
 
 
 def _stack(gemm: float, attention: float | None = None, family: str = "a100"):
@@ -109,21 +117,29 @@ def test_every_profile_and_stack_entry_states_its_source():
     for traits in STACKS.values():
         for family, entry in traits.kernel_efficiency:
             assert family in {p.family for p in PROFILES.values()} and entry.source
-    assert "fit rows" in MEGATRON_2021_A100.source and "fit row" in TORCHTITAN_2024_A100.source
+    for entry in (MEGATRON_2021_A100, TORCHTITAN_2024_A100, MEGATRON_CORE_2024_H100,
+                  TORCHTITAN_2025_H100):
+        assert "train row" in entry.source, entry.source
 
 
-def test_stack_efficiencies_are_the_fits_on_fit_rows_only():
-    # Each entry is where its fit rows' mean signed error crosses zero (published --fit);
-    # those rows are fit rows, never report rows.
-    groups = fit_groups()
-    reported = {r.name for r in published_rows() if r.use == "report"}
-    for key, entry in (("megatron-2021 a100", MEGATRON_2021_A100),
-                       ("torchtitan-2024 a100", TORCHTITAN_2024_A100)):
-        rows = groups[key]
-        assert rows and all(r.use == "fit" for r in rows) and not {r.name for r in rows} & reported
-        assert mean_signed_error(rows, entry.gemm - 0.01) < 0 < mean_signed_error(
-            rows, entry.gemm + 0.01), key
-        assert abs(mean_signed_error(rows)) < 0.005, key
+def _mean_speed_error(rows, gemm):
+    return sum(speed_error(r, priced(with_gemm_efficiency(r, gemm),
+                                     dataclasses.replace(PROFILES[r.profile], max_mfu=0.0)))
+               for r in rows) / len(rows)
+
+
+@pytest.mark.parametrize("key,entry", [("megatron-2021 a100", MEGATRON_2021_A100),
+                                       ("torchtitan-2024 a100", TORCHTITAN_2024_A100),
+                                       ("megatron-core-2024 h100", MEGATRON_CORE_2024_H100),
+                                       ("torchtitan-2025 h100", TORCHTITAN_2025_H100)])
+def test_stack_efficiencies_are_the_fits_on_train_rows_only(key, entry):
+    # Each entry is where its train rows' mean speed error crosses zero (published --fit);
+    # those rows are train rows, never test rows.
+    rows = fit_groups(published_rows())[key]
+    assert rows and all(r.split == "train" and r.fits == key for r in rows)
+    assert _mean_speed_error(rows, entry.gemm - 0.01) < 0 < _mean_speed_error(
+        rows, entry.gemm + 0.01), key
+    assert fit_gemm_efficiency(rows) == pytest.approx(entry.gemm, abs=0.001)
 
 
 def test_cli_estimate_takes_a_stack_and_reports_its_kernel_efficiency(meshtrain):

@@ -15,13 +15,9 @@ from meshtrain.planner.cost.workload import MEGATRON_2021, TORCHTITAN_2024, Work
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.tables.presets import preset_config
 from meshtrain.planner.tables.profiles import PROFILES
-from meshtrain.planner.tables.published import (
-    KORTHIKANTI_TABLE_5,
-    evaluate,
-    published_rows,
-    rank_among_searched,
-    summary,
-)
+from meshtrain.planner.tables.published import published_rows
+from meshtrain.planner.tables.ranks import rank_among_searched, ranked_rows
+from meshtrain.planner.tables.runs_megatron import KORTHIKANTI_TABLE_5
 
 
 @pytest.mark.parametrize("row", KORTHIKANTI_TABLE_5, ids=lambda r: r[0])
@@ -39,16 +35,6 @@ def test_selective_over_full_recompute_speedup_matches_table_5(row):
     # Selective recompute costs a few per cent of the step's compute (the 22B's 64 heads on
     # 2048 tokens make its unfused attention heavier than the larger models').
     assert selective["breakdown"]["recompute_s"] < 0.07 * selective["breakdown"]["compute_s"]
-
-
-def test_validation_set_reported_rows_within_target():
-    results = [evaluate(row) for row in published_rows()]
-    assert {r["use"] for r in results} == {"fit", "report"}
-    mean, worst = summary(results, "report")
-    assert mean <= 0.07 and worst <= 0.15, [(r["name"], r["error"]) for r in results]
-    assert all(r["fits"] for r in results)  # every published layout fits where it ran
-    fit_mean, fit_worst = summary(results, "fit")
-    assert fit_mean <= 0.07 and fit_worst <= 0.15
 
 
 def test_korthikanti_table_2_formulas():
@@ -97,6 +83,10 @@ def test_torchtitan_llama31_8b_fsdp_selective_fits_where_it_ran():
     blocks = 32 * 15.5 * 2 * 8192 * 4096
     logits = 12 * 2 * 8192 * 128256
     assert rank["activation_bytes"] == pytest.approx(blocks + logits, rel=0.1)
+    # FSDP2 keeps fp32 sharded parameters and no separate master copy: 4 + 4 + 8 bytes.
+    params = selective["params"]
+    assert rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"] == pytest.approx(
+        16 * params / 8, rel=1e-6)
     assert (result["full"]["tokens_per_s"] < selective["tokens_per_s"]
             < result["none"]["tokens_per_s"])
 
@@ -106,7 +96,7 @@ def test_plans_on_a100_never_promise_more_than_the_best_published_mfu():
     from meshtrain.planner.tables.profiles import PUBLISHED_MFU_CAPS
 
     cap = PUBLISHED_MFU_CAPS["a100"][0]
-    assert cap == pytest.approx(0.611)  # torchtitan docs/performance.md, Llama 2 13B on A100
+    assert cap == pytest.approx(0.604)  # torchtitan docs/performance.md, Llama 2 13B on A100
     # Kernels better than any published A100 run: the uncapped model would promise more.
     optimistic = dataclasses.replace(PROFILES["a100-80g"], matmul_efficiency=0.95)
     uncapped = dataclasses.replace(optimistic, max_mfu=0.0)
@@ -133,10 +123,12 @@ def test_h100_family_plans_never_promise_more_than_the_best_published_h100_mfu(p
     from meshtrain.planner.tables.profiles import PUBLISHED_MFU_CAPS
 
     cap = PUBLISHED_MFU_CAPS["h100"][0]
-    assert PROFILES[profile].max_mfu == cap == pytest.approx(0.47)  # Megatron-LM README
+    # The best MFU of an H100 train row (dgxc-benchmarking's Llama 3.1 8B, NeMo 24.09).
+    assert PROFILES[profile].max_mfu == cap == pytest.approx(0.595)
     # Kernels far better than any published H100 run: the uncapped model would promise more.
-    optimistic = dataclasses.replace(PROFILES[profile], matmul_efficiency=0.95,
-                                     attention_efficiency=0.95)
+    optimistic = dataclasses.replace(PROFILES[profile], matmul_efficiency=0.99,
+                                     attention_efficiency=0.99, kernel_overhead_us=0.0,
+                                     hbm_gbps=4 * PROFILES[profile].hbm_gbps)
     work = Workload.from_config(preset_config("llama3-8b"))
     uncapped = plan(work, Cluster(dataclasses.replace(optimistic, max_mfu=0.0), 8, 8), top=3)
     assert uncapped.candidates[0]["mfu"] > cap
@@ -163,11 +155,15 @@ def _rank_among_searched(row) -> int:
 OUTSIDE_TOP_10 = {
     "GPT 18.4B tp8 pp1 dp32", "GPT 39.1B tp8 pp2 dp32", "GPT 174.6B tp8 pp12 dp4",
     "GPT 174.6B tp8 pp12 dp8", "GPT 174.6B tp8 pp12 dp16", "GPT 175B tp8 pp8 full",
+    "GPT 1T tp8 pp64 full",
 }
 """Published Megatron-LM layouts the cost model still ranks below 10th (docs/planner.md, Known
-limits): it prices tp 2-4 with an interleaved pipeline 8-22 % faster than the papers' tp 8."""
+limits): it prices tp 2-4 with an interleaved pipeline, or (megatron-2022, with the distributed
+optimizer) fewer pipeline stages and dp 2-4, faster than the papers' layouts;
+``plan --explain`` shows what each claimed gain rests on."""
 
-_MEGATRON_ROWS = [r for r in published_rows() if r.source.startswith(("Narayanan", "Korthikanti"))]
+_RANKED = ranked_rows(published_rows())
+_MEGATRON_ROWS = [r for r in _RANKED if r.source.startswith(("Narayanan", "Korthikanti"))]
 
 
 @pytest.mark.parametrize(
@@ -176,15 +172,38 @@ _MEGATRON_ROWS = [r for r in published_rows() if r.source.startswith(("Narayanan
         if r.name in OUTSIDE_TOP_10 else pytest.param(r, id=r.name) for r in _MEGATRON_ROWS])
 def test_megatron_layouts_rank_in_plans_top_10(row):
     """Narayanan 2021 Tables 1-2 and Korthikanti 2022 Table 5, each searched with its own stack
-    (megatron-2021, megatron-2022) on its cluster and batch: 30 to 540 layouts each. A row listed
+    (megatron-2021, megatron-2022) on its cluster and batch: 30 to 730 layouts each. A row listed
     in OUTSIDE_TOP_10 must still rank below 10th (strict xfail), so the list stays true."""
     assert _rank_among_searched(row) <= 10
 
 
+MEGATRON_CORE_OUTSIDE_TOP_10 = {"Llama 3.1 70B 64 H100"}
+"""The dgxc-benchmarking layout the search ranks below 10th: tp 4 × pp 4 × cp 2 with 5 chunks,
+4.3 % behind tp 8 × dp 8 in the cost model (docs/planner.md, Known limits)."""
+
+_CORE_ROWS = [r for r in _RANKED if r.source.startswith("NVIDIA")]
+
+
+@pytest.mark.parametrize(
+    "row", [pytest.param(r, id=r.name, marks=pytest.mark.xfail(
+        strict=True, reason="ranks below 10th (docs/planner.md, Known limits)"))
+        if r.name in MEGATRON_CORE_OUTSIDE_TOP_10 else pytest.param(r, id=r.name)
+        for r in _CORE_ROWS])
+def test_megatron_core_layouts_rank_in_plans_top_10(row):
+    """The dgxc-benchmarking recipes' layouts (NeMo 24.09 on H100), searched with the
+    megatron-core-2024 stack at each recipe's smallest scale."""
+    assert _rank_among_searched(row) <= 10
+
+
+def test_megatron_core_layouts_are_within_5_percent_of_the_fastest():
+    behind = {row.name: _ranked(row)["behind"] for row in _CORE_ROWS}
+    assert len(behind) == 6 and all(b <= 0.05 for b in behind.values()), behind
+
+
 def test_torchtitan_h100_layout_ranks_in_plans_top_10():
-    rows = [r for r in published_rows() if r.profile == "h100-96g-hbm2e-500w"]
+    rows = [r for r in _RANKED if r.profile == "h100-96g-hbm2e-500w"]
     ranks = {row.name: _rank_among_searched(row) for row in rows}
-    assert len(ranks) == 2 and all(rank <= 10 for rank in ranks.values()), ranks
+    assert len(ranks) == 1 and all(rank <= 10 for rank in ranks.values()), ranks
 
 
 def test_a_power_limit_below_tdp_slows_compute_on_the_energy_models_curve():
@@ -201,8 +220,8 @@ def test_a_power_limit_below_tdp_slows_compute_on_the_energy_models_curve():
 
 
 def test_torchtitan_a100_layouts_rank_first_in_plans_search():
-    """torchtitan's FSDP2 runs on 64 A100: 3,300-3,900 layouts searched each."""
-    rows = [r for r in published_rows() if r.source == "torchtitan docs/performance.md (A100)"]
+    """torchtitan's FSDP2 runs on 64 A100: 2,800-4,100 layouts searched each."""
+    rows = [r for r in _RANKED if r.source == "torchtitan docs/performance.md (A100)"]
     ranks = {row.name: _rank_among_searched(row) for row in rows}
     assert len(ranks) == 6 and all(rank <= 10 for rank in ranks.values()), ranks
 
@@ -211,42 +230,13 @@ def _planner_doc() -> str:
     return (Path(__file__).parents[3] / "docs" / "planner.md").read_text()
 
 
-def test_planner_doc_rank_table_is_what_the_code_prints(monkeypatch, capsys):
+def test_planner_doc_rank_table_is_what_the_code_prints(capsys):
     """docs/planner.md's table of published layouts in ``plan``'s ranking is the current
     output of ``python -m meshtrain.planner.tables.published --ranks``, line for line."""
-    import meshtrain.planner.tables.published as published
+    from meshtrain.planner.tables.ranks import print_ranks
 
-    monkeypatch.setattr(published, "rank_among_searched", _ranked)
-    published.print_ranks(published_rows())
+    print_ranks(_RANKED, rank=_ranked)
     printed = capsys.readouterr().out.splitlines()
     doc = _planner_doc().splitlines()
     start = doc.index(printed[0])
     assert doc[start:start + len(printed)] == printed
-
-
-def test_planner_doc_states_the_current_report_accuracy():
-    mean, worst = summary([evaluate(row) for row in published_rows()], "report")
-    words = f"mean absolute error {100 * mean:.1f} %, worst {100 * worst:.1f} %"
-    assert words in " ".join(_planner_doc().split()), words
-
-
-def _doc_words(result: dict) -> str:
-    """How docs/planner.md writes one row's prediction and error."""
-    error = f"{100 * result['error']:+.1f} %".replace("-", "−")
-    predicted, metric = result["predicted"], result["metric"]
-    if metric == "hardware_tflops_per_gpu":
-        return f"| {predicted:.1f} | {error} |"
-    if metric == "step_time_s":
-        return f"| {predicted:.2f} s | {error} |"
-    if metric == "memory_gb_per_gpu":
-        return f"{predicted:.1f} GB ({error})"
-    if "FSDP 8 " in result["name"]:  # torchtitan's H100 row, in prose
-        return f"{predicted / 8:,.0f} tokens/s per GPU ({error}"
-    return f"| {predicted / 64:,.0f} | {error} |"
-
-
-def test_planner_doc_quotes_every_rows_current_prediction_and_error():
-    doc = " ".join(_planner_doc().split())
-    missing = [(r["name"], _doc_words(r)) for r in map(evaluate, published_rows())
-               if _doc_words(r) not in doc]
-    assert not missing, missing

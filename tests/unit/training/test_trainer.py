@@ -93,7 +93,7 @@ def test_fit_writes_metrics_and_final_weights(tmp_path):
                     "mfu", "comm_bytes", "mem"):
             assert key in record
         assert record["mfu"] is None  # CPU peak unknown: never guessed
-        assert record["tokens"] == 8 * 16
+        assert record["tokens"] == record["tokens_processed"] == 8 * 16  # text: every target
         assert set(record["mem"]) == {"param_bytes", "grad_bytes", "optim_bytes", "peak_bytes"}
         assert record["mem"]["param_bytes"] > 0 and record["mem"]["peak_bytes"] > 0
     assert (tmp_path / "final" / "model.safetensors.index.json").is_file()

@@ -60,7 +60,8 @@ from meshtrain.model.transformer import Transformer
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 HF_CONFIG_COPY = "hf_config.json"
 """Where ``convert --from-hf`` keeps the original Hugging Face config, for the way back."""
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.transformer import Attention, TransformerBlock
 from meshtrain.parallel.data.engine import DataParallelEngine, OptimizerShard
+from meshtrain.parallel.data.offloaded import OffloadedEngine
 from meshtrain.parallel.data.zero3 import ParameterGatherer
 from meshtrain.parallel.state import attach_parallel_state, shardings_of
 
-__all__ = ["DataParallelEngine", "OptimizerShard", "ParameterGatherer", "apply_data_parallel"]
+__all__ = ["DataParallelEngine", "OffloadedEngine", "OptimizerShard", "ParameterGatherer",
+           "apply_data_parallel"]
 
 
 #: Modules whose forward calls each parameter-holding child as a module (so the child's hooks
@@ -66,18 +70,23 @@ def _by_axis(named: list, shardings) -> list[tuple[str, list]]:
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         bucket_mb: float, shared_memory: bool = True,
                         grad_dtype: torch.dtype = torch.float32,
-                        init_values=None) -> DataParallelEngine:
+                        init_values=None, offload=None) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
     ``zero`` (0 = plain DP) and, for stage 3, the gather/free hooks of each unit
     (:func:`_zero3_units`: a block, or its sub-modules when it exceeds ``bucket_mb``).
     Under ZeRO-3 a unit holding expert parameters (an MoE layer's experts beside its router)
     is one bucket per reduction axis: the dense part sharded over ``dp``, the experts over
     ``edp``; the gatherer gathers and frees a unit's buckets together.
-    ``shared_memory``, ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`."""
+    ``shared_memory``, ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`;
+    ``offload``: an :class:`~meshtrain.parallel.offload.store.OffloadStore` to keep this
+    rank's shards in (an :class:`OffloadedEngine`), None = none."""
     bucket_bytes = int(bucket_mb * 2**20)
+    engine_class = DataParallelEngine
+    if offload is not None:
+        engine_class = functools.partial(OffloadedEngine, offload=offload)
     if zero < 3:
-        return DataParallelEngine(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
-                                  grad_dtype=grad_dtype, init_values=init_values)
+        return engine_class(model, mesh, zero, bucket_bytes, shared_memory=shared_memory,
+                            grad_dtype=grad_dtype, init_values=init_values)
     units, root = _zero3_units(model, bucket_bytes)
     shardings = shardings_of(model)
     unit_groups = [_by_axis(params, shardings) for _, params in units]
@@ -88,8 +97,8 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     root_groups += _by_axis(tied, shardings)
     # Buckets in reverse forward order (the order backward finishes them), the root last.
     groups = [g for unit in reversed(unit_groups) for g in unit] + root_groups
-    engine = DataParallelEngine(model, mesh, 3, bucket_bytes, units=groups,
-                                grad_dtype=grad_dtype, init_values=init_values)
+    engine = engine_class(model, mesh, 3, bucket_bytes, units=groups, grad_dtype=grad_dtype,
+                          init_values=init_values)
     buckets = iter(engine.buckets)
     by_unit = [[next(buckets) for _ in unit] for unit in reversed(unit_groups)][::-1]
     engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], by_unit,

@@ -55,6 +55,7 @@ from meshtrain.parallel.data.mapped import (
     mapped_buffers_supported,
     release_full_buffer,
 )
+from meshtrain.parallel.data.shard_storage import ShardStorage
 from meshtrain.parallel.data.staging import StagingPool
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 from meshtrain.parallel.state import shardings_of
@@ -71,7 +72,7 @@ class OptimizerShard:
     bucket: FlatBucket
 
 
-class DataParallelEngine(GradientAccounting):
+class DataParallelEngine(GradientAccounting, ShardStorage):
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
@@ -203,11 +204,12 @@ class DataParallelEngine(GradientAccounting):
         if self._init_values is None:
             b.flatten_params_into(full)
         elif sharded_init:  # only the parameters this rank's shard holds, straight into it
-            b.param_shard = b.new_buffer(full=False)
+            b.param_shard = self._new_shard(b, b.dtype, "param")
             for s, start, length in b.segments(sharded=True):
                 first = b.shard_start + start - s.offset
                 b.param_shard[start:start + length].copy_(
                     self._init_values(s.name, s.param, (first, first + length)))
+                self._settle(b.param_shard[start:start + length])
         else:  # one parameter's value at a time, straight into the flat buffer
             for s in b.slots:
                 full[s.offset:s.offset + s.numel].copy_(
@@ -216,14 +218,16 @@ class DataParallelEngine(GradientAccounting):
         b.bind_params(full)
         if self.stage == 3:
             if not sharded_init:
-                b.param_shard = b.shard(full).clone()
+                b.param_shard = self._new_shard(b, b.dtype, "param")
+                b.param_shard.copy_(b.shard(full))
+                self._settle(b.param_shard)
             release_full_buffer(b)  # only the shard stays (ZeRO-3 gathers on use)
         if self.stage < 2:
             b.grad_buffer = self._new_grad_buffer(b)
             if not self._separate_grads(b):
                 b.bind_grads(b.grad_buffer)
         else:
-            b.grad_shard = b.new_buffer(self.grad_dtype, full=False)
+            b.grad_shard = self._new_shard(b, self.grad_dtype, "grad")
 
     def optimizer_shards(self) -> list[OptimizerShard]:
         """One :class:`OptimizerShard` per bucket; masters alias the parameters when fp32."""
@@ -237,7 +241,7 @@ class DataParallelEngine(GradientAccounting):
                 grad = ((lambda b=b: b.shard(b.grad_buffer)) if self.stage == 1
                         else (lambda b=b: b.grad_shard))
                 decay_end = b.decay_range_in_shard()[1]
-            master = source if source.dtype == torch.float32 else source.detach().float().clone()
+            master = self._master_of(b, source)
             b.master_source = source
             shards.append(OptimizerShard(master, grad, decay_end, b))
         return shards
@@ -387,7 +391,7 @@ class DataParallelEngine(GradientAccounting):
                 handle = comm.reduce_scatter_into(out, buf, async_op=True)
 
             def post():
-                b.grad_shard.add_(out)
+                self._add_to_grad_shard(b, out)
                 self.staging.release(slot)
             if self.on_bucket_reduced is not None:
                 self.on_bucket_reduced(b)
@@ -425,7 +429,7 @@ class DataParallelEngine(GradientAccounting):
         for shard in shards:
             b = shard.bucket
             if shard.master is not b.master_source:
-                b.master_source.copy_(shard.master)
+                self._write_master(b, shard.master)
             if self.stage in (1, 2):
                 comm = self.comms[b.axis]
                 if self.in_place:  # this rank's slice already holds its updated shard
@@ -441,7 +445,7 @@ class DataParallelEngine(GradientAccounting):
                 if not self._separate_grads(b):
                     b.bind_grads(b.grad_buffer)
             else:
-                b.grad_shard.zero_()
+                self._zero_grad_shard(b)
                 for slot in b.slots:
                     slot.param.grad = None
         self._accumulated.clear()

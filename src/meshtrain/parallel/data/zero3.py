@@ -101,12 +101,13 @@ class ParameterGatherer:
             storage = self._storage(bucket)
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
+            source = self.engine.gather_source(bucket)  # the shard, or its offloaded copy
             if self.engine.in_place:  # no scratch copy of the bucket (CountedComm)
-                bucket.shard(alias).copy_(bucket.param_shard)
+                bucket.shard(alias).copy_(source)
                 self._handles[bucket.index] = comm.all_gather_in_place(alias, async_op=True)
             else:
-                self._handles[bucket.index] = comm.all_gather_into(
-                    alias, bucket.param_shard, async_op=True)
+                self._handles[bucket.index] = comm.all_gather_into(alias, source, async_op=True)
+            self.engine.gather_done(bucket)
         if wait:
             self._wait(bucket)
 
@@ -204,6 +205,19 @@ class ParameterGatherer:
         """Forget the backward passes of an earlier step (none is running between steps)."""
         self._busy.clear()
         self._free_after_backward.clear()
+
+    def forward_order(self) -> list[int]:
+        """Every bucket's index in the order the next forward gathers them: the root buckets,
+        then each unit's in the order the units run (as learned from the first forward)."""
+        order = [b.index for b in self.root_buckets]
+        unit = next((i for i in range(len(self.units)) if i not in self._prev), None)
+        seen = set()
+        while unit is not None and unit not in seen:
+            seen.add(unit)
+            order += [b.index for b in self.unit_buckets[unit]]
+            unit = self._next.get(unit)
+        order += [b.index for b in self.engine.buckets if b.index not in set(order)]
+        return order
 
     # ------------------------------------------------------------------ pipeline steps
     def begin_pipelined_step(self) -> None:

@@ -131,10 +131,10 @@ def move_expert_state(engine, optimizer, comm: CountedComm, dp_rank: int, ep: in
                                                           optimizer.exp_avg_sq, strict=True)]
     sends = sorted((s for s in segments if s.src == dp_rank), key=lambda s: s.dst)
     recvs = sorted((s for s in segments if s.dst == dp_rank), key=lambda s: s.src)
-    device = optimizer.shards[0].master.device
+    device = engine.buckets[0].device  # offloaded state lives on the host: sent from here
     pieces = [torch.stack([t[s.src_at:s.src_at + s.length] for t in states[s.shard]])
               for s in sends]
-    send = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
+    send = (torch.cat([p.reshape(-1) for p in pieces]).to(device) if pieces
             else torch.zeros(0, device=device))
     input_splits = [3 * sum(s.length for s in sends if s.dst == r) for r in range(dp)]
     output_splits = [3 * sum(s.length for s in recvs if s.src == r) for r in range(dp)]
@@ -148,4 +148,6 @@ def move_expert_state(engine, optimizer, comm: CountedComm, dp_rank: int, ep: in
         at += 3 * s.length
     touched = sorted({s.shard for s in segments})
     engine.after_step([optimizer.shards[i] for i in touched])
+    if engine.offload is not None:  # the moved offloaded state leaves memory again
+        engine.offload.release_all()
     return received.numel()

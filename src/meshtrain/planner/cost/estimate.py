@@ -29,6 +29,12 @@ runtime's ``comm_bytes.ep``, dropless).
 
 Model FLOPs are :func:`meshtrain.model.init.flops_per_token` × tokens (the MFU basis); hardware
 FLOPs add what activation checkpointing recomputes.
+
+An MoE model balanced on the global batch (``model.moe_balance_scope = "global-batch"``) adds its
+count all-reduces over dp × cp to the dp step syncs and, with several micro-batches or pipeline
+stages, its routing pre-pass (a forward-only pass of every micro-batch) as
+``balance_prepass_s``; ``balance_comm_bytes`` is what those all-reduces add to ``comm_bytes.dp``
+(:mod:`meshtrain.planner.cost.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ from meshtrain.config.layout import Layout
 from meshtrain.config.model_size import count_parameters, flops_per_token
 from meshtrain.planner.cost.context_parallel import forward_share, reduction_group, step_bus_bytes
 from meshtrain.planner.cost.expert_parallel import (
+    balance_prepass,
+    balance_reductions,
+    balance_step_bus_bytes,
     ep_step_bus_bytes,
     expert_reduction_size,
     expert_reduction_stride,
@@ -47,6 +56,7 @@ from meshtrain.planner.cost.memory import GB, layer_params, rank_memory, stage_p
 from meshtrain.planner.cost.overlap import (
     bucketed_exposed,
     overlap_entry,
+    prefetched_exposed,
     zero3_exposed,
 )
 from meshtrain.planner.cost.pipeline import pipeline_estimate
@@ -154,6 +164,7 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             return cluster.dp_gradient_reduce_time(op, nbytes, size, stride,
                                                    traits.grad_reduce_bytes == 4)
 
+        tail_exposed = None
         if lay.zero in (0, 1):  # reduced during the last micro-batch's backward only (a
             # pipeline under Megatron-LM's torch DDP: during every micro-batch's)
             one = reduce("all_reduce" if lay.zero == 0 else "reduce_scatter", grads)
@@ -174,8 +185,11 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             scatter = units * t("reduce_scatter", grads / units)
             hidden, tail = m * (2 * gather + scatter), 0.0
             hidden_exposed = m * zero3_exposed(gather, scatter, forward, backward, units)
+        if tail and overlap and traits.param_gather_overlap:  # behind the next forward
+            tail_exposed = prefetched_exposed(tail, forward, buckets)
         total += hidden + tail
-        exposed += tail + (hidden_exposed if overlap else hidden)
+        exposed += (tail if tail_exposed is None else tail_exposed) + (
+            hidden_exposed if overlap else hidden)
     return total, exposed
 
 
@@ -220,7 +234,13 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         gather = cluster.collective_time("all_gather", boundary, lay.tp, 1, "tp")
         boundary /= lay.tp
     sends = 2 * lay.chunks_per_rank if lay.pp > 1 else 0
-    pp_comm = sends * (cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp, lay.pp) + gather)
+    one_send = cluster.p2p_time(boundary, lay.tp * lay.cp * lay.dp, lay.pp) + gather
+    pp_total = sends * one_send
+    if (workload.traits.pp_comm_overlap and lay.pp_schedule == "interleaved-1f1b"
+            and cluster.profile.comm_overlaps_compute):
+        # Posted a chunk ahead (overlap_p2p_comm): exposed only beyond one chunk's forward.
+        one_send = max(one_send - c.forward / lay.chunks_per_rank, 0.0)
+    pp_comm = sends * one_send
 
     cp_f = c.cp_comm * forward_share(lay)
     comm_f = (c.tp_comm + c.ep_comm) / 3 + pp_comm / 2 + cp_f
@@ -261,9 +281,16 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                                                                          stride, axis)
                     for axis, (size, stride) in (("dp", reduction_group(lay)), ("tp", (lay.tp, 1)),
                                                  ("pp", (lay.pp, lay.tp * lay.cp * lay.dp)))}
+    # MoE global-batch balance: its count all-reduces over dp × cp, and with several
+    # micro-batches or stages its routing pre-pass, a forward-only pass of every micro-batch.
+    dp_group = reduction_group(lay)
+    sync_by_axis["dp"] += sum(cluster.collective_time("all_reduce", nbytes, *dp_group, "dp")
+                              for nbytes in balance_reductions(workload, lay,
+                                                               placement[slowest]))
+    prepass = (lay.microbatches + lay.pp - 1) * f if balance_prepass(workload, lay) else 0.0
     syncs = sum(sync_by_axis.values())
     tied = _tied_embedding_time(workload, lay, cluster, zero_share)
-    step = pipelined + dp_exposed + optimizer + syncs + tied
+    step = pipelined + dp_exposed + optimizer + syncs + tied + prepass
     total_params, active_params, per_token = _model_totals(workload)
     model_flops = per_token * workload.tokens_per_step
     peak = cluster.profile.peak_tflops * 1e12
@@ -275,11 +302,15 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     step += mfu_cap
 
     memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r],
-                          params=params_by_stage[r]) for r, layers in enumerate(placement)]
+                          params=params_by_stage[r],
+                          reserve_fraction=cluster.profile.allocator_reserve)
+              for r, layers in enumerate(placement)]
     tokens = workload.tokens_per_step
     gpus = lay.world_size
     recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))
     hardware_flops = model_flops + recomputed * lay.tp * lay.cp * lay.dp * lay.microbatches
+    if prepass:  # the pre-pass's forward: a third of the model FLOPs
+        hardware_flops += model_flops / 3
     m = lay.microbatches
     breakdown = {
         "compute_s": m * (c.forward + c.backward_input + c.backward_weight),
@@ -293,15 +324,16 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "dp_comm_total_s": dp_total,
         "optimizer_s": optimizer,
         "step_sync_s": syncs,
+        "balance_prepass_s": prepass,
         "mfu_cap_s": mfu_cap,
     }
-    # What each axis's communication hides behind (meshtrain.planner.cost.overlap): only dp's
-    # reductions and gathers overlap compute; tp, cp and ep collectives block, pp transfers sit
-    # on the stages' dependency chain.
-    overlap = {"dp": overlap_entry(dp_total, dp_exposed)}
-    for axis in ("tp", "cp", "ep", "pp"):
-        seconds = breakdown[f"{axis}_comm_s"]
-        overlap[axis] = overlap_entry(seconds, seconds)
+    # What each axis's communication hides behind (meshtrain.planner.cost.overlap): dp's
+    # reductions and gathers; tp, cp and pp only in stacks that pipeline them with compute.
+    overlap = {"dp": overlap_entry(dp_total, dp_exposed),
+               "tp": overlap_entry(m * (c.tp_comm + c.tp_hidden), m * c.tp_comm),
+               "cp": overlap_entry(m * (c.cp_comm + c.cp_hidden), m * c.cp_comm),
+               "ep": overlap_entry(m * c.ep_comm, m * c.ep_comm),
+               "pp": overlap_entry(m * pp_total + tied, m * pp_comm + tied)}
     result = {
         "params": total_params,
         "active_params": active_params,
@@ -311,6 +343,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "tokens_per_step": tokens,
         "cp_comm_bytes": int(step_bus_bytes(workload, lay, len(placement[slowest]))),
         "ep_comm_bytes": int(ep_step_bus_bytes(workload, lay, placement[slowest])),
+        "balance_comm_bytes": balance_step_bus_bytes(workload, lay, placement[slowest]),
         "per_rank": [mem.to_dict() for mem in memory],
         "memory_gb_per_gpu": max(mem.total_bytes for mem in memory) / GB,
         "memory_limit_gb": cluster.profile.memory_gb - cluster.profile.reserved_gb,

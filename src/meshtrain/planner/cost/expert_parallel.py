@@ -8,11 +8,17 @@ micro-batch's ``tokens × top_k`` assignments divided by ``tp`` (``row_split``),
 parameters are ``E / ep`` experts, and expert gradients are reduced (and ZeRO-sharded) over the
 ``dp · cp · tp / ep`` ranks holding the same experts. With ``ep = 1`` the MoE layer stays
 replicated over tp (every tp rank computes every assignment).
+
+The global-batch load balance (``model.moe_balance_scope = "global-batch"`` with the aux loss)
+adds small all-reduces of expert counts over ``dp × cp`` (:func:`balance_reductions`) and, when a
+rank runs several micro-batches or pipeline stages, a routing pre-pass: one forward of every
+micro-batch (:func:`balance_prepass`), which the estimate adds to the step time.
 """
 
 from __future__ import annotations
 
 from meshtrain.config.layout import Layout
+from meshtrain.config.runtime_facts import bus_bytes
 from meshtrain.planner.cost.workload import Workload
 
 COUNTS_BYTES = 8
@@ -60,6 +66,45 @@ def ep_layer_bus_bytes(workload: Workload, layout: Layout) -> float:
 
 
 def ep_step_bus_bytes(workload: Workload, layout: Layout, layers: list[int]) -> float:
-    """``comm_bytes.ep`` per rank in one step of a stage holding ``layers``."""
+    """``comm_bytes.ep`` per rank in one step of a stage holding ``layers`` (with the global-batch
+    balance's routing pre-pass, its forward dispatch, combine and counts exchange too)."""
     moe = workload.model.moe_layer_count(layers)
-    return moe * layout.microbatches * ep_layer_bus_bytes(workload, layout)
+    total = moe * layout.microbatches * ep_layer_bus_bytes(workload, layout)
+    if balance_prepass(workload, layout) and layout.ep > 1:
+        share = (layout.ep - 1) / layout.ep
+        rows = routed_rows(workload, layout) * workload.model.dim * workload.act_bytes
+        counts = workload.model.moe_experts * COUNTS_BYTES
+        total += moe * layout.microbatches * share * (2 * rows + counts)
+    return total
+
+
+def global_batch_balance(workload: Workload) -> bool:
+    """Whether the run's aux loss is formed on the global batch's expert loads
+    (``model.moe_balance_scope = "global-batch"``, :mod:`meshtrain.training.moe_balance`)."""
+    model = workload.model
+    return (bool(model.moe_experts) and model.moe_balance == "aux-loss"
+            and model.moe_balance_scope == "global-batch")
+
+
+def balance_prepass(workload: Workload, layout: Layout) -> bool:
+    """Whether the global-batch balance needs its routing pre-pass: one forward of every
+    micro-batch before the step, when a rank runs several micro-batches or pipeline stages."""
+    return global_batch_balance(workload) and (layout.microbatches > 1 or layout.pp > 1)
+
+
+def balance_reductions(workload: Workload, layout: Layout, layers: list[int]) -> list[int]:
+    """Bytes of each all-reduce over the stage's ``dp × cp`` ranks that the global-batch balance
+    adds per step for a stage holding ``layers`` (int64 counts): one of ``E`` counts per MoE
+    layer in its forward, or with the pre-pass one ``[MoE layers, E]`` table; none otherwise."""
+    moe = workload.model.moe_layer_count(layers)
+    if not global_batch_balance(workload) or not moe:
+        return []
+    size = workload.model.moe_experts * COUNTS_BYTES
+    return [moe * size] if balance_prepass(workload, layout) else [size] * moe
+
+
+def balance_step_bus_bytes(workload: Workload, layout: Layout, layers: list[int]) -> int:
+    """What :func:`balance_reductions` adds to ``comm_bytes.dp`` per rank and step."""
+    group = layout.dp * layout.cp
+    return sum(bus_bytes("all_reduce", size, group)
+               for size in balance_reductions(workload, layout, layers))

@@ -21,8 +21,18 @@ from meshtrain.planner.cost.workload import Workload, check_layout, check_stack_
 from meshtrain.planner.hardware.profile import Cluster
 
 COMPONENTS = {"activations": "activation_bytes", "parameters": "param_bytes",
-              "gradients": "grad_bytes", "optimizer": "optim_bytes", "buffers": "buffer_bytes"}
-"""``why_not_fits`` component -> the ``per_rank`` key it is read from."""
+              "gradients": "grad_bytes", "optimizer": "optim_bytes", "buffers": "buffer_bytes",
+              "reserve": "reserve_bytes"}
+"""``why_not_fits`` component -> the ``per_rank`` key it is read from (``reserve``: the caching
+allocator's fragmentation reserve, ``HardwareProfile.allocator_reserve`` of the rest)."""
+
+SHRINKABLE = ("activations", "parameters", "gradients", "optimizer", "buffers")
+"""The components a layout change can shrink directly (the reserve follows the rest)."""
+
+NAMES = {"activations": "activations", "parameters": "parameters", "gradients": "gradients",
+         "optimizer": "optimizer state", "buffers": "buffers",
+         "reserve": "fragmentation reserve"}
+"""How the text report names each component."""
 
 
 def _changes(workload: Workload, lay: Layout, cluster: Cluster, largest: str) -> list[tuple]:
@@ -87,7 +97,7 @@ def _priced(workload: Workload, layout: Layout, cluster: Cluster, stack: str) ->
 def _largest(result: dict) -> tuple[dict, str]:
     """The fullest stage's ``per_rank`` entry and its largest component."""
     fullest = max(result["per_rank"], key=lambda rank: rank["total_bytes"])
-    return fullest, max(COMPONENTS, key=lambda name: fullest[COMPONENTS[name]])
+    return fullest, max(SHRINKABLE, key=lambda name: fullest[COMPONENTS[name]])
 
 
 def _settings(layout: Layout, changed: Layout) -> list[str]:
@@ -118,14 +128,15 @@ def _together(workload: Workload, layout: Layout, cluster: Cluster, result: dict
 def why_not_fits(workload: Workload, layout: Layout, cluster: Cluster, result: dict,
                  stack: str = "meshtrain") -> dict | None:
     """None when ``result`` (:func:`~meshtrain.planner.cost.estimate.estimate` of ``layout``)
-    fits; else its fullest stage's memory by component (GB), the largest, the capacity and the
-    estimate, and ``suggestions``: each applicable change that lowers the peak (``set``: the
-    ``--set`` values, ``why``, ``estimate_gb``: the peak it would have, ``fits``), and, when
-    none fits alone, the changes that together lower it most; those that fit first."""
+    fits; else its fullest stage's memory by component (GB: :data:`COMPONENTS`, the
+    fragmentation reserve included), the largest, the capacity and the estimate, and
+    ``suggestions``: each applicable change that lowers the peak (``set``: the ``--set``
+    values, ``why``, ``estimate_gb``: the peak it would have, ``fits``), and, when none fits
+    alone, the changes that together lower it most; those that fit first."""
     if result["fits"]:
         return None
     fullest, largest = _largest(result)
-    parts = {name: round(fullest[key] / GB, 1) for name, key in COMPONENTS.items()}
+    parts = {name: round(fullest.get(key, 0) / GB, 1) for name, key in COMPONENTS.items()}
     suggestions = []
     for _, why, changed in _changes(workload, layout, cluster, largest):
         priced = _priced(workload, changed, cluster, stack)
@@ -152,7 +163,9 @@ def format_why_not_fits(why: dict) -> list[str]:
     """The text report's lines: the largest part and each suggestion with its peak."""
     stage = f" (stage {why['stage']}, the fullest)" if why["stages"] > 1 else ""
     lines = [f"why: {why['largest']} are the largest part{stage}, {why[why['largest']]:,.1f} of "
-             f"{why['estimate_gb']:,.1f} GB; {why['capacity_gb']:,.0f} GB usable"]
+             f"{why['estimate_gb']:,.1f} GB; {why['capacity_gb']:,.1f} GB usable",
+             "  by component (GB): " + ", ".join(f"{NAMES[name]} {why.get(name, 0.0):,.1f}"
+                                                 for name in COMPONENTS)]
     if why["largest"] == "optimizer":
         lines[0] = lines[0].replace("optimizer are", "optimizer state is")
     for s in why["suggestions"]:

@@ -31,6 +31,15 @@ stage's activations times the schedule's peak in-flight micro-batches
 (:mod:`meshtrain.planner.cost.pipeline`). Under context parallelism a rank's activations are
 those of its ``S / cp`` tokens, plus the gathered full-sequence K and V
 (:mod:`meshtrain.planner.cost.context_parallel`), and ZeRO shards over the ``dp × cp`` ranks.
+
+What the stack does changes these counts (:class:`~meshtrain.planner.cost.runtime.RuntimeTraits`):
+a fused SwiGLU keeps ``6 f/h`` units for its MLP instead of eager PyTorch's ``8 f/h``
+(``fused_swiglu``); FSDP2 keeps the sharded parameters in fp32 with no separate master copy,
+``4 + G + 8`` bytes per parameter (``fp32_params``); a run may keep its optimizer state in bf16
+(``optimizer_state_bytes``); Megatron-LM's distributed optimizer reduce-scatters in place
+(``zero1_reduce_in_place``). On a GPU the caching allocator holds a reserve beyond the live
+tensors (fragmentation): ``RankMemory.reserve_bytes``, the profile's ``allocator_reserve``
+fraction of the rest.
 """
 
 from __future__ import annotations
@@ -49,11 +58,18 @@ GB = 1e9
 
 
 def model_state_bytes(params: float, zero: int, dp: int, precision: str = "bf16",
-                      grad_bytes: int = 4) -> tuple[float, float, float]:
+                      grad_bytes: int = 4, fp32_params: bool = False,
+                      optimizer_bytes: float = 12.0) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer) bytes per rank for ``params`` parameters replicated over
     ``dp`` ranks under ZeRO stage ``zero`` (the table in the module docstring); ``grad_bytes``
-    is G, the bytes of a bf16 model's gradient element (fp32 models always keep 4)."""
-    param_b, grad_b, optim_b = (2, grad_bytes, 12) if precision == "bf16" else (4, 4, 8)
+    is G, the bytes of a bf16 model's gradient element (fp32 models always keep 4);
+    ``fp32_params``: the parameters themselves are the fp32 master copy (FSDP2 with a bf16
+    mixed-precision policy), so a bf16 model keeps 4 + G + 8; ``optimizer_bytes``: a bf16
+    model's master copy and Adam moments per parameter (12 in fp32, 6 in bf16)."""
+    param_b, grad_b, optim_b = (2, grad_bytes, optimizer_bytes) if precision == "bf16" \
+        else (4, 4, 8)
+    if fp32_params and precision == "bf16":
+        param_b, optim_b = 4, optimizer_bytes - 4
     n = max(dp, 1)
     param = params * param_b / (n if zero >= 3 else 1)
     grad = params * grad_b / (n if zero >= 2 else 1)
@@ -121,10 +137,11 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout: Layout,
                            flash: bool, mode: str | None = None,
-                           policy: str = "modules") -> float:
+                           policy: str = "modules", fused_swiglu: bool = False) -> float:
     """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
     element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them).
-    ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``)."""
+    ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``);
+    ``fused_swiglu``: the SwiGLU kernel keeps only its input (``RuntimeTraits.fused_swiglu``)."""
     mode = mode or layout.activation_checkpointing
     t, h = layout.tp, model.dim
     sp = layout.sequence_parallel
@@ -143,8 +160,11 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         parallel += 2.0 * q_ratio + 2.0 * kv_ratio  # q and k before their norms
     if not flash and mode != "selective":
         parallel += 2.0 * model.n_heads * seq_len / h  # softmax probabilities
-    per_hidden = {("swiglu", "none"): 8.0, ("swiglu", "selective"): 6.0}.get(
-        (model.mlp, mode), 4.0)
+    # Saved per ffn/h: SwiGLU's gate and up outputs (4), the SiLU output and the product (2 each)
+    # in eager PyTorch; a fused SwiGLU or selective recompute keeps the first two and the
+    # product (6); GELU keeps its input and output (4).
+    per_hidden = {("swiglu", "none"): 6.0 if fused_swiglu else 8.0,
+                  ("swiglu", "selective"): 6.0}.get((model.mlp, mode), 4.0)
     whole = 0.0  # saved by every tp rank in full, with or without sequence parallelism
     if model.is_moe_layer(layer):
         # The MoE layer runs whole on every tp rank (its input sequence gathered under sp).
@@ -165,7 +185,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
     b = layout.micro_batch_size(workload.global_batch)
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
                                    workload.traits.flash_attention, mode,
-                                   workload.traits.selective_policy)
+                                   workload.traits.selective_policy,
+                                   workload.traits.fused_swiglu)
     tokens = workload.seq_len / layout.cp * b
     return units * tokens * workload.model.dim * workload.act_bytes / 2
 
@@ -180,36 +201,47 @@ class RankMemory:
     optim_bytes: float
     activation_bytes: float
     buffer_bytes: float
+    reserve_bytes: float = 0.0
+    """What the caching allocator holds beyond the tensors alive at the peak (fragmentation):
+    the profile's ``allocator_reserve`` fraction of the rest (0 on CPU profiles)."""
+
+    @property
+    def allocated_bytes(self) -> float:
+        """The tensors alive at the peak: everything but the allocator's reserve."""
+        return (self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
+                + self.buffer_bytes)
 
     @property
     def total_bytes(self) -> float:
-        """Everything together."""
-        return (self.param_bytes + self.grad_bytes + self.optim_bytes + self.activation_bytes
-                + self.buffer_bytes)
+        """Everything together, the allocator's reserve included."""
+        return self.allocated_bytes + self.reserve_bytes
 
     def to_dict(self) -> dict:
         """JSON form, bytes as integers."""
         return {"stage": self.stage, "param_bytes": int(self.param_bytes),
                 "grad_bytes": int(self.grad_bytes), "optim_bytes": int(self.optim_bytes),
                 "activation_bytes": int(self.activation_bytes),
-                "buffer_bytes": int(self.buffer_bytes), "total_bytes": int(self.total_bytes)}
+                "buffer_bytes": int(self.buffer_bytes), "reserve_bytes": int(self.reserve_bytes),
+                "total_bytes": int(self.total_bytes)}
 
 
 def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int],
                 inflight: float, bucket_mb: float = 25.0,
-                params: StageParams | None = None) -> RankMemory:
+                params: StageParams | None = None, reserve_fraction: float = 0.0) -> RankMemory:
     """Memory of a rank of pipeline ``stage`` holding ``layers`` with ``inflight``
     stage-microbatches of activations at its peak (``params``: the stage's
-    :func:`stage_params`, when the caller has them)."""
+    :func:`stage_params`, when the caller has them; ``reserve_fraction``: the caching
+    allocator's reserve over what is allocated, ``HardwareProfile.allocator_reserve``)."""
     model, lay = workload.model, layout
     first, last = stage == 0, stage == lay.pp - 1
     params = params or stage_params(model, layers, lay, first, last)
     grad_bytes = workload.traits.grad_reduce_bytes
     shards = lay.dp * lay.cp  # gradients reduce, and ZeRO shards, over dp × cp
-    dense = model_state_bytes(params.dense, lay.zero, shards, workload.precision, grad_bytes)
+    states = (workload.precision, grad_bytes, workload.traits.fp32_params,
+              workload.traits.optimizer_state_bytes)
+    dense = model_state_bytes(params.dense, lay.zero, shards, *states)
     expert_shards = expert_reduction_size(lay)
-    expert = model_state_bytes(params.expert, lay.zero, expert_shards, workload.precision,
-                               grad_bytes)
+    expert = model_state_bytes(params.expert, lay.zero, expert_shards, *states)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 
     moe = model.moe_layer_count(layers)
@@ -237,7 +269,9 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
                       for count, n in ((params.dense, shards), (params.expert, expert_shards)))
         if lay.zero == 0 and workload.traits.ddp_bucket_copy and shards > 1:
             buffers += (params.dense + params.expert) * grad_bytes
-    return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers)
+    allocated = param_b + grad_b + optim_b + activations + buffers
+    return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers,
+                      reserve_fraction * allocated)
 
 
 def grad_reduce_transient_bytes(workload: Workload, zero: int, shards: int, params: float,
@@ -249,7 +283,9 @@ def grad_reduce_transient_bytes(workload: Workload, zero: int, shards: int, para
 
     - ZeRO 0 all-reduces each bucket in place: nothing;
     - ZeRO 1 reduce-scatters each bucket into an output of its shard's size, and the outputs of
-      every bucket stay alive until the last reduction is waited for: G P / N;
+      every bucket stay alive until the last reduction is waited for: G P / N (Megatron-LM's
+      distributed optimizer reduce-scatters into the gradient buffer itself: nothing,
+      ``RuntimeTraits.zero1_reduce_in_place``);
     - ZeRO 2 reduces each bucket from the engine's staging pool
       (:data:`meshtrain.config.runtime_facts.INITIAL_PAIRS` pairs of a full bucket and its
       shard) into the gradient shard, and autograd's gradients of the bucket being filled live
@@ -264,7 +300,7 @@ def grad_reduce_transient_bytes(workload: Workload, zero: int, shards: int, para
     grads = params * gb
     if zero <= 1 and workload.traits.shared_memory_reduce:
         return grads * (shards - 1) / shards
-    if zero == 0:
+    if zero == 0 or (zero == 1 and workload.traits.zero1_reduce_in_place):
         return 0.0
     if zero == 1:
         return grads / shards
@@ -301,7 +337,9 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
     unit being used and the one prefetched (the largest consecutive pair); and the gradient
     staging buffers of the engine's pool (:data:`meshtrain.config.runtime_facts.INITIAL_PAIRS`,
     each sized for the largest bucket,
-    the root's included: its gradients in full and its shard)."""
+    the root's included: its gradients in full and its shard). With one unit per block
+    (``RuntimeTraits.zero3_split_blocks`` False: FSDP2 as torchtitan runs it) there is no
+    staging pool; the root's unsharded gradient is held instead."""
 
     model = workload.model
     pb = 2 if workload.precision == "bf16" else 4
@@ -312,6 +350,11 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
         return 0.0
     root = max(rank_params - sum(units), 0.0)
     pairs = max((a + b for a, b in zip(units, units[1:], strict=False)), default=units[0])
+    if not workload.traits.zero3_split_blocks:
+        # FSDP2 (one unit per block, torchtitan): no staging pool. At the peak (the start of
+        # backward) the root is gathered and its head's gradient, unsharded in the parameter
+        # dtype, lives until the root's reduce-scatter at the end of backward.
+        return (2 * root + pairs) * pb
     staging = INITIAL_PAIRS * max(max(units), root) * gb * (1 + 1 / max(layout.dp, 1))
     return (root + pairs) * pb + staging
 

@@ -23,12 +23,20 @@ What overlaps where, per stack (:class:`~meshtrain.planner.cost.workload.Runtime
   first stage finishes last, so its reduction has only its own last backward to hide behind.
 - **dp, torchtitan 2024** (FSDP2): ZeRO-3 with one unit per block, the same prefetch pattern.
 - **dp, Megatron-LM 2021**: gradients all-reduced after backward, not overlapped.
-- **tp, cp, ep**: blocking collectives between the kernels that need them in every stack priced
-  here (meshtrain's :mod:`meshtrain.parallel.tensor.collectives`, the cp K/V all-gather, the MoE
-  all-to-alls; Megatron-LM 2021 and torchtitan 2024 without async tensor parallelism): exposed.
+- **tp, cp, ep**: blocking collectives between the kernels that need them in meshtrain
+  (:mod:`meshtrain.parallel.tensor.collectives`, the cp K/V all-gather, the MoE all-to-alls),
+  Megatron-LM 2021/2022, Megatron-DeepSpeed and torchtitan 2024: exposed. Megatron-Core 2024
+  (Transformer Engine userbuffers) and torchtitan 2025 (async tensor parallelism) pipeline each
+  tp collective with the GEMMs in ``tp`` steps, and Megatron-Core's ring context parallelism
+  its K/V exchange with attention in ``cp`` steps (:func:`pipelined_exposed`).
 - **pp**: each exchange is posted (``batch_isend_irecv``) and the receiver waits for it right
   before the compute that consumes it, so the transfer sits on the dependency chain between
-  stages: exposed (what the sender computes meanwhile does not shorten the receiver's wait).
+  stages: exposed (what the sender computes meanwhile does not shorten the receiver's wait) —
+  except under Megatron-Core's interleaved schedule with ``overlap_p2p_comm``, which posts them
+  a chunk ahead: only what outlasts one chunk's compute is exposed.
+- **dp, Megatron-Core 2024**: the distributed optimizer's reduce-scatter bucket by bucket
+  behind the last micro-batch's backward, and its parameter all-gather behind the next step's
+  forward (``overlap_param_gather``: prefetched, the first bucket exposed).
 
 On a profile whose communication cannot run beside compute (CPUs: ``comm_overlaps_compute =
 False``) nothing is hidden: the cores that would compute run gloo's reductions.
@@ -69,6 +77,17 @@ def zero3_exposed(gather: float, reduce: float, forward: float, backward: float,
     exposed_backward = (gather + reduce) / n + (n - 1) * max((gather + reduce - backward) / n,
                                                              0.0)
     return exposed_forward + exposed_backward
+
+
+def pipelined_exposed(comm: float, compute: float, steps: int) -> float:
+    """Seconds of ``comm`` left exposed when it runs as ``steps`` ring steps pipelined with
+    ``compute`` (Transformer Engine's userbuffer tp overlap, async tensor parallelism, ring
+    context parallelism): the first step waits in full, the others hide behind the compute up
+    to its length."""
+    if comm <= 0:
+        return 0.0
+    n = max(steps, 1)
+    return comm / n + max(comm * (n - 1) / n - compute, 0.0)
 
 
 def overlap_entry(total: float, exposed: float) -> dict:

@@ -21,6 +21,10 @@ all-reduce and the loss's two small ones (last stage). Expert parallelism: a dis
 a combine all-to-all forward, the same backward. Context parallelism: a rank prices its ``S / cp``
 tokens, attention at ``1 / cp`` of the whole sequence's, and the K/V all-gathers and dK/dV
 reduce-scatters of :mod:`meshtrain.planner.cost.context_parallel` (``cp_comm``, not overlapped).
+Stacks that pipeline their tp collectives with the GEMMs (``RuntimeTraits.tp_comm_overlap``) or
+their cp exchange with attention (``cp_comm_overlap``) expose only the first of the ring's
+steps and whatever outlasts that compute (:func:`meshtrain.planner.cost.overlap.
+pipelined_exposed`); the hidden seconds are ``tp_hidden`` and ``cp_hidden``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.context_parallel import layer_comm_time
 from meshtrain.planner.cost.expert_parallel import routed_rows, row_split
 from meshtrain.planner.cost.memory import layer_activation_bytes
+from meshtrain.planner.cost.overlap import pipelined_exposed
 from meshtrain.planner.cost.workload import Workload
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.hardware.stack_efficiency import KernelEfficiency, kernel_efficiency
@@ -52,6 +57,12 @@ class BlockCost:
     ep_comm: float = 0.0
     cp_comm: float = 0.0
     """Context-parallel K/V all-gathers and dK/dV reduce-scatters (recompute's included)."""
+    tp_hidden: float = 0.0
+    """Tensor-parallel communication hidden behind the block's GEMMs (``tp_comm`` is what
+    stays exposed; 0 unless ``RuntimeTraits.tp_comm_overlap``)."""
+    cp_hidden: float = 0.0
+    """Context-parallel communication hidden behind attention
+    (``RuntimeTraits.cp_comm_overlap``)."""
     flops: float = 0.0
     """Hardware FLOPs executed on this rank (forward + backward + recompute)."""
     recompute_flops: float = 0.0
@@ -125,7 +136,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     heads = model.n_heads / lay.tp
     cost = BlockCost()
 
-    linear_flops = 0.0
+    linear_flops = linear_time = 0.0
     shapes = _linear_shapes(model, layer, tokens, lay)
     for m, n, k, batch in shapes:
         one = clock.gemm(m, n, k, batch)
@@ -133,6 +144,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         cost.backward_input += one
         cost.backward_weight += one
         linear_flops += 2.0 * m * n * k * batch
+        linear_time += 3 * one
 
     # QK^T and AV, full square; the rank's queries against the whole sequence's keys
     attention_flops = 4.0 * b * s * s * heads * model.head_dim / lay.cp
@@ -203,6 +215,13 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
                                                             stride, "ep")
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
+    if traits.tp_comm_overlap and cost.tp_comm:
+        exposed = pipelined_exposed(cost.tp_comm, linear_time, lay.tp)
+        cost.tp_hidden, cost.tp_comm = cost.tp_comm - exposed, exposed
+    if traits.cp_comm_overlap and cost.cp_comm:
+        attention = attention_fwd + attention_bwd + (attention_fwd if mode != "none" else 0.0)
+        exposed = pipelined_exposed(cost.cp_comm, attention, lay.cp)
+        cost.cp_hidden, cost.cp_comm = cost.cp_comm - exposed, exposed
     return cost
 
 

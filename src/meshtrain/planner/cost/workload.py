@@ -25,136 +25,18 @@ from meshtrain.config.layout_rules import (
     check_zero_stage,
     choice,
 )
-from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
-from meshtrain.planner.tables.stacks import MEGATRON_2021_A100, TORCHTITAN_2024_A100
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeTraits:
-    """Behaviour of the training runtime that changes time or memory."""
-
-    flash_attention: bool = True
-    """Fused attention (SDPA / FlashAttention): no s×s scores in memory, causal half the work."""
-    overlap_dp: bool = True
-    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute, bucket by
-    bucket (:mod:`meshtrain.planner.cost.overlap` says which micro-batches' compute hides them)."""
-    dp_bucket_bytes: float = 25 * 2**20
-    """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
-    PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    """ZeRO stages the runtime offers (what ``plan`` searches): Megatron-LM in 2021 had no
-    distributed optimizer, only plain data parallelism."""
-    context_parallel: bool = True
-    """Whether the runtime offers context parallelism (Megatron-LM 2021 did not)."""
-    pp_schedules: tuple[str, ...] = PP_SCHEDULES
-    """Pipeline schedules the runtime offers (Megatron-LM 2021: 1F1B and interleaved 1F1B)."""
-    sequence_parallel: bool = True
-    """Whether the runtime offers sequence parallelism (Megatron-LM gained it with Korthikanti
-    et al. 2022; the 2021 release of Narayanan et al. had none)."""
-    checkpointing: tuple[str, ...] = ("none", "selective", "full")
-    """Activation checkpointing modes the runtime offers (Megatron-LM 2021: none or full,
-    ``--checkpoint-activations``; selective recompute is Korthikanti et al. 2022's)."""
-    uniform_pipeline_stages: bool = False
-    """Pipeline stages hold equal layer counts, as Megatron-LM requires: ``num_layers`` divisible
-    by pp (``megatron/model/transformer.py``, "num_layers must be divisible by
-    pipeline_model_parallel_size"), each stage's layers divisible by the virtual stages, and
-    interleaving only with pp > 2 (``megatron/arguments.py``, "pipeline-model-parallel size
-    should be greater than 2 with interleaved schedule"). False: meshtrain's cost-balanced
-    split of any layer count."""
-    zero3_split_blocks: bool = True
-    """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
-    unit per block (FSDP2 wrapping each block, as torchtitan does)."""
-    pp_scatter_gather: bool = False
-    """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, 4.1)."""
-    pipeline_reduces_every_microbatch: bool = False
-    """Under a pipeline, unsharded data parallelism reduces the gradients during every
-    micro-batch's backward instead of only the last one's: Megatron-LM's pipeline schedules
-    (``megatron/schedules.py``, ``forward_backward_pipelining_*``) never enter PyTorch DDP's
-    ``no_sync``, which only its schedule without a pipeline uses. False: reduced once per step
-    (meshtrain; Megatron-LM's local DDP all-reduces once, after the schedule)."""
-    ddp_bucket_copy: bool = False
-    """Unsharded data parallelism reduces through buckets that copy the gradients, a second
-    gradient-sized buffer: PyTorch DDP without ``gradient_as_bucket_view``, as Megatron-LM
-    wrapped it. False: gradients are reduced in place (meshtrain's flat buffers, Megatron-LM's
-    local DDP)."""
-    grad_reduce_bytes: int = 4
-    """Bytes per gradient element, held and on the wire: meshtrain accumulates and reduces in
-    fp32 (4) unless ``parallel.grad_reduce_dtype = bf16`` (2)."""
-    elementwise_traffic: float = 8.0
-    """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
-    byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
-    shared_memory_reduce: bool = False
-    """ZeRO 0-1 gradients reduce through meshtrain's CPU shared-memory reducer (all dp ranks on
-    one host, ``parallel.dp_shared_memory``): in place, but each rank reads its segment of every
-    peer's gradient buffer, so (N-1)/N of its stage's gradients become resident in its address
-    space (the kernel counts those shared pages in every reader's VmHWM)."""
-    optimizer_bytes_per_param: float = 44.0
-    """Memory traffic of the gradient clipping + AdamW update + zero_grad per parameter (shard).
-    meshtrain in fp32: the clip's norm (4) and scale (8), PyTorch's fused AdamW kernel reading
-    master, gradient, m and v and writing master, m and v (28), zeroing (4). (The eager formula
-    it replaced made about a dozen passes, 96.) A fused Adam (Megatron-LM / Apex) reads master,
-    m, v, grad and writes master, m, v and the bf16 copy: 30."""
-    selective_policy: str = "modules"
-    """What ``selective`` checkpointing recomputes. ``modules``: meshtrain's (the attention core
-    and the MLP activation function, :mod:`meshtrain.parallel.activation_checkpoint`; for an
-    unfused-attention runtime like Megatron-LM this is Korthikanti et al. 2022's selective
-    recompute, which drops the ``5as/h`` term). ``op``: torchtitan's per-op policy
-    (``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``): the whole block is
-    checkpointed and only the outputs of SDPA and of every other matmul (wq, wv, w1, w2) are
-    kept."""
-    kernel_efficiency: tuple[tuple[str, StackEfficiency], ...] = ()
-    """The stack's kernel figures by GPU generation, ``(profile family, figures)`` pairs; on a
-    profile whose family has no entry, the profile's own (:mod:`meshtrain.planner.
-    stack_efficiency`, where each entry states its source)."""
-    loss_bytes_per_logit: float = 6.0
-    """Bytes per logit element alive at the start of backward on the last stage. 6: the
-    activation-dtype logits and one fp32 copy. An eager ``F.cross_entropy(logits.float())``
-    as torchtitan runs it keeps the saved fp32 log-softmax output while its backward allocates
-    the fp32 gradients of both the log-softmax output and input: 12."""
-
-
-MESHTRAIN = RuntimeTraits()
-"""meshtrain itself. No kernel-efficiency entries: there is no published meshtrain GPU run to fit
-on, so every GPU profile's own figures apply (and a calibrated profile's measured ones)."""
-MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
-                              grad_reduce_bytes=4, elementwise_traffic=3.0,
-                              optimizer_bytes_per_param=30.0, zero_stages=(0,),
-                              context_parallel=False,
-                              pp_schedules=("1f1b", "interleaved-1f1b"),
-                              sequence_parallel=False, checkpointing=("none", "full"),
-                              uniform_pipeline_stages=True,
-                              kernel_efficiency=(("a100", MEGATRON_2021_A100),))
-"""Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
-data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
-recompute only, equal layer counts per stage; its A100 GEMM efficiency fitted on Narayanan's
-Table 1 (no H100 entry: the stack predates the H100, which falls back to the profile)."""
-MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2,
-                                              pipeline_reduces_every_microbatch=True,
-                                              ddp_bucket_copy=True)
-"""Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
-reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
-``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
-run under ``no_sync``, ``megatron/schedules.py``; with a pipeline, whose schedules do not use
-``no_sync``, during every micro-batch's backward) through its own copy of the gradients, in
-the fp16 parameters' dtype: bf16 turns on
-fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
-do accumulation and all-reduces in fp32, we need to have local DDP")."""
-MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True,
-                                    checkpointing=("none", "selective", "full"))
-"""Megatron-LM as Korthikanti et al. 2022 ran it: the 2021 stack plus sequence parallelism and
-selective recompute (the paper's two contributions). Same code base and cluster (Selene's
-A100), no fit rows of its own: it keeps the 2021 stack's A100 kernel efficiency."""
-TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
-                                zero3_split_blocks=False,
-                                kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
-"""torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
-overlapped reduce-scatter in fp32, eager element-wise kernels, per-op selective checkpointing,
-eager fp32 cross-entropy; its A100 GEMM efficiency fitted on its Llama 2 13B A100 row (no H100
-entry: its one H100 throughput row is a report row, so H100 profiles use their own figure)."""
-STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
-          "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
-          "torchtitan-2024": TORCHTITAN_2024}
-"""Software stacks the cost model can price, by name."""
+from meshtrain.planner.cost.runtime import (  # noqa: F401 - re-exported: callers import them here
+    MEGATRON_2021,
+    MEGATRON_2021_TORCH_DDP,
+    MEGATRON_2022,
+    MEGATRON_CORE_2024,
+    MEGATRON_DEEPSPEED,
+    MESHTRAIN,
+    STACKS,
+    TORCHTITAN_2024,
+    TORCHTITAN_2025,
+    RuntimeTraits,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,12 +189,20 @@ def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:
             problems.append(f"pp × chunks per rank = {stages} stages for {n_layers} layers (it "
                             "gives every stage as many layers: the stages must divide the "
                             "layer count)")
-        if lay.pp_schedule == "interleaved-1f1b" and lay.chunks_per_rank > 1 and lay.pp <= 2:
+        if (lay.pp_schedule == "interleaved-1f1b" and lay.chunks_per_rank > 1
+                and lay.pp <= interleave_min_pp(traits) - 1):
             problems.append(f"interleaved-1f1b with parallel.pp = {lay.pp} (it interleaves "
-                            "only with pp > 2)")
+                            f"only with pp > {interleave_min_pp(traits) - 1})")
     if problems:
         raise ConfigError(f"--stack {stack} cannot run this layout: " + "; ".join(problems)
                           + ".")
+
+
+def interleave_min_pp(traits: RuntimeTraits) -> int:
+    """The fewest pipeline ranks a Megatron-style stack interleaves on: 3, or 2 when it
+    overlaps the pipeline's sends (``megatron/training/arguments.py`` asks for pp > 2 only
+    without ``overlap_p2p_comm``)."""
+    return 2 if traits.pp_comm_overlap else 3
 
 
 def check_context_parallel(workload: Workload, layout: Layout) -> None:

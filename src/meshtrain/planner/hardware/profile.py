@@ -39,7 +39,8 @@ class HardwareProfile:
     """Dense bf16 peak (no sparsity). Calibrated CPU profiles: the measured fp32 GEMM rate of
     one thread while ``calibrated_processes`` one-thread processes compute at once."""
     memory_gb: float
-    """Device memory in GB (10^9 bytes), as the vendor states it."""
+    """Device memory in GB (10^9 bytes) as the driver reports it (a GPU sold as "80 GB" has
+    81,559 to 81,920 MiB, 85.5 to 85.9 GB)."""
     hbm_gbps: float
     """Device-memory bandwidth, GB/s."""
     matmul_efficiency: float
@@ -57,7 +58,14 @@ class HardwareProfile:
     power_w: float
     """Power per GPU including its share of the server (CPUs, NICs, fans), watts."""
     reserved_gb: float = 3.0
-    """Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation)."""
+    """Memory outside the framework's allocator (CUDA context, NCCL and cuBLAS buffers): the
+    usable memory is ``memory_gb - reserved_gb``."""
+    allocator_reserve: float = 0.0
+    """What the caching allocator holds beyond the live tensors at the peak (fragmentation,
+    cached blocks), as a fraction of them: the ``reserve`` component of a rank's memory. Named
+    GPU profiles carry the fitted PyTorch figure
+    (:data:`meshtrain.planner.tables.profiles.ALLOCATOR_RESERVE`); 0 on CPU profiles (glibc
+    ``malloc``, measured as it is)."""
     attention_efficiency: float = 0.75
     """Fused (flash) attention throughput relative to large GEMMs (the default for stacks
     without their own, :mod:`meshtrain.planner.hardware.stack_efficiency`)."""

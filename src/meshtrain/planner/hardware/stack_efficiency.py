@@ -15,13 +15,13 @@ one estimate uses:
 - a measured profile (``meshtrain calibrate``: ``measured`` set, no family) always keeps its
   measured figures: a stack entry describes a GPU generation, not the machine measured.
 
-Every entry states its source: a published figure, or the rows of
-:mod:`meshtrain.planner.tables.published` it was fitted on (fit rows, excluded from the report).
+Every entry states its source: the rows of :mod:`meshtrain.planner.tables.published` marked
+train for it, which it was fitted on (:mod:`meshtrain.planner.tables.fitting`).
 
 There is no separate size dependence here: a GEMM's time is ``flops / (peak × gemm) +
 kernel_overhead_us`` (:class:`meshtrain.planner.cost.timing.GemmClock`), so small per-GPU GEMMs
 already run below the large-GEMM efficiency through the profile's per-kernel overhead; a second,
-size-dependent efficiency would count the same effect twice, and no fit row separates the two.
+size-dependent efficiency would count the same effect twice, and no train row separates the two.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class StackEfficiency:
     """Fraction of the profile's ``peak_tflops`` the stack's large bf16 GEMMs reach inside a
     training step (replaces the profile's ``matmul_efficiency``)."""
     source: str
-    """A cited published figure, or the fit rows it was chosen on."""
+    """A cited published figure, or the train rows it was fitted on."""
     attention: float | None = None
     """Fused attention throughput relative to the GEMM rate; None: the profile's
     ``attention_efficiency`` (no source gives the stack's own)."""

@@ -1,3 +1,4 @@
-"""Searching layouts: enumerate, keep those that fit, rank (:mod:`.layouts`), and plan
-for an objective such as time, energy, cost or carbon (:mod:`.objective`).
+"""Searching layouts: enumerate, keep those that fit, rank (:mod:`.layouts`), plan for an
+objective such as time, energy, cost or carbon (:mod:`.objective`), and put a given layout
+beside the first choice, term by term (:mod:`.explain`, ``plan --explain``).
 """

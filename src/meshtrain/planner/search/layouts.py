@@ -34,6 +34,7 @@ from meshtrain.planner.cost.workload import (
     RuntimeTraits,
     Workload,
     context_parallel_fits,
+    interleave_min_pp,
     layout_from_json,
 )
 from meshtrain.planner.hardware.profile import Cluster
@@ -63,7 +64,7 @@ def _schedules(pp: int, n_layers: int, microbatches: int,
         if traits.uniform_pipeline_stages:  # Megatron-LM: v divides the stage's layers, pp > 2
             per_stage = n_layers // pp
             chunks = [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if per_stage % v == 0
-                      ] if pp > 2 else []
+                      ] if pp >= interleave_min_pp(traits) else []
         else:
             chunks = [v for v in VIRTUAL_STAGES if pipeline_stages_fit(v * pp, n_layers)]
         options += [("interleaved-1f1b", v) for v in chunks]

@@ -15,21 +15,34 @@ from meshtrain.planner.hardware.profile import HardwareProfile
 from meshtrain.planner.tables.stacks import MEGATRON_2021_A100
 
 PUBLISHED_MFU_CAPS = {
-    "a100": (0.611, "torchtitan docs/performance.md (its 2024 A100 tables): Llama 2 13B, FSDP2 "
-                    "on 64 A100 80 GB, local batch 2, seq 4096, no activation checkpointing, "
-                    "61.1 % MFU (6N + 12 L h s FLOPs per token, 312 TFLOP/s peak), the highest "
-                    "published A100 figure recorded here; Megatron-LM's best, Korthikanti et al. "
-                    "2022 Table 5's 1T GPT on 512 A100, is 56.3 %"),
-    "h100": (0.47, "Megatron-LM README (NVIDIA/Megatron-LM), 'Performance Benchmarking': GPT "
-                   "models of 2B to 462B parameters, seq 4096, vocab 131,072, on up to 6,144 "
-                   "H100 with dp/tp/pp communication overlapped, up to 47 % MFU, the highest "
-                   "published H100 figure recorded here (Llama 3 405B: 38-43 %, Llama Team 2024 "
-                   "Table 4). Applied to every profile with the H100's compute (h100-80g, "
-                   "h100-96g, h100-96g-hbm2e-500w, h800, h200): none has a higher published figure "
-                   "of its own"),
+    "a100": (0.604, "the best MFU among the A100 train rows (meshtrain.planner.tables.fitting."
+                    "fit_mfu_cap): torchtitan docs/performance.md (its 2024 A100 tables), Llama 2 "
+                    "13B with FSDP2 on 64 A100 80 GB, local batch 2, seq 4096, no activation "
+                    "checkpointing, 2,162 tokens/s per GPU: 60.4 % with the cost model's 6N + "
+                    "12 L h s FLOPs per token and 312 TFLOP/s (the source states 61.1 % with its "
+                    "own count)"),
+    "h100": (0.595, "the best MFU among the H100 train rows (meshtrain.planner.tables.fitting."
+                    "fit_mfu_cap): NVIDIA dgxc-benchmarking, NeMo 24.09 BF16, Llama 3.1 8B at "
+                    "cp 2 on 8 H100, 12.91 s per step of 128 x 8,192 tokens: 59.5 % with the "
+                    "cost model's FLOPs per token and 989 TFLOP/s. Applied to every profile with "
+                    "the H100's compute (h100-80g, h100-96g, h100-96g-hbm2e-500w, h800, h200)"),
 }
 """Best published MFU by accelerator family, with where it comes from (``max_mfu``)."""
 
+ALLOCATOR_RESERVE = 0.082
+"""The PyTorch caching allocator's reserve over the live tensors at the peak (fragmentation,
+cached free blocks), as a fraction: fitted by :func:`meshtrain.planner.tables.fitting.
+fit_allocator_reserve` on the memory rows marked train (torchtitan docs/performance.md Table 1,
+Llama 3.1 8B with FSDP on 8 H100: 82.4 GiB, the allocator's ``max_memory_reserved``), so that
+the predicted reserve matches what that row reserved beyond the predicted tensors, never below
+0. Every named GPU profile carries it (``HardwareProfile.allocator_reserve``)."""
+
+_MIB = 2**20 / 1e9
+_GIB = 2**30 / 1e9
+# Memory is the capacity the driver reports, in 10^9 bytes: a "80 GB" GPU is 80 GiB-class
+# (nvidia-smi: A100-SXM4-80GB 81,920 MiB, H100 80GB HBM3 81,559 MiB, A100-SXM4-40GB 40,960 MiB,
+# H200 143,771 MiB, B200 182,784 MiB); parts without a reported figure here take the vendor's
+# GB as GiB (h100-96g, the 96 GB Grand Teton H100, MI300X).
 # Data-sheet values. Bus bandwidths are what nccl-tests reports for all-reduce on such systems,
 # below the raw link rate; inter-node is per GPU (DGX-style: one NIC per GPU). fp32_rate is the
 # datasheet's FP32 (CUDA-core, no TF32) TFLOP/s over its dense bf16 figure: A100 19.5 / 312,
@@ -50,82 +63,93 @@ PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in (
         HardwareProfile(
-            "a100-40g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=40.0, hbm_gbps=1555.0,
+            "a100-40g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=_MIB * 40960,
+            hbm_gbps=1555.0,
             matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
             intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
             inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
-            "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=80.0, hbm_gbps=2039.0,
+            "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=_MIB * 81920,
+            hbm_gbps=2039.0,
             matmul_efficiency=MEGATRON_2021_A100.gemm, kernel_overhead_us=6.0,
             intra_node_gbps=230.0, inter_node_gbps=23.0, intra_node_latency_us=8.0,
             inter_node_latency_us=15.0,
             gpu_tdp_w=400.0, max_clock_mhz=1410.0, min_clock_mhz=705.0,
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
-            "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
+            "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559,
+            hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
-            "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0, hbm_gbps=4000.0,
+            "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96, hbm_gbps=4000.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
         HardwareProfile(
-            "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=96.0,
+            "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96,
             hbm_gbps=2400.0, matmul_efficiency=0.62, kernel_overhead_us=5.0,
             intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
             inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
             min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
             max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
                    "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
                    "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
         HardwareProfile(
-            "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=80.0, hbm_gbps=3350.0,
+            "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559, hbm_gbps=3350.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
         HardwareProfile(
-            "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=141.0, hbm_gbps=4800.0,
+            "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 143771, hbm_gbps=4800.0,
             matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=f"0.64 {_ANALOGY}, a little above for its HBM",
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
-            "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=180.0, hbm_gbps=7700.0,
+            "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=_MIB * 182784, hbm_gbps=7700.0,
             matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
             power_w=1790.0, family="b200", efficiency_source=f"0.62 {_ANALOGY}",
+            allocator_reserve=ALLOCATOR_RESERVE,
             source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
-            "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=192.0, hbm_gbps=5300.0,
+            "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=_GIB * 192, hbm_gbps=5300.0,
             matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
-            power_w=1300.0, family="mi300x",
+            power_w=1300.0, family="mi300x", allocator_reserve=ALLOCATOR_RESERVE,
             efficiency_source=f"0.60 {_ANALOGY}, a little below for a less mature stack",
             source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
     )

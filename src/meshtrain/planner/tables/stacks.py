@@ -1,6 +1,8 @@
-"""Kernel efficiencies fitted or published for each software stack on a GPU generation: the
+"""Kernel efficiencies fitted for each software stack on a GPU generation: the
 :class:`~meshtrain.planner.hardware.stack_efficiency.StackEfficiency` entries that
-``RuntimeTraits.kernel_efficiency`` lists (:mod:`meshtrain.planner.cost.workload`).
+``RuntimeTraits.kernel_efficiency`` lists (:mod:`meshtrain.planner.cost.runtime`). Each is
+fitted on the rows marked train for it (:mod:`meshtrain.planner.tables.fitting`,
+``python -m meshtrain.planner.tables.published --fit``) and checked only against test rows.
 """
 
 from __future__ import annotations
@@ -9,22 +11,38 @@ from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
 
 MEGATRON_2021_A100 = StackEfficiency(
     gemm=0.70,
-    source="megatron-2021 on A100: fitted on Narayanan et al. 2021 Table 1 (fit rows, excluded "
-           "from the report): the value whose mean signed error over its ten rows, priced as "
-           "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh ran them, is zero")
+    source="megatron-2021 on A100: fitted on Narayanan et al. 2021 Table 1 (its ten train rows, "
+           "priced as NVIDIA/Megatron-LM examples/sc21/run_table_1.sh ran them): the value at "
+           "which they are on average neither faster nor slower than published")
 """Megatron-LM as Narayanan et al. 2021 ran it on Selene's A100 80 GB (SC21). Also the A100
 profiles' default for stacks without an A100 entry of their own (meshtrain: no published A100
 runs to fit on), see :data:`meshtrain.planner.tables.profiles.PROFILES`. Korthikanti et al. 2022
-(``megatron-2022``) ran the same code base on the same cluster and has no fit rows of its own:
-it inherits this entry, and its Table 5 rows stay report rows."""
+(``megatron-2022``) and Megatron-DeepSpeed ran the same kernels on the same GPUs and have no
+train rows of their own: they inherit this entry, and their rows stay test rows."""
 
 TORCHTITAN_2024_A100 = StackEfficiency(
     gemm=0.74,
     source="torchtitan-2024 on A100: fitted on torchtitan docs/performance.md's A100 Llama 2 13B "
            "run without activation checkpointing (FSDP2 on 64 A100 80 GB, local batch 2, seq "
-           "4096, 2,162 tokens/s per GPU; the fit row, excluded from the report): the value "
-           "that prices it at its published throughput")
+           "4096, 2,162 tokens/s per GPU; the train row): the value that prices it at its "
+           "published throughput")
 """torchtitan (PyTorch-native: cuBLAS GEMMs, SDPA attention, eager element-wise kernels) on
-A100 80 GB. Its five other A100 rows and its H100 rows are report rows. On the H100 family it
-has no fit row (its one H100 throughput row reports), so it falls back to the profile's figure
-there."""
+A100 80 GB. Its five other A100 rows and its H100 rows are test rows. On the H100 family it
+has no train row, so it falls back to the profile's figure there."""
+
+MEGATRON_CORE_2024_H100 = StackEfficiency(
+    gemm=0.639,
+    source="megatron-core-2024 on H100: fitted on its train rows (NVIDIA dgxc-benchmarking, NeMo "
+           "24.09 BF16: GPT-3 175B on 128 and 2,048 H100, Llama 3.1 8B on 8 and 128 H100): the "
+           "value at which they are on average neither faster nor slower than published")
+"""Megatron-Core (NeMo 24.09, Transformer Engine) on H100 80 GB; its other dgxc-benchmarking
+rows (Llama 3.1 70B and 405B, Nemotron-4 15B and 340B) and the Nemotron-4 340B report's rows
+are test rows."""
+
+TORCHTITAN_2025_H100 = StackEfficiency(
+    gemm=0.604,
+    source="torchtitan-2025 on H100: fitted on torchtitan docs/performance.md Table 1's 'FSDP + "
+           "torch.compile' row (Llama 3.1 8B on 8 Grand Teton H100, 6,667 tokens/s per GPU; the "
+           "train row): the value that prices it at its published throughput")
+"""torchtitan with torch.compile (December 2024) on the 500 W Grand Teton H100; Table 3's
+128-GPU compile row is a test row."""

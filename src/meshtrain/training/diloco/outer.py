@@ -115,9 +115,9 @@ class OuterOptimizer:
         self.quantized = grad_dtype if grad_dtype in FORMATS else ""
         """``int8`` / ``fp8``: the mean is exchanged in 8 bits (:mod:`.quantized_reduce`)."""
         self.grad_dtype = torch.bfloat16 if grad_dtype == "bf16" else torch.float32
-        self.start = [shard.master.detach().clone() for shard in self.shards]
+        self.start = [self._state_like(shard.master, copy=True) for shard in self.shards]
         """Start-of-round fp32 weights of each shard (the outer parameters)."""
-        self.momentum_buf = [torch.zeros_like(shard.master) for shard in self.shards]
+        self.momentum_buf = [self._state_like(shard.master, copy=False) for shard in self.shards]
         self.rounds = 0
         """Outer steps taken (one per fragment synced)."""
         self.fragments = fragments
@@ -156,11 +156,28 @@ class OuterOptimizer:
         return [f for f in range(self.fragments)
                 if step % every == (f + 1) * every // self.fragments % every]
 
+    def _state_like(self, master: torch.Tensor, copy: bool) -> torch.Tensor:
+        """A copy of ``master`` (or zeros like it), in the offload store when the inner state
+        is offloaded (``parallel.offload``: the outer state lives beside it)."""
+        store = self.optimizer.offload
+        if store is None:
+            return master.detach().clone() if copy else torch.zeros_like(master)
+        state = store.zeros(master.numel(), torch.float32)
+        if copy:
+            store.copy(state, master)
+        return state
+
     @torch.no_grad()
     def end_step(self, step: int, last_step: int) -> None:
         """After inner step ``step``: take the outer steps of the means in flight that are due
         (all of them at ``last_step``), then end the rounds of the fragments due — in the
-        background with ``sync_overlap``, else at once (:meth:`sync`)."""
+        background with ``sync_overlap``, else at once (:meth:`sync`). Offloaded state that
+        this touched leaves memory again."""
+        self._end_step(step, last_step)
+        if self.optimizer.offload is not None:
+            self.optimizer.offload.release_all()
+
+    def _end_step(self, step: int, last_step: int) -> None:
         self.step, self.rejected = step, None
         ready = [p for p in self.in_flight if p.apply_at <= step or step == last_step]
         if ready:
@@ -238,7 +255,7 @@ class OuterOptimizer:
         """This rank's fp32 pseudo-gradient (start − now) of ``fragment``, flat."""
         parts = [self.start[i][a:a + n] - self.shards[i].master[a:a + n]
                  for i, a, n in self._runs[fragment]]
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return (torch.cat(parts) if parts else torch.zeros(0)).to(self.device)
 
     def sent_gradient(self, fragment: int) -> torch.Tensor:
         """:meth:`pseudo_gradient` as this group sends it (a test-only ``poison_outer`` fault,
@@ -315,7 +332,7 @@ class OuterOptimizer:
             for i, a, n in self._runs[fragment]:
                 start, master = self.start[i][a:a + n], self.shards[i].master[a:a + n]
                 buf = self.momentum_buf[i][a:a + n]
-                grad = flat[offset:offset + n]
+                grad = flat[offset:offset + n].to(start.device)  # offloaded: to the host
                 offset += n
                 if self.momentum:
                     buf.mul_(self.momentum).add_(grad)

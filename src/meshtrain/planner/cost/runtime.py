@@ -1,0 +1,229 @@
+"""What a training runtime does that changes time or memory, and the stacks priced with it.
+
+:class:`RuntimeTraits` is one stack's behaviour (fused or eager kernels, what overlaps what,
+what activation checkpointing keeps, how model states are held); :data:`STACKS` names the
+presets ``estimate`` / ``plan --stack`` price. Each preset says what that stack could run at
+the time its published runs were measured, feature by feature with the source, so
+:func:`meshtrain.planner.cost.workload.check_stack_offers` refuses only what the stack could not
+run. Kernel efficiencies per GPU generation are the stack's entries in
+:mod:`meshtrain.planner.tables.stacks`, each fitted on named train rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.config.layout import PP_SCHEDULES
+from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
+from meshtrain.planner.tables.stacks import (
+    MEGATRON_2021_A100,
+    MEGATRON_CORE_2024_H100,
+    TORCHTITAN_2024_A100,
+    TORCHTITAN_2025_H100,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeTraits:
+    """Behaviour of the training runtime that changes time or memory."""
+
+    flash_attention: bool = True
+    """Fused attention (SDPA / FlashAttention): no s×s scores in memory, causal half the work."""
+    overlap_dp: bool = True
+    """Gradient reduction (and ZeRO-3 gathers) overlap backward / forward compute, bucket by
+    bucket (:mod:`meshtrain.planner.cost.overlap` says which micro-batches' compute hides them)."""
+    dp_bucket_bytes: float = 25 * 2**20
+    """Parameter bytes per data-parallel bucket (``parallel.dp_bucket_mb``, MiB; meshtrain's and
+    PyTorch DDP's default 25): how many reductions a backward issues, the last one exposed."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the runtime offers (what ``plan`` searches): Megatron-LM in 2021 had no
+    distributed optimizer, only plain data parallelism."""
+    context_parallel: bool = True
+    """Whether the runtime offers context parallelism (Megatron-LM 2021 did not)."""
+    pp_schedules: tuple[str, ...] = PP_SCHEDULES
+    """Pipeline schedules the runtime offers (Megatron-LM 2021: 1F1B and interleaved 1F1B)."""
+    sequence_parallel: bool = True
+    """Whether the runtime offers sequence parallelism (Megatron-LM gained it with Korthikanti
+    et al. 2022; the 2021 release of Narayanan et al. had none)."""
+    checkpointing: tuple[str, ...] = ("none", "selective", "full")
+    """Activation checkpointing modes the runtime offers (Megatron-LM 2021: none or full,
+    ``--checkpoint-activations``; selective recompute is Korthikanti et al. 2022's)."""
+    uniform_pipeline_stages: bool = False
+    """Pipeline stages hold equal layer counts, as Megatron-LM requires: ``num_layers`` divisible
+    by pp (``megatron/model/transformer.py``, "num_layers must be divisible by
+    pipeline_model_parallel_size"), each stage's layers divisible by the virtual stages, and
+    interleaving only with pp > 2 (``megatron/arguments.py``, "pipeline-model-parallel size
+    should be greater than 2 with interleaved schedule"). False: meshtrain's cost-balanced
+    split of any layer count."""
+    zero3_split_blocks: bool = True
+    """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
+    unit per block (FSDP2 wrapping each block, as torchtitan does)."""
+    pp_scatter_gather: bool = False
+    """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, 4.1)."""
+    pipeline_reduces_every_microbatch: bool = False
+    """Under a pipeline, unsharded data parallelism reduces the gradients during every
+    micro-batch's backward instead of only the last one's: Megatron-LM's pipeline schedules
+    (``megatron/schedules.py``, ``forward_backward_pipelining_*``) never enter PyTorch DDP's
+    ``no_sync``, which only its schedule without a pipeline uses. False: reduced once per step
+    (meshtrain; Megatron-LM's local DDP all-reduces once, after the schedule)."""
+    ddp_bucket_copy: bool = False
+    """Unsharded data parallelism reduces through buckets that copy the gradients, a second
+    gradient-sized buffer: PyTorch DDP without ``gradient_as_bucket_view``, as Megatron-LM
+    wrapped it. False: gradients are reduced in place (meshtrain's flat buffers, Megatron-LM's
+    local DDP)."""
+    grad_reduce_bytes: int = 4
+    """Bytes per gradient element, held and on the wire: meshtrain accumulates and reduces in
+    fp32 (4) unless ``parallel.grad_reduce_dtype = bf16`` (2)."""
+    elementwise_traffic: float = 8.0
+    """HBM bytes element-wise kernels (norms, rotary, activation, residual) move in forward per
+    byte of saved activations: about 3 with fused kernels, more in eager PyTorch."""
+    shared_memory_reduce: bool = False
+    """ZeRO 0-1 gradients reduce through meshtrain's CPU shared-memory reducer (all dp ranks on
+    one host, ``parallel.dp_shared_memory``): in place, but each rank reads its segment of every
+    peer's gradient buffer, so (N-1)/N of its stage's gradients become resident in its address
+    space (the kernel counts those shared pages in every reader's VmHWM)."""
+    optimizer_bytes_per_param: float = 44.0
+    """Memory traffic of the gradient clipping + AdamW update + zero_grad per parameter (shard).
+    meshtrain in fp32: the clip's norm (4) and scale (8), PyTorch's fused AdamW kernel reading
+    master, gradient, m and v and writing master, m and v (28), zeroing (4). (The eager formula
+    it replaced made about a dozen passes, 96.) A fused Adam (Megatron-LM / Apex) reads master,
+    m, v, grad and writes master, m, v and the bf16 copy: 30."""
+    selective_policy: str = "modules"
+    """What ``selective`` checkpointing recomputes. ``modules``: meshtrain's (the attention core
+    and the MLP activation function, :mod:`meshtrain.parallel.activation_checkpoint`; for an
+    unfused-attention runtime like Megatron-LM this is Korthikanti et al. 2022's selective
+    recompute, which drops the ``5as/h`` term). ``op``: torchtitan's per-op policy
+    (``torchtitan/models/llama3/infra/parallelize.py``, ``_save_list``): the whole block is
+    checkpointed and only the outputs of SDPA and of every other matmul (wq, wv, w1, w2) are
+    kept."""
+    kernel_efficiency: tuple[tuple[str, StackEfficiency], ...] = ()
+    """The stack's kernel figures by GPU generation, ``(profile family, figures)`` pairs; on a
+    profile whose family has no entry, the profile's own (:mod:`meshtrain.planner.
+    stack_efficiency`, where each entry states its source)."""
+    loss_bytes_per_logit: float = 6.0
+    """Bytes per logit element alive at the start of backward on the last stage. 6: the
+    activation-dtype logits and one fp32 copy (meshtrain; Megatron-LM's vocab-parallel
+    cross-entropy, which keeps the fp32 softmax it computes in place for backward). An eager
+    ``F.cross_entropy(logits.float())`` as torchtitan runs it keeps the saved fp32 log-softmax
+    output while its backward allocates the fp32 gradients of both the log-softmax output and
+    input: 12."""
+    fused_swiglu: bool = False
+    """SwiGLU's activation is one fused kernel that saves only its input (the gate and up
+    projections' output) and recomputes the SiLU in backward: Megatron-LM's ``bias_swiglu_impl``
+    (``megatron/core/fusions/fused_bias_swiglu.py``), NeMo's ``fast-swiglu`` with
+    ``bias_activation_fusion``. A block then saves ``6 f/h`` units for its MLP instead of eager
+    PyTorch's ``8 f/h`` (gate and up outputs, the SiLU output, their product)."""
+    fp32_params: bool = False
+    """Sharded parameters are held in fp32 and only gathered in the training dtype (FSDP2 with a
+    bf16 ``MixedPrecisionPolicy``, as torchtitan runs it): bf16 model states are ``4 + G + 8``
+    bytes per parameter (fp32 parameter, gradient, Adam's two moments), not ``2 + G + 12``."""
+    tp_comm_overlap: bool = False
+    """Tensor-parallel collectives are pipelined with the GEMMs they feed or follow
+    (Transformer Engine's userbuffers, Megatron-LM ``--tp-comm-overlap``; torchtitan's async
+    tensor parallelism): each collective goes in ``tp`` ring steps, the first exposed and the
+    rest hidden behind the block's GEMMs, up to their time (:mod:`meshtrain.planner.cost.
+    overlap`)."""
+    pp_comm_overlap: bool = False
+    """Pipeline sends and receives of the interleaved schedule are posted a chunk ahead and
+    overlap that chunk's compute (Megatron-LM ``overlap_p2p_comm``): only what outlasts one
+    chunk's forward or backward is exposed."""
+    cp_comm_overlap: bool = False
+    """Context-parallel key/value exchange runs as a ring whose steps hide behind the attention
+    of the chunk already held (Megatron-Core / Transformer Engine context parallelism): only
+    what outlasts the layer's attention compute is exposed."""
+    optimizer_state_bytes: float = 12.0
+    """A bf16 model's optimizer state per parameter: the fp32 master copy and Adam's two fp32
+    moments (12); 6 when a run keeps them in bf16 (NeMo's ``optim.dtype: bf16``)."""
+    zero1_reduce_in_place: bool = False
+    """ZeRO-1 reduce-scatters each bucket into the rank's own slice of the gradient buffer
+    (Megatron-LM's distributed optimizer, ``megatron/core/distributed``), so no reduction
+    output is allocated beside it; False: meshtrain's engine, whose outputs of every bucket
+    stay alive until the last is waited for."""
+    param_gather_overlap: bool = False
+    """The distributed optimizer's parameter all-gather after the update (ZeRO 1-2) overlaps the
+    next step's forward, bucket by bucket (Megatron-LM ``--overlap-param-gather``); else it is
+    exposed."""
+
+
+MESHTRAIN = RuntimeTraits()
+"""meshtrain itself. No kernel-efficiency entries: there is no published meshtrain GPU run to fit
+on, so every GPU profile's own figures apply (and a calibrated profile's measured ones)."""
+MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
+                              grad_reduce_bytes=4, elementwise_traffic=3.0,
+                              optimizer_bytes_per_param=30.0, zero_stages=(0,),
+                              context_parallel=False,
+                              pp_schedules=("1f1b", "interleaved-1f1b"),
+                              sequence_parallel=False, checkpointing=("none", "full"),
+                              uniform_pipeline_stages=True,
+                              kernel_efficiency=(("a100", MEGATRON_2021_A100),))
+"""Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
+data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
+recompute only, equal layer counts per stage; its A100 GEMM efficiency fitted on Narayanan's
+Table 1 (no H100 entry: the stack predates the H100, which falls back to the profile)."""
+MEGATRON_2021_TORCH_DDP = dataclasses.replace(MEGATRON_2021, overlap_dp=True, grad_reduce_bytes=2,
+                                              pipeline_reduces_every_microbatch=True,
+                                              ddp_bucket_copy=True)
+"""Megatron-LM 2021 with ``--DDP-impl torch`` (PyTorch DistributedDataParallel), as its SC21
+reproduction script ran Table 1's models without a pipeline (``examples/sc21/run_table_1.sh``,
+``DDP=torch``): DDP's 25 MB buckets all-reduce during the last micro-batch's backward (the others
+run under ``no_sync``, ``megatron/schedules.py``; with a pipeline, whose schedules do not use
+``no_sync``, during every micro-batch's backward) through its own copy of the gradients, in
+the fp16 parameters' dtype: bf16 turns on
+fp32 gradient accumulation, which ``megatron/arguments.py`` allows with local DDP only ("If we
+do accumulation and all-reduces in fp32, we need to have local DDP")."""
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, sequence_parallel=True, zero_stages=(0, 1),
+                                    checkpointing=("none", "selective", "full"),
+                                    zero1_reduce_in_place=True)
+"""Megatron-LM in 2022: the 2021 stack plus Korthikanti et al. 2022's sequence parallelism and
+selective recompute, and the distributed optimizer (``--use-distributed-optimizer``,
+Megatron-LM ``docs/distrib_optimizer.md``: ZeRO-1, the fp32 gradients reduce-scattered and the
+updated parameters all-gathered, not overlapped). Same code base and cluster (Selene's A100),
+no fit rows of its own: it keeps the 2021 stack's A100 kernel efficiency."""
+MEGATRON_DEEPSPEED = dataclasses.replace(
+    MEGATRON_2021, zero_stages=(0, 1), pp_schedules=("1f1b",), pp_scatter_gather=False,
+    uniform_pipeline_stages=False)
+"""Megatron-DeepSpeed as BLOOM (BigScience 2022) and MT-NLG (Smith et al. 2022) ran it:
+Megatron-LM's model code and fused kernels (unfused softmax attention, tp without sequence
+parallelism, full recompute) under DeepSpeed's pipeline engine (1F1B only, each tp rank sends
+the whole boundary activation, layers split as evenly as the count allows) and DeepSpeed's
+ZeRO-1 over data parallelism, reduced after the pipeline, not overlapped. Megatron-LM's kernels
+on the same A100s: the megatron-2021 A100 efficiency, no fit of its own."""
+MEGATRON_CORE_2024 = RuntimeTraits(
+    flash_attention=True, overlap_dp=True, zero_stages=(0, 1), context_parallel=True,
+    pp_schedules=("1f1b", "interleaved-1f1b"), sequence_parallel=True,
+    checkpointing=("none", "selective", "full"), uniform_pipeline_stages=True,
+    grad_reduce_bytes=4, elementwise_traffic=3.0, optimizer_bytes_per_param=30.0,
+    fused_swiglu=True, tp_comm_overlap=True, pp_comm_overlap=True, cp_comm_overlap=True,
+    param_gather_overlap=True, zero1_reduce_in_place=True,
+    kernel_efficiency=(("h100", MEGATRON_CORE_2024_H100),))
+"""Megatron-Core as NeMo 24.09 ran it on H100 (NVIDIA dgxc-benchmarking recipes, NeMo-Framework-
+Launcher ``conf/training/llama/llama3_1_405b.yaml``): Transformer Engine kernels (fused
+attention, layer-norm fused into the linear layers, fused rotary, ``fast-swiglu`` with
+``bias_activation_fusion``), the distributed optimizer with ``overlap_grad_sync`` and
+``overlap_param_sync`` (ZeRO-1, fp32 gradients), ``ub_tp_comm_overlap``, ``overlap_p2p_comm``,
+sequence parallelism, context parallelism, interleaved 1F1B with equal layers per virtual
+stage, selective (core attention) or full recompute; its H100 GEMM efficiency is fitted on its
+train rows (:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2024_H100`)."""
+TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
+                                zero3_split_blocks=False, fp32_params=True,
+                                kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
+"""torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
+overlapped reduce-scatter in fp32 with fp32 sharded parameters, eager element-wise kernels,
+per-op selective checkpointing, eager fp32 cross-entropy; its A100 GEMM efficiency fitted on
+its Llama 2 13B A100 row (no H100 entry: its H100 rows without torch.compile are test rows, so
+H100 profiles use their own figure)."""
+TORCHTITAN_2025 = dataclasses.replace(
+    TORCHTITAN_2024, elementwise_traffic=3.0, tp_comm_overlap=True,
+    pp_schedules=("gpipe", "1f1b", "interleaved-1f1b"),
+    kernel_efficiency=(("a100", TORCHTITAN_2024_A100), ("h100", TORCHTITAN_2025_H100)))
+"""torchtitan as of its December 2024 performance runs (torch and torchtitan of 2024-12-26,
+docs/performance.md): the 2024 stack with ``torch.compile`` on every block (element-wise
+kernels fused), async tensor parallelism (which needs compile), and pipeline schedules; Float8
+is not priced (no row using it is in the validation set). Its H100 GEMM efficiency is fitted on
+its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN_2025_H100`)."""
+STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
+          "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
+          "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,
+          "torchtitan-2024": TORCHTITAN_2024, "torchtitan-2025": TORCHTITAN_2025}
+"""Software stacks the cost model can price, by name."""
+

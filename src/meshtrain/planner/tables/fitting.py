@@ -1,0 +1,138 @@
+"""The fitted constants of the cost model, re-derived from the rows marked train, and only them.
+
+Each routine here takes published rows and refuses any that is not marked ``train``
+(:func:`require_train`), so a test row's numbers can never reach a constant. The constants the
+code uses are written in :mod:`meshtrain.planner.tables.stacks` (GEMM efficiencies) and
+:mod:`meshtrain.planner.tables.profiles` (the allocator reserve, the MFU caps);
+``python -m meshtrain.planner.tables.published --fit`` prints what these routines give, and the
+tests check that the written constants are what they give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.planner.cost.estimate import estimate
+from meshtrain.planner.hardware.profile import Cluster
+from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
+from meshtrain.planner.tables.profiles import PROFILES
+from meshtrain.planner.tables.runs_row import PublishedRow
+
+
+class NotATrainRow(ValueError):
+    """A fitting routine was handed a row that is not marked train."""
+
+
+def require_train(rows: list[PublishedRow]) -> list[PublishedRow]:
+    """``rows``, refused (:class:`NotATrainRow`) unless every one is marked train and there is
+    at least one."""
+    bad = [r.name for r in rows if r.split != "train"]
+    if bad or not rows:
+        raise NotATrainRow(f"fitting needs train rows only; got {bad or 'none'}")
+    return rows
+
+
+def _cluster(row: PublishedRow, profile=None) -> Cluster:
+    return Cluster(profile or PROFILES[row.profile], row.gpus, 8)
+
+
+def priced(row: PublishedRow, profile=None) -> dict:
+    """The estimate of ``row``'s layout (on ``profile``, default the row's own)."""
+    return estimate(row.workload, row.layout, _cluster(row, profile))
+
+
+def with_gemm_efficiency(row: PublishedRow, gemm: float) -> PublishedRow:
+    """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``."""
+    family = PROFILES[row.profile].family
+    traits = row.workload.traits
+    entries = tuple((f, e) for f, e in traits.kernel_efficiency if f != family)
+    trial = StackEfficiency(gemm=gemm, source="trial")
+    traits = dataclasses.replace(traits, kernel_efficiency=((family, trial), *entries))
+    return dataclasses.replace(row, workload=dataclasses.replace(row.workload, traits=traits))
+
+
+def _uncapped(row: PublishedRow):
+    """The row's profile without its MFU cap (a fit must not be bent by a cap it sets)."""
+    return dataclasses.replace(PROFILES[row.profile], max_mfu=0.0)
+
+
+def speed_error(row: PublishedRow, result: dict) -> float:
+    """How much faster than published ``result`` prices ``row``: predicted / published - 1 for
+    a rate, published / predicted - 1 for a step time (positive: predicted too fast)."""
+    predicted = result[row.metric]
+    if row.metric == "step_time_s":
+        return row.published / predicted - 1
+    return predicted / row.published - 1
+
+
+def _mean_speed_error(rows: list[PublishedRow], gemm: float) -> float:
+    errors = [speed_error(r, priced(with_gemm_efficiency(r, gemm), _uncapped(r))) for r in rows]
+    return sum(errors) / len(errors)
+
+
+def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4) -> float:
+    """The GEMM efficiency at which ``rows`` (train rows of one stack on one GPU generation,
+    priced without an MFU cap) are on average neither faster nor slower than published (mean
+    :func:`speed_error` zero), by bisection."""
+    require_train(rows)
+    low, high = 0.3, 1.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        low, high = (middle, high) if _mean_speed_error(rows, middle) < 0 else (low, middle)
+    return (low + high) / 2
+
+
+def fit_allocator_reserve(rows: list[PublishedRow]) -> float:
+    """The caching allocator's reserve (fraction of the live tensors) that makes the predicted
+    peak of the train memory rows equal what they reserved, on average; never below 0."""
+    require_train(rows)
+    ratios = []
+    for r in rows:
+        profile = dataclasses.replace(PROFILES[r.profile], allocator_reserve=0.0)
+        result = priced(r, profile)
+        ratios.append(r.published / result["memory_gb_per_gpu"])
+    return max(sum(ratios) / len(ratios) - 1, 0.0)
+
+
+def published_mfu(row: PublishedRow) -> float:
+    """The MFU ``row``'s published figure amounts to, with the cost model's FLOPs per token
+    (``6N + 12 L h s``) and the row's profile's peak."""
+    result = priced(row, _uncapped(row))
+    if row.metric == "memory_gb_per_gpu":
+        raise ValueError(f"{row.name}: a memory row has no MFU")
+    scale = (result[row.metric] / row.published if row.metric == "step_time_s"
+             else row.published / result[row.metric])
+    return result["mfu"] * scale
+
+
+def fit_mfu_cap(rows: list[PublishedRow]) -> float:
+    """The best MFU among ``rows`` (train rows on one GPU generation): the cap no estimate on
+    that generation exceeds."""
+    return max(published_mfu(r) for r in require_train(rows))
+
+
+def fit_groups(rows: list[PublishedRow]) -> dict[str, list[PublishedRow]]:
+    """The train rows behind each fitted constant, by its name (``PublishedRow.fits``), and
+    the rows each GPU generation's MFU cap is the best of (``mfu cap FAMILY``: every train
+    throughput row on it)."""
+    groups: dict[str, list[PublishedRow]] = {}
+    for r in rows:
+        if r.split != "train":
+            continue
+        groups.setdefault(r.fits, []).append(r)
+        if r.metric != "memory_gb_per_gpu":
+            groups.setdefault(f"mfu cap {PROFILES[r.profile].family}", []).append(r)
+    return groups
+
+
+def refit(rows: list[PublishedRow]) -> dict[str, float]:
+    """Every fitted constant from the train rows among ``rows`` (test rows are never read)."""
+    out = {}
+    for name, group in fit_groups(rows).items():
+        if name == "allocator reserve":
+            out[name] = fit_allocator_reserve(group)
+        elif name.startswith("mfu cap"):
+            out[name] = fit_mfu_cap(group)
+        else:
+            out[name] = fit_gemm_efficiency(group)
+    return out

@@ -1,0 +1,112 @@
+"""The validation set's train / test split: fitting reads train rows only, the fitted constants
+are what the train rows give, every published layout fits, and docs/planner.md quotes the
+numbers the code computes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from meshtrain.planner.tables import fitting
+from meshtrain.planner.tables.fitting import NotATrainRow, fit_groups, refit, require_train
+from meshtrain.planner.tables.profiles import ALLOCATOR_RESERVE, PROFILES, PUBLISHED_MFU_CAPS
+from meshtrain.planner.tables.published import (
+    evaluate,
+    headline,
+    published_rows,
+    summary,
+    table_lines,
+)
+from meshtrain.planner.tables.stacks import (
+    MEGATRON_2021_A100,
+    MEGATRON_CORE_2024_H100,
+    TORCHTITAN_2024_A100,
+    TORCHTITAN_2025_H100,
+)
+
+ROWS = published_rows()
+RESULTS = [evaluate(row) for row in ROWS]
+TEST_ROWS = [r for r in ROWS if r.split == "test"]
+TRAIN_ROWS = [r for r in ROWS if r.split == "train"]
+
+WRITTEN = {"megatron-2021 a100": MEGATRON_2021_A100.gemm,
+           "torchtitan-2024 a100": TORCHTITAN_2024_A100.gemm,
+           "megatron-core-2024 h100": MEGATRON_CORE_2024_H100.gemm,
+           "torchtitan-2025 h100": TORCHTITAN_2025_H100.gemm,
+           "allocator reserve": ALLOCATOR_RESERVE,
+           "mfu cap a100": PUBLISHED_MFU_CAPS["a100"][0],
+           "mfu cap h100": PUBLISHED_MFU_CAPS["h100"][0]}
+"""Every fitted constant the code uses, by its fit_groups name."""
+
+
+def test_every_row_is_train_or_test_and_names_its_source():
+    assert {r.split for r in ROWS} == {"train", "test"}
+    assert len({r.name for r in ROWS}) == len(ROWS)
+    for r in ROWS:
+        assert r.source and r.stack and r.profile in PROFILES, r.name
+        assert bool(r.fits) == (r.split == "train"), r.name
+    assert len(TEST_ROWS) > 2 * len(TRAIN_ROWS)
+
+
+@pytest.mark.parametrize("routine", [fitting.fit_gemm_efficiency, fitting.fit_allocator_reserve,
+                                     fitting.fit_mfu_cap, require_train])
+def test_fitting_routines_refuse_any_test_row(routine):
+    memory = [r for r in TEST_ROWS if r.metric == "memory_gb_per_gpu"][:1]
+    rate = [r for r in TEST_ROWS if r.metric != "memory_gb_per_gpu"][:1]
+    train = [r for r in TRAIN_ROWS if r.fits == "megatron-2021 a100"]
+    for rows in (memory, rate, train + rate, []):
+        with pytest.raises(NotATrainRow):
+            routine(rows)
+
+
+def test_fit_groups_hold_train_rows_only():
+    groups = fit_groups(ROWS)
+    assert set(groups) == set(WRITTEN)
+    for name, rows in groups.items():
+        assert rows and all(r.split == "train" for r in rows), name
+
+
+def test_the_written_constants_are_what_the_train_rows_give():
+    fitted = refit(ROWS)
+    for name, value in WRITTEN.items():
+        assert fitted[name] == pytest.approx(value, abs=0.0015), name
+
+
+def test_test_rows_never_reach_a_constant():
+    # Double every test row's published figure: no fitted constant may move.
+    doubled = [dataclasses.replace(r, published=2 * r.published) if r.split == "test" else r
+               for r in ROWS]
+    assert refit(doubled) == refit(ROWS)
+
+
+def test_no_published_layout_is_judged_not_to_fit():
+    unfit = [(r["name"], round(r["memory_gb_per_gpu"], 1)) for r in RESULTS if not r["fits"]]
+    assert not unfit
+
+
+def test_test_rows_meet_the_accuracy_target():
+    mean, _ = summary(RESULTS, "test")
+    assert mean <= 0.10
+    memory_mean, memory_worst = summary(RESULTS, "test", "memory")
+    assert memory_mean <= 0.10 and memory_worst <= 0.15
+
+
+def _doc() -> str:
+    return (Path(__file__).parents[3] / "docs" / "planner.md").read_text()
+
+
+def test_docs_per_row_table_and_headline_are_what_the_code_computes():
+    doc = _doc()
+    lines = doc.splitlines()
+    table = table_lines(RESULTS)
+    start = lines.index(table[0])
+    assert lines[start:start + len(table)] == table
+    assert headline(RESULTS) in " ".join(doc.split())
+
+
+def test_readme_quotes_the_current_test_accuracy():
+    readme = " ".join((Path(__file__).parents[3] / "README.md").read_text().split())
+    mean, _ = summary(RESULTS, "test")
+    assert f"the throughput error is {100 * mean:.1f} % on average" in readme

@@ -1,0 +1,129 @@
+"""What each stack profile prices and refuses, and the memory it holds as those stacks hold it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshtrain.config import ConfigError
+from meshtrain.config.layout import Layout
+from meshtrain.planner.cost.estimate import estimate
+from meshtrain.planner.cost.memory import layer_activation_units
+from meshtrain.planner.cost.overlap import pipelined_exposed
+from meshtrain.planner.cost.workload import (
+    MEGATRON_2022,
+    MEGATRON_CORE_2024,
+    MEGATRON_DEEPSPEED,
+    MESHTRAIN,
+    TORCHTITAN_2025,
+    Workload,
+    check_stack_offers,
+)
+from meshtrain.planner.hardware.profile import Cluster
+from meshtrain.planner.tables.presets import preset_config
+from meshtrain.planner.tables.profiles import ALLOCATOR_RESERVE, PROFILES
+
+LLAMA_8B = preset_config("llama3-8b").model
+H100 = PROFILES["h100-80g"]
+
+
+def _work(traits, seq=8192, batch=16, model=LLAMA_8B):
+    return Workload(model, seq, batch, "bf16", traits)
+
+
+@pytest.mark.parametrize("stack,traits,layout", [
+    ("megatron-2022", MEGATRON_2022, Layout(dp=2, tp=4, zero=1, sequence_parallel=True,
+                                            activation_checkpointing="selective")),
+    ("megatron-deepspeed", MEGATRON_DEEPSPEED, Layout(dp=2, tp=2, pp=2, zero=1,
+                                                      microbatches=4,
+                                                      activation_checkpointing="full")),
+    ("megatron-core-2024", MEGATRON_CORE_2024, Layout(dp=2, tp=2, pp=2, cp=2, zero=1,
+                                                      sequence_parallel=True,
+                                                      pp_schedule="interleaved-1f1b",
+                                                      virtual_stages=2, microbatches=4)),
+    ("torchtitan-2025", TORCHTITAN_2025, Layout(dp=2, tp=2, pp=2, zero=3,
+                                                sequence_parallel=True, microbatches=4,
+                                                activation_checkpointing="selective")),
+])
+def test_each_stack_runs_what_its_runs_used(stack, traits, layout):
+    check_stack_offers(_work(traits), layout, stack)
+
+
+@pytest.mark.parametrize("stack,traits,layout,words", [
+    ("megatron-2022", MEGATRON_2022, Layout(dp=2, zero=2), "ZeRO stages it offers: 0, 1"),
+    ("megatron-deepspeed", MEGATRON_DEEPSPEED,
+     Layout(pp=4, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=8),
+     "it offers 1f1b"),
+    ("megatron-deepspeed", MEGATRON_DEEPSPEED, Layout(tp=2, sequence_parallel=True),
+     "no sequence parallelism"),
+    ("megatron-core-2024", MEGATRON_CORE_2024, Layout(dp=2, zero=3), "ZeRO stages"),
+    ("megatron-core-2024", MEGATRON_CORE_2024, Layout(pp=2, pp_schedule="zb-h1",
+                                                      microbatches=2), "zb-h1"),
+])
+def test_each_stack_refuses_only_what_it_could_not_run(stack, traits, layout, words):
+    with pytest.raises(ConfigError, match=words):
+        check_stack_offers(_work(traits), layout, stack)
+
+
+def test_fused_swiglu_keeps_six_units_of_the_mlp_instead_of_eight():
+    layout = Layout()
+    eager = layer_activation_units(LLAMA_8B, 0, 8192, layout, True)
+    fused = layer_activation_units(LLAMA_8B, 0, 8192, layout, True, fused_swiglu=True)
+    assert eager - fused == pytest.approx(2 * LLAMA_8B.ffn_dim / LLAMA_8B.dim)
+    # Selective recompute already keeps only the fused kernel's input and output.
+    assert layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "selective") == \
+        layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "selective", fused_swiglu=True)
+
+
+def test_fsdp2_keeps_fp32_parameters_and_no_master_copy():
+    layout = Layout(dp=8, zero=3)
+    rank = estimate(_work(TORCHTITAN_2025), layout, Cluster(H100, 8, 8))["per_rank"][0]
+    ours = estimate(_work(MESHTRAIN), layout, Cluster(H100, 8, 8))["per_rank"][0]
+    states = rank["param_bytes"] + rank["grad_bytes"] + rank["optim_bytes"]
+    assert states / (ours["param_bytes"] + ours["grad_bytes"] + ours["optim_bytes"]) == \
+        pytest.approx(16 / 18)
+    assert rank["param_bytes"] == pytest.approx(2 * ours["param_bytes"])
+
+
+def test_the_distributed_optimizer_reduce_scatters_in_place():
+    layout = Layout(dp=8, zero=1)
+    cluster = Cluster(H100, 8, 8)
+    core = estimate(_work(MEGATRON_CORE_2024), layout, cluster)["per_rank"][0]
+    ours = estimate(_work(MESHTRAIN), layout, cluster)["per_rank"][0]
+    assert core["buffer_bytes"] == 0 < ours["buffer_bytes"]
+
+
+def test_the_allocator_reserve_is_a_gpu_fraction_and_none_on_a_cpu():
+    layout = Layout(dp=8, zero=1)
+    rank = estimate(_work(MESHTRAIN), layout, Cluster(H100, 8, 8))["per_rank"][0]
+    allocated = rank["total_bytes"] - rank["reserve_bytes"]
+    assert ALLOCATOR_RESERVE > 0
+    assert rank["reserve_bytes"] == pytest.approx(ALLOCATOR_RESERVE * allocated, rel=1e-6)
+    cpu = dataclasses.replace(H100, allocator_reserve=0.0, family="")
+    assert estimate(_work(MESHTRAIN), layout, Cluster(cpu, 8, 8))["per_rank"][0][
+        "reserve_bytes"] == 0
+
+
+def test_gpu_capacity_is_what_the_driver_reports():
+    assert PROFILES["h100-80g"].memory_gb == pytest.approx(81559 * 2**20 / 1e9)
+    assert PROFILES["a100-80g"].memory_gb == pytest.approx(81920 * 2**20 / 1e9)
+
+
+def test_pipelined_collectives_expose_their_first_step_and_what_outlasts_compute():
+    assert pipelined_exposed(8.0, 100.0, 8) == pytest.approx(1.0)
+    assert pipelined_exposed(8.0, 3.0, 4) == pytest.approx(2.0 + 3.0)
+    assert pipelined_exposed(0.0, 1.0, 4) == 0.0
+
+
+def test_megatron_core_hides_tp_and_cp_communication_behind_compute():
+    layout = Layout(dp=1, tp=4, cp=2, zero=0, sequence_parallel=True, microbatches=8)
+    cluster = Cluster(H100, 8, 8)
+    plain = dataclasses.replace(MEGATRON_CORE_2024, tp_comm_overlap=False, cp_comm_overlap=False)
+    hidden, exposed = (estimate(_work(t), layout, cluster) for t in (MEGATRON_CORE_2024, plain))
+    for axis in ("tp", "cp"):
+        entry = hidden["overlap"][axis]
+        assert entry["overlapped_s"] > 0 and entry["exposed_s"] < entry["total_s"]
+        assert entry["total_s"] == pytest.approx(exposed["overlap"][axis]["total_s"])
+        assert exposed["overlap"][axis]["overlapped_s"] == 0
+    assert hidden["step_time_s"] < exposed["step_time_s"]
