@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtrain import faults
-from meshtrain.config import Config, ConfigError
+from meshtrain.config import Config
 from meshtrain.config.layout_rules import batch_readers
 from meshtrain.data.packing import IGNORE_INDEX
 from meshtrain.data.prefetch import BatchPrefetcher
@@ -62,6 +62,7 @@ from meshtrain.training.moe_stats import MoEStepStats
 from meshtrain.training.nonfinite import NonFiniteGuard, first_nonfinite_gradient
 from meshtrain.training.optimizer import FlatAdamW
 from meshtrain.training.preemption import save_on_signal
+from meshtrain.training.sequence_layouts import layout_fn
 from meshtrain.training.straggler import StragglerDetector
 from meshtrain.training.trackers import open_trackers
 
@@ -87,7 +88,7 @@ class Trainer:
         if config.model.vocab_size == 0:
             config.model.vocab_size = self.tokenizer.vocab_size
         train, par = config.train, config.parallel
-        self.document_layout_fn = self._layout_fn(config)
+        self.document_layout_fn = layout_fn(config, mesh, self.tokenizer)
         self.data = self.batches = None
         if with_data:
             self.data = trainer_data(config, mesh, self.tokenizer)
@@ -161,31 +162,6 @@ class Trainer:
         executor.aux_loss_fn = self._stage_aux_loss
         executor.layout_fn = self.document_layout_fn
         return executor
-
-    def _layout_fn(self, config: Config):
-        """tokens -> the :class:`~meshtrain.model.sequence_layout.SequenceLayout` this rank's
-        forward needs (document masking, context parallelism), or None for plain causal."""
-        documents = self._document_layout_fn(config)
-        cp, rank = self.mesh.cp, self.mesh.cp_rank
-        if cp == 1:
-            return documents
-        from meshtrain.parallel.context import context_layout
-
-        return lambda tokens: context_layout(None if documents is None else documents(tokens),
-                                             tokens.shape[1], cp, rank, tokens.device)
-
-    def _document_layout_fn(self, config: Config):
-        """tokens -> SequenceLayout under ``data.document_mask``, else None."""
-        if not config.data.document_mask:
-            return None
-        eos = self.tokenizer.eos_id
-        if eos is None:
-            raise ConfigError(f'data.document_mask = true needs a tokenizer with an eos id to '
-                              f'find document boundaries; "{config.data.tokenizer}" has none. '
-                              "Use a tokenizer with an eos token or document_mask = false.")
-        from meshtrain.model.document_mask import document_layout
-
-        return lambda tokens: document_layout(tokens, eos)
 
     def layout_of(self, tokens: torch.Tensor):
         """The sequence layout of a micro-batch's input ``tokens`` (None: plain causal)."""
