@@ -293,3 +293,60 @@ def test_plan_explain_puts_the_layout_beside_the_first_choice(meshtrain):
 def test_plan_explain_refuses_a_layout_it_cannot_price(meshtrain, layout, words):
     run = meshtrain(*EXPLAIN[:-1], layout)
     assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+OFFLOADED = ["--model", "llama3-70b", "--hardware", "h100-80g", "--gpus", "8",
+             "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true",
+             "--set", "parallel.zero=3", "--set", "parallel.microbatches=128",
+             "--set", "parallel.activation_checkpointing=full",
+             "--set", "parallel.offload=optimizer+params"]
+"""Llama 3 70B on one node of 8 H100 at ZeRO-3 with the parameters and optimizer offloaded."""
+
+
+def test_estimate_prices_offload(meshtrain):
+    out = json.loads(meshtrain("estimate", *OFFLOADED, "--json").stdout)
+    assert out["fits"] and out["why_not_fits"] is None
+    cost = out["offload"]
+    assert cost["kind"] == "optimizer+params" and cost["device"] == "host"
+    assert cost["host_gb_per_node"] == pytest.approx(8 * (14 * 70.55e9 / 8 + 5e9) / 1e9,
+                                                     rel=0.01)
+    assert out["breakdown"]["offload_s"] == cost["exposed_s"] > 0
+    assert out["per_rank"][0]["param_bytes"] == 0 and out["per_rank"][0]["optim_bytes"] == 0
+    text = meshtrain("estimate", *OFFLOADED).stdout
+    assert "offload: optimizer+params on host, 123.5 GB of state per rank" in text
+    assert "offload adds" in text and "host AdamW" in text and "PCIe" in text
+
+
+def test_estimate_refuses_a_too_small_host_naming_the_numbers(meshtrain):
+    out = json.loads(meshtrain("estimate", *OFFLOADED, "--host-memory-gb", "512",
+                               "--json").stdout)
+    why = out["why_not_fits"]
+    assert not out["fits"] and why["largest"] == "host"
+    assert why["offload"]["host_gb_per_node"] == pytest.approx(1027.8, abs=0.5)
+    assert why["offload"]["host_limit_gb"] == pytest.approx(460.8)
+    assert any(s["fits"] and "parallel.offload_device=nvme" in s["set"]
+               for s in why["suggestions"])
+    text = meshtrain("estimate", *OFFLOADED, "--host-memory-gb", "512").stdout
+    assert "the node does not: host memory 1,028 GB per node" in text
+    assert "of 461 GB usable (512 GB less 10% for the system): DOES NOT FIT" in text
+    none = meshtrain("estimate", *OFFLOADED, "--host-memory-gb", "512", "--nvme-tb", "0")
+    assert "offload_device=nvme" not in none.stdout
+
+
+def test_plan_proposes_offload_for_70b_on_8_h100(meshtrain):
+    args = ["plan", "--model", "llama3-70b", "--gpus", "8", "--gpus-per-node", "8",
+            "--hardware", "h100-80g", "--top", "2"]
+    text = meshtrain(*args).stdout
+    assert "nothing fits without offload" in text and "offload optimizer" in text
+    out = json.loads(meshtrain(*args, "--json").stdout)
+    assert out["nothing_fits"] is None and out["offload"].startswith("nothing fits without")
+    for row in out["candidates"]:
+        for key in ("offload", "offload_device", "offload_overlap", "offload_s",
+                    "host_gb_per_node", "nvme_gb_per_node"):
+            assert key in row
+        assert row["offload"] != "none" and row["step_time_s"] > row["offload_s"] > 0
+    small = json.loads(meshtrain(*args, "--json", "--host-memory-gb", "512",
+                                 "--nvme-tb", "0").stdout)
+    assert not small["candidates"] and "512 GB" in small["nothing_fits"]
+    never = json.loads(meshtrain(*args, "--json", "--offload", "never").stdout)
+    assert not never["candidates"] and never["offload"] is None

@@ -28,6 +28,12 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                         help="GPUs in the cluster" + ("" if gpus_required else
                                                       " (default: dp × cp × tp × pp)"))
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--host-memory-gb", type=float, metavar="GB",
+                        help="host memory per node, GB, for offload (default: the profile's)")
+    parser.add_argument("--nvme-tb", type=float, metavar="TB",
+                        help="local NVMe capacity per node, TB, for offload_device = nvme "
+                             "(default: the profile's; 0: none known, so plan puts no state "
+                             "on NVMe and estimate does not check it)")
     from meshtrain.planner.sites.wide_area import add_site_options
 
     add_site_options(parser)
@@ -91,8 +97,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshtrain.commands.planner_report import format_estimate
     from meshtrain.planner.cost.estimate import estimate
     from meshtrain.planner.cost.fit_advice import why_not_fits
+    from meshtrain.planner.cost.offload import Offload
     from meshtrain.planner.cost.workload import STACKS, Workload, check_stack_offers
-    from meshtrain.planner.tables.profiles import load_profile
 
     model = getattr(args, "model", None)
     if model:
@@ -122,17 +128,18 @@ def run_estimate(args: argparse.Namespace) -> int:
     layout = config.parallel.layout()
     gpus = args.gpus or world_size(par.dp, **degrees)
     check_world_size(gpus, dp=par.dp, **degrees, what="--gpus")
-    profile = load_profile(args.hardware)
+    profile = profile_from_args(args)
     cluster = cluster_from_args(args, profile, gpus)
     work = Workload.from_config(config, STACKS[args.stack])
     check_stack_offers(work, layout, args.stack)
+    offload = Offload.from_config(par)
     if par.replicas > 1:
         from meshtrain.planner.sites.diloco_cost import ReplicaSettings, estimate_replicated
 
         result = estimate_replicated(work, layout, cluster, ReplicaSettings.from_config(par),
-                                     _energy(args))
+                                     _energy(args), offload=offload)
     else:
-        result = estimate(work, layout, cluster, _energy(args))
+        result = estimate(work, layout, cluster, _energy(args), offload=offload)
     if cluster.wan is not None or par.replicas > 1:
         from meshtrain.planner.sites.across_sites import describe_sites
 
@@ -143,9 +150,10 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         result["why_not_fits"] = why_not_fits(inner_workload(work, par.replicas), layout,
                                               inner_cluster(cluster, par.replicas), result,
-                                              args.stack)
+                                              args.stack, offload, par.replicas)
     else:
-        result["why_not_fits"] = why_not_fits(work, layout, cluster, result, args.stack)
+        result["why_not_fits"] = why_not_fits(work, layout, cluster, result, args.stack,
+                                              offload)
     result["warnings"] = layout_warnings(layout, args.gpus_per_node)
     for warning in result["warnings"]:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
@@ -161,6 +169,23 @@ def run_estimate(args: argparse.Namespace) -> int:
         text += "\n" + format_energy_schedule(result["energy_schedule"], " per pipeline")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
+
+
+def profile_from_args(args: argparse.Namespace):
+    """The ``--hardware`` profile with ``--host-memory-gb`` and ``--nvme-tb`` applied."""
+    import dataclasses
+
+    from meshtrain.planner.tables.profiles import load_profile
+
+    profile = load_profile(args.hardware)
+    changes = {}
+    for option, key in (("host_memory_gb", "host_memory_gb"), ("nvme_tb", "nvme_tb")):
+        value = getattr(args, option, None)
+        if value is not None:
+            if value < 0:
+                raise ConfigError(f"--{option.replace('_', '-')} {value:g} must not be negative.")
+            changes[key] = value
+    return dataclasses.replace(profile, **changes) if changes else profile
 
 
 def cluster_from_args(args: argparse.Namespace, profile, gpus: int):
@@ -209,6 +234,9 @@ def add_plan_options(parser: argparse.ArgumentParser) -> None:
                         help="show LAYOUT (e.g. dp=8,tp=8,pp=4,sp=true,schedule=interleaved-"
                              "1f1b,v=2,mbs=1,ckpt=full) beside the first choice, term by term, "
                              "and where it ranks (docs/planner.md)")
+    parser.add_argument("--offload", default="auto", choices=("auto", "always", "never"),
+                        help="search parallel.offload settings: when nothing fits without "
+                             "them (auto, the default), beside every layout, or never")
     add_hardware_options(parser, gpus_required=True)
 
 
@@ -219,7 +247,6 @@ def run_plan(args: argparse.Namespace) -> int:
     from meshtrain.planner.cost.workload import STACKS, Workload
     from meshtrain.planner.search.layouts import plan
     from meshtrain.planner.tables.presets import PRESETS, preset_config
-    from meshtrain.planner.tables.profiles import load_profile
 
     if args.model.lower() in PRESETS:
         config = preset_config(args.model)
@@ -232,7 +259,7 @@ def run_plan(args: argparse.Namespace) -> int:
     validate_shapes(config)
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1.")
-    profile = load_profile(args.hardware)
+    profile = profile_from_args(args)
     if (args.tokens is None) != (args.deadline_hours is None):
         raise ConfigError("--tokens and --deadline-hours go together (a budget and a deadline).")
     cluster = cluster_from_args(args, profile, args.gpus)
@@ -246,7 +273,7 @@ def run_plan(args: argparse.Namespace) -> int:
     work = Workload.from_config(config, STACKS[args.stack])
     if getattr(args, "explain", None):
         return _run_explain(args, config, work, cluster, profile.name)
-    result = plan(work, cluster, args.top, _energy(args)).to_dict()
+    result = plan(work, cluster, args.top, _energy(args), offload=args.offload).to_dict()
     if args.objective != "time":
         from meshtrain.planner.search.objective import rank_rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from meshtrain.planner.cost.fit_advice import format_why_not_fits
 from meshtrain.planner.cost.memory import GB
+from meshtrain.planner.cost.offload import format_offload
 
 
 def format_estimate(result: dict, profile_name: str) -> str:
@@ -26,6 +27,8 @@ def format_estimate(result: dict, profile_name: str) -> str:
     verdict = "fits" if result["fits"] else "DOES NOT FIT"
     lines.append(f"peak {result['memory_gb_per_gpu']:.1f} GB of {result['memory_limit_gb']:.1f} "
                  f"GB usable: {verdict}")
+    if result.get("offload"):
+        lines += format_offload(result["offload"])
     if result.get("why_not_fits"):
         lines += format_why_not_fits(result["why_not_fits"])
     step = result["step_time_s"]
@@ -57,6 +60,8 @@ def format_plan(plan: dict, title: str) -> str:
     listed = len(plan["candidates"])
     lines = [title, f"{plan['searched']} layouts searched, {plan['feasible']} fit in memory"
              + (f"; the best {listed} are listed." if listed else ".")]
+    if plan.get("offload"):
+        lines.append(plan["offload"])
     if plan["nothing_fits"]:
         return "\n".join(lines + [plan["nothing_fits"]])
     header = (f"{'#':>2} {'dp':>4} {'tp':>3} {'sp':>2} {'pp':>3} {'cp':>3} {'ep':>3} {'zero':>4} "

@@ -42,6 +42,7 @@ import sys
 from meshtrain.config import Config, ConfigError
 from meshtrain.config.layout import Layout
 from meshtrain.config.layout_rules import model_parallel_size
+from meshtrain.planner.cost.offload import Offload, check_offload
 from meshtrain.planner.cost.workload import Workload, layout_from_json
 from meshtrain.planner.hardware.profile import Cluster, HardwareProfile
 from meshtrain.planner.tables.profiles import PROFILES, load_profile, profile_for_gpu
@@ -141,6 +142,15 @@ def _with_split(result: dict, split: str) -> Layout:
     return dataclasses.replace(layout_from_json(result["layout"]), pp_split=split)
 
 
+def _offload_runs(workload: Workload, layout: Layout, offload: Offload) -> bool:
+    """Whether ``layout`` can run the configured ``parallel.offload*`` (its ZeRO stage)."""
+    try:
+        check_offload(workload, layout, offload)
+    except ConfigError:
+        return False
+    return True
+
+
 def _valid(candidate: Config) -> bool:
     from meshtrain.validation.run_config import validate_parallel
 
@@ -186,15 +196,18 @@ def rank_layouts(config: Config, nproc: int, cluster: Cluster) -> tuple[list[tup
     batch = workload.global_batch
     sizes = tuple(b for b in range(1, batch + 1) if batch % b == 0)
     split = config.parallel.pp_split  # kept as configured: priced with the split that runs
+    offload = Offload.from_config(config.parallel)  # kept too: only stages that can run it
     layouts = [dataclasses.replace(lay, pp_split=split)
                for lay in enumerate_layouts(workload, cluster, micro_batch_sizes=sizes,
                                             cps=(config.parallel.cp,))
                if lay.ep == config.parallel.ep
-               and _split_fits(split, lay, workload.model.n_layers)]
-    searched = price_layouts(workload, cluster, layouts)
+               and _split_fits(split, lay, workload.model.n_layers)
+               and _offload_runs(workload, lay, offload)]
+    searched = price_layouts(workload, cluster, layouts, offload=offload)
     priced = [r for _, r in searched if r["fits"]]
     priced.sort(key=lambda r: -r["tokens_per_s"])
-    front = [estimate(workload, _with_split(r, split), cluster) for r in priced[:REPRICE_TOP]]
+    front = [estimate(workload, _with_split(r, split), cluster, offload=offload)
+             for r in priced[:REPRICE_TOP]]
     front.sort(key=_rank_key)
     chosen: list[tuple] = []
     for result in front + priced[REPRICE_TOP:]:
@@ -219,7 +232,8 @@ def predict(config: Config, world: int, cluster: Cluster) -> dict:
     if shaped.parallel.dp == 0:
         par = shaped.parallel
         par.dp = world // model_parallel_size(par.tp, par.pp, par.cp, par.replicas)
-    return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster)
+    return estimate(Workload.from_config(shaped), shaped.parallel.layout(), cluster,
+                    offload=Offload.from_config(shaped.parallel))
 
 
 def describe(result: dict) -> str:

@@ -50,11 +50,12 @@ def planner_axes(wait_by_axis: dict[str, float]) -> dict[str, float]:
 
 
 def predicted_parts(result: dict) -> dict[str, float]:
-    """An estimate's step split the way a run measures it: compute, each axis's communication,
-    and the pipeline bubble (seconds)."""
+    """An estimate's step split the way a run measures it: compute (with the optimizer step,
+    the MoE balance pre-pass and offload's exposed host update and transfers, which a run does
+    not time apart), each axis's communication, and the pipeline bubble (seconds)."""
     b, syncs = result["breakdown"], result.get("step_sync_by_axis_s", {})
     parts = {"compute": (b["compute_s"] + b["recompute_s"] + b["optimizer_s"]
-                         + b.get("balance_prepass_s", 0.0)),
+                         + b.get("balance_prepass_s", 0.0) + b.get("offload_s", 0.0)),
              "dp": b["dp_comm_exposed_s"], "tp": b["tp_comm_s"], "pp": b["pp_comm_s"],
              "ep": b["ep_comm_s"], "cp": b["cp_comm_s"], "bubble": b["bubble_s"]}
     for axis, seconds in syncs.items():  # the loss's and gradient norm's small all-reduces

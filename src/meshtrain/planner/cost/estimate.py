@@ -2,7 +2,9 @@
 
 Step time = the pipelined forward/backward of the slowest stage (``m`` micro-batches plus the
 schedule's bubble) + the exposed part of data-parallel communication + the optimizer update
-(``RuntimeTraits.optimizer_bytes_per_param`` through memory) + a few latency-bound all-reduces
+(``RuntimeTraits.optimizer_bytes_per_param`` through memory; with ``parallel.offload`` instead
+the host's update and the PCIe and NVMe transfers, ``offload_s``,
+:mod:`meshtrain.planner.cost.offload`) + a few latency-bound all-reduces
 per axis (loss and gradient norm, ``STEP_SYNCS_PER_AXIS``), and never shorter than the profile's
 ``max_mfu`` allows (the best published MFU on that accelerator; the difference is
 ``mfu_cap_s``).
@@ -53,6 +55,14 @@ from meshtrain.planner.cost.expert_parallel import (
     expert_reduction_stride,
 )
 from meshtrain.planner.cost.memory import GB, layer_params, rank_memory, stage_params
+from meshtrain.planner.cost.offload import (
+    NO_OFFLOAD,
+    Offload,
+    check_offload,
+    offload_cost,
+    offloaded_memory,
+    shard_params,
+)
 from meshtrain.planner.cost.overlap import (
     bucketed_exposed,
     overlap_entry,
@@ -206,13 +216,18 @@ def _tied_embedding_time(workload: Workload, layout: Layout, cluster: Cluster,
 
 
 def estimate(workload: Workload, layout: Layout, cluster: Cluster,
-             energy: dict | None = None, use_simulator: bool = True) -> dict:
+             energy: dict | None = None, use_simulator: bool = True,
+             offload: Offload = NO_OFFLOAD, replicas: int = 1) -> dict:
     """Price ``layout`` for ``workload`` on ``cluster``; a JSON-ready dict (see docs/planner.md).
 
     ``energy``: ``pue``, ``price_per_kwh``, ``carbon_g_per_kwh`` (defaults 1.2, 0.10, 400).
     ``use_simulator``: time the pipeline with the runtime's schedule simulator (else closed forms).
+    ``offload``: the ``parallel.offload*`` settings (:mod:`meshtrain.planner.cost.offload`);
+    ``replicas``: DiLoCo replica groups the layout is the inner layout of (their outer state is
+    offloaded too, and they share nodes).
     """
     check_layout(workload, layout)
+    check_offload(workload, layout, offload, replicas)
     model, lay = workload.model, layout
     placement = stage_layers(model, stack_split(workload, lay))
     cache: dict[int, BlockCost] = {}
@@ -290,7 +305,13 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     prepass = (lay.microbatches + lay.pp - 1) * f if balance_prepass(workload, lay) else 0.0
     syncs = sum(sync_by_axis.values())
     tied = _tied_embedding_time(workload, lay, cluster, zero_share)
-    step = pipelined + dp_exposed + optimizer + syncs + tied + prepass
+    offloaded = None
+    if offload.active:  # the update runs where the state lives (host AdamW, PCIe, NVMe)
+        shards = [shard_params(p, lay) for p in params_by_stage]
+        offloaded = offload_cost(workload, lay, cluster, offload, max(shards), f, replicas)
+        optimizer = 0.0
+    offload_s = offloaded["exposed_s"] if offloaded else 0.0
+    step = pipelined + dp_exposed + optimizer + syncs + tied + prepass + offload_s
     total_params, active_params, per_token = _model_totals(workload)
     model_flops = per_token * workload.tokens_per_step
     peak = cluster.profile.peak_tflops * 1e12
@@ -305,6 +326,9 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                           params=params_by_stage[r],
                           reserve_fraction=cluster.profile.allocator_reserve)
               for r, layers in enumerate(placement)]
+    if offload.active:
+        memory = [offloaded_memory(mem, shard, workload, lay, offload, cluster.profile)
+                  for mem, shard in zip(memory, shards, strict=True)]
     tokens = workload.tokens_per_step
     gpus = lay.world_size
     recomputed = sum(costs[r].recompute_flops for r in range(lay.pp))
@@ -323,6 +347,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "dp_comm_exposed_s": dp_exposed,
         "dp_comm_total_s": dp_total,
         "optimizer_s": optimizer,
+        "offload_s": offload_s,
         "step_sync_s": syncs,
         "balance_prepass_s": prepass,
         "mfu_cap_s": mfu_cap,
@@ -363,7 +388,9 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "kernel_efficiency": kernel_efficiency(workload.traits.kernel_efficiency,
                                                cluster.profile).to_dict(cluster.profile),
     }
-    result["fits"] = result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
+    result["offload"] = offloaded
+    result["fits"] = (result["memory_gb_per_gpu"] <= result["memory_limit_gb"]
+                      and (offloaded is None or offloaded["fits"]))
     result.update(energy_per_token(result, cluster, energy or {}))
     return result
 

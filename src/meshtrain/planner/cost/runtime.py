@@ -143,6 +143,10 @@ class RuntimeTraits:
     """The distributed optimizer's parameter all-gather after the update (ZeRO 1-2) overlaps the
     next step's forward, bucket by bucket (Megatron-LM ``--overlap-param-gather``); else it is
     exposed."""
+    offload: bool = True
+    """The runtime keeps a ZeRO shard in host memory or NVMe files as meshtrain does
+    (``parallel.offload``, :mod:`meshtrain.planner.cost.offload`); the published stacks are
+    priced without it."""
 
 
 MESHTRAIN = RuntimeTraits()
@@ -154,7 +158,7 @@ MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatte
                               context_parallel=False,
                               pp_schedules=("1f1b", "interleaved-1f1b"),
                               sequence_parallel=False, checkpointing=("none", "full"),
-                              uniform_pipeline_stages=True,
+                              uniform_pipeline_stages=True, offload=False,
                               kernel_efficiency=(("a100", MEGATRON_2021_A100),))
 """Megatron-LM as Narayanan et al. 2021 ran it (SC21): unfused attention, no overlap of the
 data-parallel all-reduce, scatter/gather pipeline sends, no sequence parallelism, full
@@ -194,7 +198,7 @@ MEGATRON_CORE_2024 = RuntimeTraits(
     checkpointing=("none", "selective", "full"), uniform_pipeline_stages=True,
     grad_reduce_bytes=4, elementwise_traffic=3.0, optimizer_bytes_per_param=30.0,
     fused_swiglu=True, tp_comm_overlap=True, pp_comm_overlap=True, cp_comm_overlap=True,
-    param_gather_overlap=True, zero1_reduce_in_place=True,
+    param_gather_overlap=True, zero1_reduce_in_place=True, offload=False,
     kernel_efficiency=(("h100", MEGATRON_CORE_2024_H100),))
 """Megatron-Core as NeMo 24.09 ran it on H100 (NVIDIA dgxc-benchmarking recipes, NeMo-Framework-
 Launcher ``conf/training/llama/llama3_1_405b.yaml``): Transformer Engine kernels (fused
@@ -205,7 +209,7 @@ sequence parallelism, context parallelism, interleaved 1F1B with equal layers pe
 stage, selective (core attention) or full recompute; its H100 GEMM efficiency is fitted on its
 train rows (:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2024_H100`)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
-                                zero3_split_blocks=False, fp32_params=True,
+                                zero3_split_blocks=False, fp32_params=True, offload=False,
                                 kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32 with fp32 sharded parameters, eager element-wise kernels,

@@ -125,6 +125,27 @@ class HardwareProfile:
     measured figures."""
     efficiency_source: str = ""
     """Where ``matmul_efficiency`` and ``attention_efficiency`` come from."""
+    host_memory_gb: float = 0.0
+    """Host (CPU) memory per node, GB: where ``parallel.offload_device = host`` keeps the
+    offloaded state (:mod:`meshtrain.planner.cost.offload`). 0 = unknown (not checked)."""
+    nvme_tb: float = 0.0
+    """Local NVMe capacity per node, TB (10^12 bytes), for ``offload_device = nvme``; 0 =
+    unknown (not checked, its traffic not priced)."""
+    nvme_read_gbps: float = 0.0
+    """Sequential read bandwidth of the node's NVMe drives together, GB/s."""
+    nvme_write_gbps: float = 0.0
+    """Sequential write bandwidth of the node's NVMe drives together, GB/s."""
+    pcie_gbps: float = 0.0
+    """Host link of one GPU, GB/s per direction (PCIe x16): offloaded gradients, masters and
+    parameter shards cross it."""
+    host_adamw_gbps: float = 0.0
+    """Bytes per second of optimizer state the host's AdamW streams per node with all its cores
+    (28 bytes per parameter with fp32 gradients: gradient read; master and both moments read and
+    written), shared by the node's ranks. 0 on CPU profiles: the per-process memory bandwidth
+    (``hbm_gbps``) is used; measure one process with ``python benchmarks/offload.py
+    --step-only``."""
+    host_source: str = ""
+    """Where the host fields (memory, NVMe, PCIe, AdamW) come from."""
     source: str = ""
     measured: dict | None = None
     """For calibrated profiles: the raw measurements (bandwidth by message size, ...)."""
@@ -132,6 +153,12 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         """A JSON-serialisable dict (what ``calibrate --out`` writes)."""
         return dataclasses.asdict(self)
+
+    @property
+    def device_is_host(self) -> bool:
+        """Whether the compute device is the host CPU itself (a CPU profile: calibrated or
+        built in, with a solo rate), so ``offload_device = host`` moves nothing off it."""
+        return self.solo_tflops > 0
 
     def attention_figures(self, head_dim: int, backward_ratio: float) -> tuple[float, float]:
         """(efficiency, backward / forward) of fused attention for heads ``head_dim`` wide."""

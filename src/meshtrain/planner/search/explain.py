@@ -22,6 +22,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.estimate import estimate
 from meshtrain.planner.cost.fit_advice import COMPONENTS
 from meshtrain.planner.cost.memory import GB
+from meshtrain.planner.cost.offload import Offload
 from meshtrain.planner.cost.workload import (
     Workload,
     check_layout,
@@ -44,6 +45,7 @@ TIME_TERMS = (("compute", "compute_s"), ("recompute", "recompute_s"),
               ("ep communication", "ep_comm_s"), ("pp communication", "pp_comm_s"),
               ("dp communication (exposed)", "dp_comm_exposed_s"),
               ("pipeline bubble", "bubble_s"), ("optimizer", "optimizer_s"),
+              ("offload (host AdamW, PCIe, NVMe)", "offload_s"),
               ("per-step syncs", "step_sync_s"), ("MoE balance pre-pass", "balance_prepass_s"),
               ("MFU cap", "mfu_cap_s"))
 """(label, ``breakdown`` key) of each time term, seconds per step (a key an estimate lacks
@@ -134,7 +136,8 @@ def explain(workload: Workload, cluster: Cluster, layout: Layout, stack: str,
     out = {"given": terms(given), "first": None, "rank": rank, "searched": found.searched,
            "feasible": found.feasible, "given_fits": given["fits"], "differences": []}
     if found.candidates:
-        first = estimate(workload, layout_from_json(found.candidates[0]), cluster, energy)
+        first = estimate(workload, layout_from_json(found.candidates[0]), cluster, energy,
+                         offload=Offload.from_json(found.candidates[0]))
         out["first"] = terms(first)
         out["speedup"] = given["step_time_s"] / first["step_time_s"] - 1
         diffs = [(label, out["first"]["time"][key] - out["given"]["time"][key])

@@ -12,7 +12,9 @@ only matches 1f1b's bubble with more memory); micro-batch sizes 1, 2, 4, 8; acti
 checkpointing none, selective, full — of these, only what the priced stack offers
 (``RuntimeTraits.zero_stages``, ``context_parallel``, ``pp_schedules``). When nothing fits,
 :func:`explain_nothing_fits` says what dominates memory and how many GPUs the smallest
-feasible layout would need.
+feasible layout would need. When nothing fits, :func:`plan` also tries ``parallel.offload``
+settings on one site (:mod:`meshtrain.planner.search.offload`; ``offload="always"`` tries
+them beside the layouts that fit as well).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from meshtrain.config.layout_rules import (
 )
 from meshtrain.planner.cost.estimate import estimate
 from meshtrain.planner.cost.memory import GB, model_state_bytes
+from meshtrain.planner.cost.offload import NO_OFFLOAD, Offload
 from meshtrain.planner.cost.workload import (
     RuntimeTraits,
     Workload,
@@ -119,7 +122,8 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
 
 
 def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
-                  energy: dict | None = None) -> list[tuple[Layout, dict]]:
+                  energy: dict | None = None,
+                  offload: Offload = NO_OFFLOAD) -> list[tuple[Layout, dict]]:
     """``(layout, closed-form estimate)`` of every layout in ``layouts``, plus the sharded
     variants of the pipelined ones that need them.
 
@@ -131,12 +135,14 @@ def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
     variant is priced only where the sharding is what makes the layout fit, which also keeps
     the search near the size of the unsharded one. A variant whose lower bound (the optimizer
     shard and activations as at ZeRO-1, plus the whole weights at ZeRO-2) is already over the
-    memory limit is skipped unpriced.
+    memory limit is skipped unpriced. Every layout is priced with ``offload`` (the
+    ``parallel.offload*`` settings; a variant whose ZeRO stage cannot run them is skipped).
     """
     priced = []
     stages = workload.traits.zero_stages
     for layout in layouts:
-        result = estimate(workload, layout, cluster, energy, use_simulator=False)
+        result = estimate(workload, layout, cluster, energy, use_simulator=False,
+                          offload=offload)
         priced.append((layout, result))
         if result["fits"] or layout.pp == 1 or layout.zero != 1 or layout.dp == 1:
             continue
@@ -148,8 +154,10 @@ def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
                     for r in result["per_rank"]):
                 continue
             sharded = dataclasses.replace(layout, zero=zero)
+            if offload.active and zero != 3 and (offload.params or offload.overlap):
+                continue  # what needs ZeRO-3 (check_offload)
             priced.append((sharded, estimate(workload, sharded, cluster, energy,
-                                             use_simulator=False)))
+                                             use_simulator=False, offload=offload)))
             if priced[-1][1]["fits"]:
                 break
     return priced
@@ -175,8 +183,12 @@ def why(result: dict) -> str:
     headroom = result["memory_limit_gb"] - result["memory_gb_per_gpu"]
     text = f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
     lay = result["layout"]
-    if lay["pp"] > 1 and lay["zero"] >= 2:  # searched only so (price_layouts)
+    if lay["pp"] > 1 and lay["zero"] >= 2 and not result.get("offload"):  # price_layouts
         text += f"; ZeRO-{lay['zero']} as this pipeline does not fit at ZeRO-1"
+    if result.get("offload"):
+        from meshtrain.planner.search.offload import cost_text
+
+        text += "; " + cost_text(result)
     return text
 
 
@@ -191,6 +203,13 @@ def candidate_row(result: dict) -> dict:
                 "model_tflops_per_gpu", "hardware_tflops_per_gpu", "bubble_fraction",
                 "kwh_per_1b_tokens", "cost_per_1b_tokens", "co2_kg_per_1b_tokens", "bound"):
         row[key] = result[key]
+    cost = result.get("offload")
+    row.update(offload=cost["kind"] if cost else "none",
+               offload_device=cost["device"] if cost else None,
+               offload_overlap=cost["overlap"] if cost else False,
+               offload_s=result["breakdown"].get("offload_s", 0.0),
+               host_gb_per_node=cost["host_gb_per_node"] if cost else None,
+               nvme_gb_per_node=cost["nvme_gb_per_node"] if cost else None)
     row["why"] = why(result)
     return row
 
@@ -203,6 +222,8 @@ class PlanResult:
     searched: int
     feasible: int
     nothing_fits: str | None = None
+    offload: str | None = None
+    """What offload the search tried and what fit with it (None when it tried none)."""
     priced: list[dict] = dataclasses.field(default_factory=list, repr=False)
     """Every searched layout's closed-form estimate (fitting or not), for callers that compare
     the ranking with the rest of the search; not part of the JSON form."""
@@ -215,20 +236,39 @@ class PlanResult:
 
 
 def plan(workload: Workload, cluster: Cluster, top: int = 10,
-         energy: dict | None = None, explain: bool = True) -> PlanResult:
+         energy: dict | None = None, explain: bool = True,
+         offload: str = "auto") -> PlanResult:
     """Search, prune what does not fit, rank by predicted tokens/s (``explain``: say why
-    nothing fits, searching larger clusters; else leave ``nothing_fits`` short)."""
+    nothing fits, searching larger clusters; else leave ``nothing_fits`` short). ``offload``:
+    ``auto`` searches offload settings when nothing fits without them, ``always`` beside every
+    layout, ``never`` not (:mod:`meshtrain.planner.search.offload`)."""
+    from meshtrain.planner.search.offload import (
+        offload_note,
+        price_offloaded,
+        why_offload_does_not_fit,
+    )
+
     layouts = enumerate_layouts(workload, cluster)
     if not layouts:
         raise ConfigError(f"no layout of {cluster.gpus} GPUs divides this model and batch "
                           f"(global batch {workload.global_batch}); try a global batch that is "
                           f"a multiple of the GPU count.")
-    results = [result for _, result in price_layouts(workload, cluster, layouts, energy)]
-    feasible = sorted((r for r in results if r["fits"]), key=_speed)
+    priced = price_layouts(workload, cluster, layouts, energy)
+    results = [result for _, result in priced]
+    without = sum(1 for r in results if r["fits"])
+    offloaded, note = [], None
+    searching = cluster.wan is None and (offload == "always" or (offload == "auto"
+                                                                 and not without))
+    if searching:  # one site only: across sites DiLoCo prices the inner layouts as they are
+        offloaded = price_offloaded(workload, cluster, priced, energy)
+        note = offload_note(len(offloaded), sum(1 for *_, r in offloaded if r["fits"]),
+                            len(results), offload)
+    feasible = sorted((r for r in results + [r for *_, r in offloaded] if r["fits"]),
+                      key=_speed)
     # Re-price the front runners with the schedule simulator (closed forms ranked them); one
     # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
-    front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy)
-             for r in feasible[:3 * top]]
+    front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy,
+                      offload=Offload.from_json(r["offload"])) for r in feasible[:3 * top]]
     count = len(feasible) - sum(1 for r in front if not r["fits"])
     feasible = sorted((r for r in front if r["fits"]), key=_speed)
     rows = [candidate_row(r) for r in feasible[:top]]
@@ -236,7 +276,11 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
     if not feasible:
         message = (explain_nothing_fits(workload, cluster, results) if explain
                    else f"nothing fits on {cluster.gpus} GPUs")
-    return PlanResult(rows, len(results), count, message, results)
+        if searching:
+            message += " " + why_offload_does_not_fit(offloaded)
+    searched = len(results) + len(offloaded)
+    return PlanResult(rows, searched, count, message, note,
+                      results + [r for *_, r in offloaded])
 
 
 def explain_nothing_fits(workload: Workload, cluster: Cluster, results: list[dict]) -> str:

@@ -44,6 +44,7 @@ from meshtrain.config.runtime_facts import bus_bytes
 from meshtrain.planner.cost.context_parallel import reduction_group
 from meshtrain.planner.cost.estimate import _bound, energy_per_token, estimate
 from meshtrain.planner.cost.memory import layer_params, stage_params
+from meshtrain.planner.cost.offload import NO_OFFLOAD, Offload
 from meshtrain.planner.cost.workload import Workload, stage_layers
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.sites.wide_area import WideArea
@@ -201,16 +202,17 @@ def replica_traffic(workload: Workload, layout: Layout, cluster: Cluster,
 
 def estimate_replicated(workload: Workload, layout: Layout, cluster: Cluster,
                         settings: ReplicaSettings, energy: dict | None = None,
-                        inner: dict | None = None) -> dict:
+                        inner: dict | None = None, offload: Offload = NO_OFFLOAD) -> dict:
     """Price ``layout`` as the inner layout of ``settings.replicas`` DiLoCo replica groups on
     ``cluster`` (``workload``: the whole job's batch); an estimate dict whose step adds the
     exposed replica traffic, with the ``replica_*`` fields and ``replicas`` settings.
-    ``inner``: the inner layout's estimate on :func:`inner_cluster`, when already priced."""
+    ``inner``: the inner layout's estimate on :func:`inner_cluster`, when already priced;
+    ``offload``: the ``parallel.offload*`` settings (the outer state is offloaded too)."""
     check_replica_settings(settings, workload, cluster)
     r = settings.replicas
     if inner is None:
         inner = estimate(inner_workload(workload, r), layout, inner_cluster(cluster, r), energy,
-                         use_simulator=False)
+                         use_simulator=False, offload=offload, replicas=r)
     traffic = replica_traffic(workload, layout, cluster, settings, inner["step_time_s"])
     inner_step = inner["step_time_s"]
     step = inner_step + traffic["replica_comm_exposed_s"]

@@ -59,6 +59,61 @@ _H100_EFFICIENCY = ("0.62 set against Llama Team 2024 Table 4 (Llama 3 405B, tp 
                     "outside the validation set; attention 0.75 by analogy")
 _ANALOGY = ("by analogy with the H100's 0.62 (Llama Team 2024 Table 4), unvalidated: no "
             "published run on this GPU is in the validation set")
+HOST_ADAMW_FRACTION = 0.4
+"""Fraction of the host's peak DRAM bandwidth that its AdamW over offloaded state streams (all
+cores, every rank of the node at once): an assumption, not a measurement. AdamW on a CPU is
+bound by memory traffic (28 bytes per parameter against a few dozen flops); write-allocate
+traffic, two sockets and pinned buffers placed on either keep it well below the peak. Measure
+a machine with ``python benchmarks/offload.py --step-only`` (one process) and write the figure
+into a profile JSON's ``host_adamw_gbps``."""
+
+
+def _host(memory_gib: float, drives: int, drive_tb: float, pcie_gbps: float,
+          dram_peak_gbps: float, source: str) -> dict:
+    """The host fields of a node: memory (GiB as the DIMMs count it, in GB), ``drives`` data
+    NVMe drives of ``drive_tb`` TB at a PCIe 4.0 U.2 drive's 6.4 GB/s read and 3.8 GB/s write
+    each (Samsung PM1733 3.84 TB data sheet), each GPU's host link, and the AdamW rate
+    (:data:`HOST_ADAMW_FRACTION` of the DRAM peak)."""
+    return {"host_memory_gb": round(memory_gib * _GIB, 1), "nvme_tb": drives * drive_tb,
+            "nvme_read_gbps": drives * 6.4, "nvme_write_gbps": drives * 3.8,
+            "pcie_gbps": pcie_gbps,
+            "host_adamw_gbps": round(HOST_ADAMW_FRACTION * dram_peak_gbps, 1),
+            "host_source": source + f"; {drives} x {drive_tb} TB NVMe at 6.4 / 3.8 GB/s read / "
+                           f"write each (PCIe 4.0 U.2 class: Samsung PM1733 data sheet); AdamW at "
+                           f"{HOST_ADAMW_FRACTION:.0%} of {dram_peak_gbps:g} GB/s DRAM peak "
+                           "(assumed, not measured)"}
+
+
+_PCIE5 = 63.0  # PCIe 5.0 x16 per direction: 32 GT/s x 16 lanes x 128b/130b
+_PCIE4 = 31.5  # PCIe 4.0 x16 per direction
+_DGX_H100_HOST = _host(
+    2048, 8, 3.84, _PCIE5, 614.4,
+    "DGX H100 / H200 (NVIDIA DGX BasePOD reference architecture: 2 TB DDR5, dual Xeon "
+    "Platinum 8480C, eight 3.84 TB U.2 NVMe data drives; NVIDIA's MLPerf DGX H100 system "
+    "description: 32 x 64 GB DIMMs, 'data bandwidth for GPU-PCIe: 504 GB/s', i.e. PCIe 5.0 x16 "
+    "per GPU); DRAM peak 2 sockets x 8 channels of DDR5-4800")
+_DGX_A100_HOST = _host(
+    2048, 8, 3.84, _PCIE4, 409.6,
+    "DGX A100 640 GB (NVIDIA DGX A100 data sheet: 2 TB, 30 TB of U.2 NVMe (8 x 3.84 TB), dual "
+    "AMD EPYC 7742; A100 SXM4 host link PCIe 4.0 x16); DRAM peak 2 sockets x 8 channels of "
+    "DDR4-3200")
+_DGX_A100_320_HOST = _host(
+    1024, 4, 3.84, _PCIE4, 409.6,
+    "DGX A100 320 GB (NVIDIA DGX A100 data sheet: 1 TB, 15 TB of U.2 NVMe (4 x 3.84 TB), dual "
+    "AMD EPYC 7742; PCIe 4.0 x16 per GPU); DRAM peak 2 sockets x 8 channels of DDR4-3200")
+_DGX_B200_HOST = _host(
+    2048, 8, 3.84, _PCIE5, 716.8,
+    "DGX B200 (NVIDIA DGX B200 user guide: 2 TB in 32 DIMMs, upgradable to 4 TB; 8 x 3.84 TB "
+    "NVMe U.2 data cache in RAID 0; dual Xeon 8570, PCIe 5.0); DRAM peak 2 sockets x 8 "
+    "channels of DDR5-5600")
+_MI300X_HOST = _host(
+    1536, 2, 3.5, _PCIE5, 921.6,
+    "AMD's 8 x MI300X MLPerf Inference v4.1 system (1.5 TiB in 24 x 64 GB DIMMs, dual EPYC "
+    "9374F, 2 x 3.5 TB NVMe data disks, 'PCIe Gen5 x16' host interconnect); DRAM peak 2 "
+    "sockets x 12 channels of DDR5-4800")
+_H100_ANALOGY_HOST = {**_DGX_H100_HOST, "host_source": "by analogy with h100-80g (no published "
+                      "host of this part's own is used here): " + _DGX_H100_HOST["host_source"]}
+
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in (
@@ -72,6 +127,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_DGX_A100_320_HOST,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "a100-80g", peak_tflops=312.0, fp32_rate=0.0625, memory_gb=_MIB * 81920,
@@ -83,6 +139,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_DGX_A100_HOST,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559,
@@ -93,6 +150,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_DGX_H100_HOST,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96, hbm_gbps=4000.0,
@@ -102,6 +160,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_H100_ANALOGY_HOST,
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
         HardwareProfile(
@@ -113,6 +172,7 @@ PROFILES: dict[str, HardwareProfile] = {
             max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_H100_ANALOGY_HOST,
             source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
                    "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
                    "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
@@ -124,6 +184,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_H100_ANALOGY_HOST,
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
@@ -135,6 +196,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=f"0.64 {_ANALOGY}, a little above for its HBM",
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_DGX_H100_HOST,
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=_MIB * 182784, hbm_gbps=7700.0,
@@ -143,6 +205,7 @@ PROFILES: dict[str, HardwareProfile] = {
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
             power_w=1790.0, family="b200", efficiency_source=f"0.62 {_ANALOGY}",
             allocator_reserve=ALLOCATOR_RESERVE,
+            **_DGX_B200_HOST,
             source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
             "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=_GIB * 192, hbm_gbps=5300.0,
@@ -151,6 +214,7 @@ PROFILES: dict[str, HardwareProfile] = {
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
             power_w=1300.0, family="mi300x", allocator_reserve=ALLOCATOR_RESERVE,
             efficiency_source=f"0.60 {_ANALOGY}, a little below for a less mature stack",
+            **_MI300X_HOST,
             source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
     )
 }
