@@ -134,6 +134,8 @@ class GroupNetwork:
         loopback, fronted by TLS on :attr:`bind`."""
         if self.served is not None:
             return self.served.manager_server()
+        from meshtrain.host.tls_routes import manager_server_bound_to
+
         return manager_server_bound_to(self.bind) if self.bind else contextlib.nullcontext()
 
     def close(self) -> None:
@@ -142,22 +144,4 @@ class GroupNetwork:
         for part in (self.forwarder, self.served, self.routes):
             if part is not None:
                 part.close()
-
-
-@contextlib.contextmanager
-def manager_server_bound_to(host: str):
-    """While inside, torchft's Manager creates its manager server on ``host`` (same port)."""
-    import torchft.manager as manager_module
-
-    real = manager_module.ManagerServer
-
-    def bound(**kwargs):
-        kwargs["bind"] = f"{host}:{split_address(kwargs['bind'])[1]}"
-        return real(**kwargs)
-
-    manager_module.ManagerServer = bound
-    try:
-        yield
-    finally:
-        manager_module.ManagerServer = real
 

@@ -101,28 +101,36 @@ class ServedOverTls:
         self._front(store.port, "the group's store")
         return store
 
-    @contextlib.contextmanager
     def manager_server(self):
         """While inside, torchft's Manager creates its manager server on loopback and a TLS
         forwarder fronts it on ``public`` at the same port (the address torchft advertises)."""
-        import torchft.manager as manager_module
-
-        real = manager_module.ManagerServer
-
-        def fronted(**kwargs):
-            kwargs["bind"] = f"{LOOPBACK}:{split_address(kwargs['bind'])[1]}"
-            server = real(**kwargs)
-            self._front(split_address(server.address())[1], "the torchft manager server")
-            return server
-
-        manager_module.ManagerServer = fronted
-        try:
-            yield
-        finally:
-            manager_module.ManagerServer = real
+        return manager_server_bound_to(LOOPBACK, lambda server: self._front(
+            split_address(server.address())[1], "the torchft manager server"))
 
     def close(self) -> None:
         """Stop the forwarders."""
         for forwarder in self.forwarders:
             forwarder.close()
         self.forwarders.clear()
+
+
+@contextlib.contextmanager
+def manager_server_bound_to(host: str, on_created=None):
+    """While inside, torchft's Manager creates its manager server on ``host`` (same port);
+    ``on_created(server)`` runs on each server made (e.g. to front it with TLS)."""
+    import torchft.manager as manager_module
+
+    real = manager_module.ManagerServer
+
+    def bound(**kwargs):
+        kwargs["bind"] = f"{host}:{split_address(kwargs['bind'])[1]}"
+        server = real(**kwargs)
+        if on_created is not None:
+            on_created(server)
+        return server
+
+    manager_module.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = real

@@ -125,7 +125,7 @@ def test_the_manager_server_binds_where_told_and_the_default_is_restored():
     import torchft.manager as manager_module
     from torchft._torchft import LighthouseServer
 
-    from meshtrain.host.ft_network import manager_server_bound_to
+    from meshtrain.host.tls_routes import manager_server_bound_to
 
     real = manager_module.ManagerServer
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
