@@ -25,6 +25,7 @@ from typing import Any
 
 import meshtrain.host.local_processes as meshtrain_workers
 from meshtrain.host.local_processes import WorkerError, collect_results, free_port, join_local_group
+from meshtrain.host.peak_watch import read_vm_hwm
 
 REUSE_ENV = "MESHTRAIN_REUSE_WORKERS"
 """``1``: pool the workers (the suite's default, set in ``tests/conftest.py``)."""
@@ -176,17 +177,23 @@ _fresh_workers = meshtrain_workers.run_distributed
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0,
-                    threads: int = 1) -> list[Any]:
+                    threads: int = 1, peaks: list[int] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, by rank.
 
     ``fn`` must be importable (a module-level function) because workers are spawned. Pooled
     workers with ``MESHTRAIN_REUSE_WORKERS=1``, fresh ones otherwise; a failing rank raises
-    :class:`DistributedTestError`.
+    :class:`DistributedTestError`. ``peaks`` (as the package's): each worker's ``VmHWM`` read
+    from this process afterwards (a pooled worker's is its peak over every task it ran).
     """
     try:
         if os.environ.get(REUSE_ENV) == "1":
-            return _pools.get(world_size, threads).run(fn, args, timeout)
-        return _fresh_workers(world_size, fn, *args, timeout=timeout, threads=threads)
+            pool = _pools.get(world_size, threads)
+            results = pool.run(fn, args, timeout)
+            if peaks is not None:
+                peaks[:] = [read_vm_hwm(p.pid) or 0 for p in pool.procs]
+            return results
+        return _fresh_workers(world_size, fn, *args, timeout=timeout, threads=threads,
+                              peaks=peaks)
     except DistributedTestError:
         raise
     except WorkerError as error:

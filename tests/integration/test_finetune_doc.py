@@ -45,7 +45,9 @@ def test_sh_blocks_are_found():
 
 
 @pytest.mark.skipif(not CHAT_SFT, reason="chat-format fine-tuning (data.format) not in this build")
-@pytest.mark.parametrize("family", list(ARCHITECTURES))
+@pytest.mark.parametrize("family", [
+    family if family == "llama3.1" else pytest.param(family, marks=pytest.mark.slow)
+    for family in ARCHITECTURES])  # one family in `make test` (20 s each), all in `make bench`
 def test_finetune_walkthrough_runs(tmp_path, family):
     work, bin_dir = tmp_path / "work", tmp_path / "bin"
     work.mkdir()

@@ -160,13 +160,15 @@ def train_with_and_without_shared_memory(zero: int) -> tuple[list, list, bool, b
         runs.append(([(r["loss"], r["grad_norm"]) for r in records],
                      reduces_in_shared_memory(engine), reduction_summary(engine)))
     (with_shm, used, said), (without, unused, said_not) = runs
-    assert said == "data-parallel gradients reduce through shared memory (2 ranks on one host)"
+    what = ("ZeRO-3 gathers and gradients go" if zero == 3
+            else "data-parallel gradients reduce")
+    assert said == f"{what} through shared memory (2 ranks on one host)"
     assert said_not == ("data-parallel gradients reduce through gloo "
                         "(parallel.dp_shared_memory = false)")
     return with_shm, without, used, unused
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_training_through_shared_memory_is_bitwise_gloo(zero):
     with_shm, without, used, unused = run_distributed(2, train_with_and_without_shared_memory,
                                                       zero)[0]
@@ -177,7 +179,10 @@ def test_training_through_shared_memory_is_bitwise_gloo(zero):
 def test_three_ranks_and_microbatches_match_one_process():
     cases = [tiny_config("parallel.zero=0", "parallel.dp_bucket_mb=0.01", "train.global_batch=6",
                          "parallel.microbatches=2", nproc=3),
-             tiny_config("parallel.zero=1", "train.global_batch=6", nproc=3)]
+             tiny_config("parallel.zero=1", "train.global_batch=6", nproc=3),
+             # ZeRO-3: shards gathered from shared memory, gradients reduced through it
+             tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.01", "train.global_batch=6",
+                         "parallel.microbatches=2", nproc=3)]
     assert_layouts_match_one_process(3, cases, 4)
 
 

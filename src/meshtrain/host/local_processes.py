@@ -26,6 +26,7 @@ from typing import Any
 
 from meshtrain.errors import RunFailure
 from meshtrain.host.loopback import LOOPBACK, keep_collectives_on_loopback, loopback_store
+from meshtrain.host.peak_watch import PeakWatcher
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 """How long a worker's collectives wait for the other ranks before failing."""
@@ -102,11 +103,13 @@ def collect_results(procs: list, results: mp.Queue, world_size: int, timeout: fl
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0,
-                    threads: int = 1) -> list[Any]:
+                    threads: int = 1, peaks: list[int] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh gloo ranks; return each rank's result, by rank.
 
     ``fn`` must be importable (a module-level function) because workers are spawned; so must its
     arguments and results be picklable. Raises :class:`WorkerError` if a rank fails.
+    ``peaks``: a list this fills with each rank's peak resident memory in bytes, read from this
+    process (:class:`~meshtrain.host.peak_watch.PeakWatcher`), not reported by the worker.
     """
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
@@ -116,13 +119,19 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
+    watcher = PeakWatcher([p.pid for p in procs]) if peaks is not None else None
     failed = False
     try:
-        return collect_results(procs, results, world_size, timeout)
+        values = collect_results(procs, results, world_size, timeout)
+        if watcher is not None:  # the workers are done: their high-water marks are final
+            peaks[:] = watcher.stop()
+        return values
     except BaseException:
         failed = True
         raise
     finally:
+        if watcher is not None:
+            watcher.stop()
         for proc in procs:
             proc.join(timeout=0.5 if failed else 5)
             if proc.is_alive():

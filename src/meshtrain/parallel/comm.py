@@ -368,6 +368,23 @@ class CountedComm:
         allocation off the heap (docs/parallelism.md, "Peak memory measured from outside")."""
         return self._sliced("all_gather", full, dist.broadcast, "src", async_op)
 
+    def all_gather_shared(self, full: torch.Tensor, shards: Sequence[torch.Tensor]) -> None:
+        """All-gather from shards every rank keeps in shared memory (``shards[k]``: rank
+        ``k``'s, mapped here): copies each into its dim-0 slice of ``full``; no gloo, and no
+        waiting for the other ranks, whose shards do not change while they can be read
+        (:class:`~meshtrain.parallel.data.zero3.ParameterGatherer`). Counted as one
+        all-gather."""
+        if not self.active:
+            return
+        entry = self._enter("all_gather", full.shape, full.dtype, self._nbytes(full),
+                            shared=True)
+        if entry is None:
+            return
+        rows = full.shape[0] // self.size
+        for k, shard in enumerate(shards):
+            full[k * rows:(k + 1) * rows].copy_(shard.view(full[:rows].shape))
+        self._issued(entry, None, False)
+
     def reduce_scatter_in_place(self, full: torch.Tensor, async_op: bool = False):
         """Reduce-scatter with no temporary buffer: afterwards this rank's dim-0 slice of
         ``full`` holds the sum of every rank's slice there; the other slices are scratch

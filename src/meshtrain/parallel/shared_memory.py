@@ -267,9 +267,20 @@ class SharedMemoryReducer:
         return views[self.rank]
 
     def owns(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is (exactly) one of this reducer's buffers."""
+        """Whether ``tensor`` is one of this reducer's buffers, or a leading part of one."""
         views = self._buffers.get(tensor.data_ptr())
-        return views is not None and views[self.rank].numel() == tensor.numel()
+        return (views is not None and tensor.dim() == 1 and tensor.is_contiguous()
+                and tensor.numel() <= views[self.rank].numel())
+
+    def peer_views(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's counterpart of ``tensor`` (a buffer of :meth:`new_buffer` or a leading
+        part of one), index ``k`` being rank ``k``'s, this rank's own included."""
+        return [view[:tensor.numel()] for view in self._buffers[tensor.data_ptr()]]
+
+    def barrier_after_reductions(self) -> None:
+        """Finish every reduction in flight, then wait until every rank of the group is here."""
+        self.wait_all()
+        self.barrier.wait()
 
     # ------------------------------------------------------------------ reductions
     def _segment(self, numel: int, k: int) -> slice:
@@ -299,7 +310,7 @@ class SharedMemoryReducer:
 
     def all_reduce(self, tensor: torch.Tensor) -> SharedWork:
         """Start summing ``tensor`` (a buffer of :meth:`new_buffer`) over the group, in place."""
-        views = self._buffers[tensor.data_ptr()]
+        views = self.peer_views(tensor)
         barrier = self.barrier
 
         def run():
@@ -318,7 +329,7 @@ class SharedMemoryReducer:
         """Start reducing ``full`` (a buffer of :meth:`new_buffer` whose length the group size
         divides) so that ``shard`` receives this rank's equal piece of the sum. ``full``'s own
         piece holds the sum as well; its other pieces keep their local values."""
-        views = self._buffers[full.data_ptr()]
+        views = self.peer_views(full)
         if full.numel() % self.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {self.size} ranks: "
                              "the length must be a multiple of the group size")

@@ -15,7 +15,10 @@ import torch
 from meshtrain.cli import main
 from meshtrain.commands.bench import SUITES, BenchOptions, Suite, format_table, register_suite
 from meshtrain.commands.bench.base import bench_config, summarise_run
-from meshtrain.commands.bench.runner import suite_result
+from meshtrain.commands.bench.roofline import GEMM_SIZES
+from meshtrain.commands.bench.runner import resolve_suites, suite_result
+from meshtrain.config import ConfigError
+from meshtrain.config.model_size import flops_per_token
 from meshtrain.host.allocator import allocator_env
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
@@ -62,6 +65,7 @@ def _check_result(result: dict, suite: str, world: int, same_allocator: bool = T
         assert len(result[f"{side}_runs_tokens_per_s"]) == 1
         assert result[f"{side}_cpu_tokens_per_s"] > 0
     assert result["ratio"] > 0 and result["cpu_ratio"] > 0  # arithmetic: test_summary_*
+    assert result["memory_ratio"] == result["meshtrain_peak_bytes"] / result["peer_peak_bytes"]
     # One run per side: the median of run-by-run quotients is the quotient of the medians.
     assert result["paired_ratio"] == pytest.approx(result["ratio"])
     assert (result["steps"], result["warmup"], result["repeats"]) == (2, 0, 1)
@@ -85,6 +89,23 @@ def test_single_suite_json():
     pytest.importorskip("transformers")
     [result] = _bench_json("--suite", "single", *ONE_QUICK_RUN, *TINY)
     _check_result(result, "single", 1)
+    # The CPU's measured fp32 product rate, and the share of it each side's step delivers.
+    assert result["gemm_flops_per_s"] > 1e8 and result["gemm_size"] in GEMM_SIZES
+    config, _ = bench_config(SUITES["single"], TINY[1::2], 1)
+    flops = flops_per_token(config.model, config.train.seq_len)
+    assert result["model_flops_per_token"] == flops
+    for side in SIDES:
+        assert result[f"{side}_roofline_fraction"] == pytest.approx(
+            flops * result[f"{side}_tokens_per_s"] / result["gemm_flops_per_s"])
+    assert "fp32 GEMM roofline" in format_table([result])
+
+
+def test_peers_names_every_dense_layout_once():
+    assert [s.name for s in resolve_suites(["peers"])] == ["single", "dp", "zero3", "tp", "pp"]
+    assert [s.name for s in resolve_suites(["dp,peers", "tp"])] == ["dp", "single", "zero3",
+                                                                   "tp", "pp"]
+    with pytest.raises(ConfigError, match='Did you mean "peers"'):
+        resolve_suites(["peer"])
 
 
 @pytest.mark.parametrize("suite", PAIR_SUITES)
@@ -302,4 +323,5 @@ def test_format_table_shows_every_suite():
            "steps": 20, "warmup": 2, "threads_per_process": 1}
     table = format_table([row, {**row, "suite": "dp", "world_size": 2}])
     assert "single" in table and "dp" in table and "0.900" in table and "2/3" in table
+    assert "0.667" in table  # memory: 2 MiB against 3
     assert "0.950" in table and "0.925" in table

@@ -187,12 +187,22 @@ def run_once(world: int, worker: Worker, config: Config, options: BenchOptions,
              tuned_allocator: bool) -> list[dict]:
     """One run: ``worker`` on ``world`` fresh processes (one thread each), started with
     meshtrain's ``malloc`` settings when ``tuned_allocator``, else with glibc's defaults (even
-    when this process's environment has the settings); returns each rank's result."""
+    when this process's environment has the settings); returns each rank's result, whose
+    ``peak_bytes`` (CPU) is the worker's ``VmHWM`` read from outside, by this process."""
     from meshtrain.host.local_processes import run_distributed
 
+    peaks: list[int] = []
     with allocator_environment() if tuned_allocator else glibc_default_environment():
-        return run_distributed(world, worker, config.to_dict(), options.warmup, options.steps,
-                               timeout=options.timeout_s, threads=THREADS_PER_PROCESS)
+        ranks = run_distributed(world, worker, config.to_dict(), options.warmup, options.steps,
+                                timeout=options.timeout_s, threads=THREADS_PER_PROCESS,
+                                peaks=peaks)
+    for rank, peak in zip(ranks, peaks, strict=True):
+        # The kernel's high-water mark read from this process (CPU); a worker's own report
+        # stays where none could be read (off Linux) and on a GPU (the CUDA allocator's peak).
+        rank["self_peak_bytes"] = rank["peak_bytes"]
+        if peak and config.train.device != "cuda":
+            rank["peak_bytes"] = peak
+    return ranks
 
 
 def summarise_run(ranks: list[dict]) -> dict:

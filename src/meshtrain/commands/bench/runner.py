@@ -31,6 +31,7 @@ from typing import Any
 import meshtrain.commands.bench.suites  # noqa: F401 - registers the built-in suites
 from meshtrain.commands.bench.base import (
     SUITES,
+    THREADS_PER_PROCESS,
     BenchOptions,
     Suite,
     bench_config,
@@ -41,24 +42,34 @@ from meshtrain.commands.bench.base import (
     summarise_run,
 )
 from meshtrain.commands.bench.diloco_convergence import format_diloco
+from meshtrain.commands.bench.roofline import add_roofline, measure_gemm_roofline
 from meshtrain.commands.bench.scaling import format_scaling
 from meshtrain.config import Config, ConfigError
+from meshtrain.config.model_size import flops_per_token
 from meshtrain.host.allocator import allocator_env
+
+SUITE_GROUPS: dict[str, tuple[str, ...]] = {"peers": ("single", "dp", "zero3", "tp", "pp")}
+"""Names that stand for several suites: ``peers`` is every dense layout against its
+PyTorch-native peer, the table of ``docs/performance.md``."""
 
 
 def resolve_suites(names: list[str]) -> list[Suite]:
-    """The :class:`Suite` objects for ``names`` (comma-separated allowed; empty = all)."""
+    """The :class:`Suite` objects for ``names`` (comma-separated allowed; a
+    :data:`SUITE_GROUPS` name stands for its suites; empty = all), each once, in order."""
     wanted = [n.strip() for name in names for n in name.split(",") if n.strip()]
     if not wanted:
         return list(SUITES.values())
-    suites = []
+    suites: list[Suite] = []
     for name in wanted:
-        if name not in SUITES:
-            close = difflib.get_close_matches(name, list(SUITES), n=1)
+        if name not in SUITES and name not in SUITE_GROUPS:
+            valid = [*SUITES, *SUITE_GROUPS]
+            close = difflib.get_close_matches(name, valid, n=1)
             hint = f' Did you mean "{close[0]}"?' if close else ""
             raise ConfigError(f'--suite "{name}" is not a bench suite.{hint} Valid suites: '
-                              f"{', '.join(SUITES)}.")
-        suites.append(SUITES[name])
+                              f"{', '.join(valid)}.")
+        for member in SUITE_GROUPS.get(name, (name,)):
+            if SUITES[member] not in suites:
+                suites.append(SUITES[member])
     return suites
 
 
@@ -115,6 +126,8 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
         result[f"{side}_first_loss"] = rs[0]["losses"][0]
         result[f"{side}_last_loss"] = rs[0]["losses"][-1]
     result["ratio"] = medians["meshtrain"] / medians["peer"]
+    # Below 1: meshtrain's largest worker peaked lower than the peer's (VmHWM read from outside).
+    result["memory_ratio"] = result["meshtrain_peak_bytes"] / result["peer_peak_bytes"]
     result["cpu_ratio"] = result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"]
     # Run i of each side ran back to back, so their quotient shares the machine's state then.
     result["paired_ratio"] = statistics.median(
@@ -145,8 +158,17 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
             suite.check(suite, options)
         else:
             bench_config(suite, options.overrides, options.warmup + options.steps)
-    return [suite.run(suite, options, log) if suite.run is not None
-            else run_suite(suite, options, log) for suite in suites]
+    results = [suite.run(suite, options, log) if suite.run is not None
+               else run_suite(suite, options, log) for suite in suites]
+    for result in results:
+        if result.get("suite") == "single" and result["shape"]["device"] == "cpu":
+            roofline = measure_gemm_roofline(options.timeout_s, THREADS_PER_PROCESS)
+            config, _ = bench_config(SUITES["single"], options.overrides, 1)
+            add_roofline(result, roofline, flops_per_token(config.model, config.train.seq_len))
+            log(f"bench single: fp32 GEMM roofline {roofline['gemm_flops_per_s'] / 1e9:.1f} "
+                f"GFLOP/s (n = {roofline['gemm_size']}); meshtrain's step at "
+                f"{result['meshtrain_roofline_fraction']:.0%} of it")
+    return results
 
 
 def format_table(results: list[dict]) -> str:
@@ -162,20 +184,31 @@ def format_pairs(results: list[dict]) -> str:
     """The table of the meshtrain-vs-peer suites."""
     mib = 1024 * 1024
     header = (f"{'suite':<9} {'procs':>5} {'meshtrain tok/s':>16} {'peer tok/s':>11} "
-              f"{'ratio':>6} {'paired':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17}  peer")
+              f"{'ratio':>6} {'paired':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17} "
+              f"{'mem ratio':>9}  peer")
     lines = [header, "-" * len(header)]
     for r in results:
         peaks = f"{r['meshtrain_peak_bytes'] / mib:.0f}/{r['peer_peak_bytes'] / mib:.0f}"
+        memory = r['meshtrain_peak_bytes'] / r['peer_peak_bytes']
         lines.append(f"{r['suite']:<9} {r['world_size']:>5} {r['meshtrain_tokens_per_s']:>16,.0f} "
                      f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} "
                      f"{r.get('paired_ratio', float('nan')):>6.3f} "
-                     f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17}  "
+                     f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17} {memory:>9.3f}  "
                      f"{r['peer']}")
     r = results[0]
     lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
                  f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
                  f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); paired: "
-                 f"median of run-by-run ratios; cpu ratio: the same per CPU-second used")
+                 f"median of run-by-run ratios; cpu ratio: the same per CPU-second used; "
+                 f"peak: each side's largest worker's VmHWM, read from outside; mem ratio = "
+                 f"meshtrain / peer (< 1: meshtrain holds less)")
+    for r in results:
+        if "gemm_flops_per_s" in r:
+            lines.append(f"{r['suite']}: this CPU's fp32 GEMM roofline (one thread, best "
+                         f"n x n product, n = {r['gemm_size']}) {r['gemm_flops_per_s'] / 1e9:.1f} "
+                         f"GFLOP/s; model FLOPs delivered: meshtrain "
+                         f"{r['meshtrain_roofline_fraction']:.0%}, peer "
+                         f"{r['peer_roofline_fraction']:.0%} of it")
     if any(r["shape"]["precision"] == "bf16" for r in results if "shape" in r):
         lines.append("bf16: meshtrain trains bf16 weights and activations with fp32 master "
                      "weights and Adam state; the peers run torch.autocast(bf16) over fp32 "

@@ -98,7 +98,7 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     # Buckets in reverse forward order (the order backward finishes them), the root last.
     groups = [g for unit in reversed(unit_groups) for g in unit] + root_groups
     engine = engine_class(model, mesh, 3, bucket_bytes, units=groups, grad_dtype=grad_dtype,
-                          init_values=init_values)
+                          init_values=init_values, shared_memory=shared_memory)
     buckets = iter(engine.buckets)
     by_unit = [[next(buckets) for _ in unit] for unit in reversed(unit_groups)][::-1]
     engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], by_unit,

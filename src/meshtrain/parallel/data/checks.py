@@ -8,7 +8,10 @@ import torch.distributed
 
 
 def reduces_in_shared_memory(engine) -> bool:
-    """True when at least one bucket's gradients are reduced through shared memory."""
+    """True when at least one bucket's gradients are reduced through shared memory (ZeRO-3:
+    its shards are gathered through it too, :mod:`.shared_shards`)."""
+    if engine.stage == 3:
+        return engine.shared_shards is not None
     return engine.stage < 2 and any(engine.comms[b.axis].shares(b.grad_buffer)
                                     for b in engine.buckets)
 
@@ -19,12 +22,15 @@ def reduction_summary(engine) -> str | None:
     if not engine.comm.active or engine.buckets[0].device.type != "cpu":
         return None
     if reduces_in_shared_memory(engine):
-        return (f"data-parallel gradients reduce through shared memory ({engine.comm.size} "
-                "ranks on one host)")
+        what = ("ZeRO-3 gathers and gradients go" if engine.stage == 3
+                else "data-parallel gradients reduce")
+        return f"{what} through shared memory ({engine.comm.size} ranks on one host)"
     if not engine.shared_memory_requested:
         reason = "parallel.dp_shared_memory = false"
-    elif engine.stage >= 2:
-        reason = f"ZeRO stage {engine.stage} reduces a fresh buffer each micro-batch"
+    elif engine.stage == 2:
+        reason = "ZeRO stage 2 reduces a fresh buffer each micro-batch"
+    elif engine.stage == 3 and engine.offload is not None:
+        reason = "ZeRO-3 shards are offloaded"
     elif not any(engine.shareable(b) for b in engine.buckets):
         reason = "shared memory takes fp32 buckets only"
     else:

@@ -56,6 +56,7 @@ from meshtrain.parallel.data.mapped import (
     release_full_buffer,
 )
 from meshtrain.parallel.data.shard_storage import ShardStorage
+from meshtrain.parallel.data.shared_shards import SharedShards, SharedStagingPool
 from meshtrain.parallel.data.staging import StagingPool
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 from meshtrain.parallel.state import shardings_of
@@ -134,8 +135,16 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
         self.shared_memory_requested = shared_memory
         self.shared_reducers = (self._connect_shared_memory(mesh.timeout_s) if shared_memory
                                 else {})
+        self.shared_shards = (SharedShards(self.shared_reducers)
+                              if stage == 3 and self.shared_reducers else None)
+        """ZeRO-3 on one host: shards and staging in shared memory (:mod:`.shared_shards`)."""
         for bucket in self.buckets:
             self._init_bucket(bucket)
+        if self.shared_shards is not None and list(self.shared_reducers) == ["dp"] \
+                and not self.has_expert_buckets:
+            self.staging = SharedStagingPool(self.shared_reducers["dp"], self.comms["dp"],
+                                             grad_dtype, self.staging.full_numel,
+                                             self.buckets[0].device)
         self.on_bucket_reduced: Callable[[FlatBucket], None] | None = None
         self.reduced_at_step_end: set[int] = set()
         """Buckets a pipelined step reduces once, in :meth:`sync_all`, not after every
@@ -166,7 +175,7 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
         """A shared-memory reducer for each axis whose gradient buffers can use one (collective
         on each such group; every rank of a group decides the same). ``timeout_s``: the mesh's
         collective timeout, which the reducer's barriers honour too."""
-        if self.stage >= 2:
+        if self.stage == 2 or (self.stage == 3 and self.offload is not None):
             return {}
         axes = sorted({b.axis for b in self.buckets if self.shareable(b)})
         reducers = {}
@@ -186,6 +195,19 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
         if reducer is None or not self.shareable(b):
             return b.new_buffer(self.grad_dtype)
         return reducer.new_buffer(self.comms[b.axis], b.padded_numel, self.grad_dtype)
+
+    def _new_shard(self, b: FlatBucket, dtype: torch.dtype, role: str) -> torch.Tensor:
+        shared = (self.shared_shards.new_param_shard(b, self.comms[b.axis], dtype)
+                  if self.shared_shards is not None and role == "param" else None)
+        return super()._new_shard(b, dtype, role) if shared is None else shared
+
+    def settle_shards(self) -> None:
+        """ZeRO-3 with shards in shared memory: once gradients are reduced, the group meets
+        here, and the next gather meets it again first (:mod:`.shared_shards`)."""
+        if self.shared_shards is not None:
+            self.shared_shards.settle()
+            if self.gatherer is not None:
+                self.gatherer.shards_may_have_changed = True
 
     def _separate_grads(self, b: FlatBucket) -> bool:
         """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
@@ -278,6 +300,7 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                     self._launch(b)
             self._drain()
             self.staging.clear()
+            self.settle_shards()
             if self.gatherer is not None:
                 self.gatherer.end_pipelined_step()
             return
@@ -384,7 +407,10 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
             else:
                 slot, buf, out = self.staging.take(b, self._drain_oldest)
                 self._gather_grads(b, buf)
-            if self.in_place:  # the staging buffer is scratch: reduced where it is
+            if comm.shares(buf):  # through shared memory, in place: its shard gets the sum
+                out = b.shard(buf)
+                handle = comm.reduce_scatter_into(out, buf, async_op=True)
+            elif self.in_place:  # the staging buffer is scratch: reduced where it is
                 handle = comm.reduce_scatter_in_place(buf, async_op=True)
                 out = b.shard(buf)
             else:
@@ -406,6 +432,7 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                 self._next_launch += 1
         self._drain()
         self.staging.clear()
+        self.settle_shards()
 
     def _drain_oldest(self) -> bool:
         """Finish the oldest reduction in flight; False when none is."""
@@ -425,7 +452,10 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
     # ------------------------------------------------------------------ optimizer glue
     @torch.no_grad()
     def after_step(self, shards: list[OptimizerShard]) -> None:
-        """Write updated masters back into the parameters and re-assemble them where sharded."""
+        """Write updated masters back into the parameters and re-assemble them where sharded
+        (ZeRO-3: nothing gathered before the update outlives it)."""
+        if self.gatherer is not None:
+            self.gatherer.release_all()
         for shard in shards:
             b = shard.bucket
             if shard.master is not b.master_source:

@@ -69,6 +69,13 @@ class ParameterGatherer:
         self._root = {b.index for b in root_buckets}
         self._pipelined = False  # a pipeline step: root kept gathered, see begin_pipelined_step
         engine.reduced_at_step_end = set(self._root)
+        shared = engine.shared_shards
+        self._peer_shards = {} if shared is None else {
+            b.index: views for b in engine.buckets
+            if (views := shared.peer_shards(b)) is not None}
+        self.shards_may_have_changed = True
+        """Shared shards (:mod:`.shared_shards`): set when the group met after its reductions
+        (the shards may be written from then on); the next gather meets the group first."""
         for bucket in engine.buckets:
             self._free(bucket)
         model.register_forward_pre_hook(self._root_pre_forward)
@@ -101,6 +108,14 @@ class ParameterGatherer:
             storage = self._storage(bucket)
             alias = torch.empty(0, dtype=bucket.dtype, device=bucket.device).set_(
                 storage, 0, (bucket.padded_numel,))
+            peers = self._peer_shards.get(bucket.index)
+            if peers is not None:  # every rank's shard is mapped here: copy them in
+                if self.shards_may_have_changed:  # the first read since they could change
+                    self.engine.shared_shards.settle()
+                    self.shards_may_have_changed = False
+                comm.all_gather_shared(alias, peers)
+                self._gathered.add(bucket.index)
+                return
             source = self.engine.gather_source(bucket)  # the shard, or its offloaded copy
             if self.engine.in_place:  # no scratch copy of the bucket (CountedComm)
                 bucket.shard(alias).copy_(source)
@@ -157,8 +172,9 @@ class ParameterGatherer:
     def _post_forward(self, i: int, args, output) -> None:
         if self._busy.get(i):  # re-run inside its own backward (checkpointing): keep it
             return
-        for bucket in self.unit_buckets[i]:
-            self._free(bucket)
+        if not self._keeps_for_backward(i, output):
+            for bucket in self.unit_buckets[i]:
+                self._free(bucket)
         if torch._C._current_graph_task_id() != -1:
             # Re-run by a checkpointed region's recomputation ahead of this unit's backward:
             # the hooks of its original forward (whose graph backward walks) gather it again.
@@ -171,6 +187,19 @@ class ParameterGatherer:
         tensor.register_hook(lambda grad, i=i, tracked=tracked: self._pre_backward(i, tracked))
         if tracked:  # the input's gradient is complete once this unit's backward is done
             first.register_hook(lambda grad, i=i: self._post_backward(i))
+
+    def _keeps_for_backward(self, i: int, output) -> bool:
+        """Whether unit ``i`` stays gathered after its forward: the last unit of a learned
+        order, outside pipeline steps, when a backward will follow (its output needs a
+        gradient). Its backward is the first to run, so freeing it would only gather the same
+        bytes again at once; it is freed once its gradients are reduced, as every unit is.
+        (torchtitan keeps FSDP2's last block unsharded after forward for the same reason.)"""
+        if self._pipelined or self._seen is not None or i in self._next:
+            return False
+        tensor = output[0] if isinstance(output, tuple) else output
+        if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
+            return False
+        return torch._C._current_graph_task_id() == -1  # not a recomputation in a backward
 
     def _pre_backward(self, i: int, tracked: bool) -> None:
         if tracked:
@@ -205,6 +234,14 @@ class ParameterGatherer:
         """Forget the backward passes of an earlier step (none is running between steps)."""
         self._busy.clear()
         self._free_after_backward.clear()
+
+    def release_all(self) -> None:
+        """Free every bucket still gathered (after an update of the shards: a unit kept for a
+        backward that never came must not serve the old values to the next forward)."""
+        for bucket in self.engine.buckets:
+            if bucket.index in self._gathered or bucket.index in self._handles:
+                self._wait(bucket)
+                self._free(bucket)
 
     def forward_order(self) -> list[int]:
         """Every bucket's index in the order the next forward gathers them: the root buckets,
