@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="score saved weights on lm-evaluation-harness tasks (docs/evaluation.md)"))
     bench = sub.add_parser("bench", help="meshtrain vs PyTorch-native peers, side by side")
     bench.add_argument("--suite", dest="suites", action="append", default=[], metavar="NAME",
-                       help="suite to run (repeatable or comma-separated; default: all)")
+                       help="suite to run (repeatable or comma-separated; default: all); "
+                            "'peers' = single, dp, zero3, tp and pp, each against its "
+                            "PyTorch-native peer")
     bench.add_argument("--steps", type=int, default=10, help="measured steps per run")
     bench.add_argument("--warmup", type=int, default=2, help="discarded steps per run")
     bench.add_argument("--repeats", type=int, default=5,
