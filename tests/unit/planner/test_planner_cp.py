@@ -140,8 +140,8 @@ def test_plan_picks_cp_for_llama3_405b_at_128k_on_16k_h100():
 
 
 def test_plan_at_8k_picks_cp_only_when_it_is_faster():
-    work = Workload.from_config(preset_config("llama3-405b"))
-    cluster = Cluster(H100, 16384, 8)
+    work = Workload.from_config(preset_config("llama3-70b"))
+    cluster = Cluster(H100, 1024, 8)
     result = plan(work, cluster, top=1)
     best = result.candidates[0]
     without = [r for r in result.priced if r["layout"]["cp"] == 1]
