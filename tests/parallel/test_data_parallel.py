@@ -37,7 +37,11 @@ def test_dp2_every_zero_stage_matches_one_process():
     plain, z1, z2, z3 = (_dp_bytes(r) for r in results[:4])
     assert z1 / plain == pytest.approx(1.0, rel=0.05)
     assert z2 / plain == pytest.approx(1.0, rel=0.05)
-    assert z3 / plain == pytest.approx(1.5, rel=0.05)
+    # ZeRO-3: an all-gather for forward and one for backward, and a reduce-scatter: 1.5x, less
+    # the last block's second gather (it stays gathered for its backward, which runs next).
+    # The tiny model: 2 blocks of 9,280 parameters, 16,928 in embedding, head and final norm.
+    block, total = 9280, 2 * 9280 + 16928
+    assert z3 / plain == pytest.approx(1.5 - block / (2 * total), rel=0.01)
 
     mem = [r[0]["mem"] for r in results[:4]]
     assert mem[1]["optim_bytes"] == pytest.approx(mem[0]["optim_bytes"] / 2, rel=0.02)

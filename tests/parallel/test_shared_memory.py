@@ -201,3 +201,34 @@ def test_barrier_waits_on_a_descriptor_numbered_above_1024():
     finally:
         for fd in (read_fd, write_fd, sink_read):
             os.close(fd)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_dropping_a_read_peer_buffer_keeps_its_values_and_leaves_the_resident_set():
+    """A ZeRO-3 gather reads the other ranks' shards; afterwards their pages leave the reader's
+    resident set (and so its VmHWM stops growing with the whole model) but not the owner's."""
+    from meshtrain.parallel.shared_memory import drop_resident_pages
+
+    numel = 16 * 2**20 // 4  # 16 MiB
+    fd = os.memfd_create("meshtrain-test", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, numel * 4)
+        path = f"/proc/self/fd/{fd}"
+        owner = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+        owner.copy_(torch.arange(numel, dtype=torch.float32))
+        reader = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+        before = _rss_bytes()
+        total = float(reader.sum(dtype=torch.float64))  # faults every page in: +16 MiB
+        read = _rss_bytes()
+        drop_resident_pages(reader)
+        dropped = _rss_bytes()
+        assert read - before > 15 * 2**20
+        assert read - dropped > 15 * 2**20
+        assert float(reader.sum(dtype=torch.float64)) == total  # the values are still there
+        assert torch.equal(owner[:5], torch.arange(5, dtype=torch.float32))
+    finally:
+        os.close(fd)

@@ -156,14 +156,18 @@ def derived_collectives(dry: DryRank, why: str) -> dict:
     engine, m = trainer.engine, trainer.plan.microbatches
     per_mb = 1 if trainer.pipeline is not None else m  # a pipeline reduces once (sync_all)
     axes: dict[str, dict] = {}
+    gatherer = engine.gatherer
+    kept = (set() if gatherer is None or trainer.pipeline is not None else
+            {b.index for b in gatherer.unit_buckets[gatherer.last_unit()]})
     for b in engine.buckets:
         n = engine.comms[b.axis].size
         grads = b.padded_numel * engine.grad_dtype.itemsize
         params = b.padded_numel * b.dtype.itemsize
+        gathers = m if b.index in kept else 2 * m  # the last unit stays for its backward
         ops = {0: [("all_reduce", grads, 1)],
                1: [("reduce_scatter", grads, 1), ("all_gather", params, 1)],
                2: [("reduce_scatter", grads, per_mb), ("all_gather", params, 1)],
-               3: [("reduce_scatter", grads, m), ("all_gather", params, 2 * m)]}[engine.stage]
+               3: [("reduce_scatter", grads, m), ("all_gather", params, gathers)]}[engine.stage]
         for op, size, calls in ops:
             if n > 1:
                 _add(axes, b.axis, op, calls * bus_bytes(op, size, n), calls)

@@ -7,8 +7,9 @@ parameters, gradients and optimizer states by ZeRO stage, activations by schedul
 checkpointing, the logits and the loss's fp32 buffers, the gradient reduction's buffers) and adds
 what the planner leaves out because it does not change between layouts:
 
-- the loss's fp32 buffers as the runtime allocates them (:data:`LOSS_BYTES_PER_LOGIT`, in place
-  of the planner's figure, which is lower than what the trainer's eager loss holds);
+- the loss's buffers as the runtime allocates them, in place of the planner's figure: under tp
+  the vocab-parallel loss's fp32 buffers (:data:`LOSS_BYTES_PER_LOGIT`), else the chunked
+  loss's gradient of the logits and one fp32 chunk (:func:`loss_bytes`);
 - the document mask of ``data.document_mask``: a ``B × S × S`` boolean per micro-batch, and the
   additive mask SDPA converts it to (activation dtype), saved by every block that keeps its
   attention inputs for backward (measured on the CPU: 4 bytes × ``B S S`` per block in fp32);
@@ -51,6 +52,7 @@ import sys
 
 from meshtrain.commands.fit_offload import offloaded_parts
 from meshtrain.config import Config, ConfigError
+from meshtrain.config.runtime_facts import LOSS_CHUNK_ELEMENTS
 
 GB = 1e9
 FIT_MARGIN = 1.1
@@ -60,11 +62,22 @@ document masking, vocabularies up to 65,536) the estimate was 0.91-1.08 x the ``
 from outside, so a refused run needs at least ~2 % more than what is available; the estimate
 leaves out allocator slack and fragmentation, which only add to that."""
 LOSS_BYTES_PER_LOGIT = 12.0
-"""Bytes per logit the loss holds at the start of backward beyond the logits themselves: the
-trainer's ``F.cross_entropy(logits.float())`` (or its vocab-parallel form) keeps the fp32
-log-softmax output while its backward allocates the fp32 gradients of its output and input.
-Measured on the CPU in fp32 (vocabulary 32768 -> 65536 at 2048 tokens per micro-batch): 16.4
-bytes per logit in all, 4 of them the logits."""
+"""Bytes per logit the vocab-parallel loss (tp > 1) holds at the start of backward beyond the
+logits themselves: its fp32 softmax, and the fp32 gradients its backward allocates. (Measured
+on the CPU in fp32 for the eager ``F.cross_entropy(logits.float())`` it replaced without tp,
+vocabulary 32768 -> 65536 at 2048 tokens per micro-batch: 16.2 bytes per logit in all, 4 of
+them the logits.)"""
+
+
+def loss_bytes(logits: float, act_bytes: float, tp: int) -> float:
+    """What the loss holds beyond the ``logits`` logits themselves (``act_bytes`` each): the
+    vocab-parallel loss's fp32 buffers under tp, else the chunked loss's (a gradient of the
+    logits in their dtype and one fp32 chunk with its temporary,
+    :mod:`meshtrain.training.cross_entropy`; measured as above: 8.3 bytes per logit in all in
+    fp32, against 16.2 for the eager loss)."""
+    if tp > 1:
+        return LOSS_BYTES_PER_LOGIT * logits
+    return act_bytes * logits + 2 * 4 * min(LOSS_CHUNK_ELEMENTS, logits)
 CPU_RUNTIME_BYTES = 0.35e9
 """Host memory a CPU worker holds before it builds its model: the Python interpreter, torch,
 gloo and meshtrain (the ``VmHWM`` of a 2-layer dim-32 run is 0.35-0.40 GB per worker)."""
@@ -128,7 +141,7 @@ def estimate_ranks(config: Config, world: int, device_type: str = "cpu") -> list
         if stage == layout.pp - 1:
             count = seq / layout.cp * b * model.vocab_size / layout.tp
             planner_logits = (workload.traits.loss_bytes_per_logit + act - 2) * count
-            logits = (act + LOSS_BYTES_PER_LOGIT) * count
+            logits = act * count + loss_bytes(count, act, layout.tp)
         parts = {"parameters": mem.param_bytes, "gradients": mem.grad_bytes,
                  "optimizer states": mem.optim_bytes,
                  "activations": mem.activation_bytes - planner_logits, "logits": logits,

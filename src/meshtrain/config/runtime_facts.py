@@ -63,3 +63,9 @@ def fragment_of_parameters(sizes: list[tuple[str, int]], fragments: int) -> dict
         where[key] = min(fragments - 1, int(fragments * (before + totals[key] / 2) / everything))
         before += totals[key]
     return {name: where[unit(name)] for name, _ in sizes}
+
+
+LOSS_CHUNK_ELEMENTS = 8 * 2**20
+"""Logits the chunked cross-entropy converts to fp32 at once (32 MiB;
+:mod:`meshtrain.training.cross_entropy`): a chunk is as many rows as fit. The memory estimates
+count one such chunk and its temporary."""

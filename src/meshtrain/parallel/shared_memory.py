@@ -64,6 +64,27 @@ DEFAULT_TIMEOUT_S = 1800.0
 """Barrier timeout when the group states none (torch's default for gloo, 30 minutes)."""
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4  # Linux
+
+
+def drop_resident_pages(view: torch.Tensor) -> None:
+    """Unmap this process's pages of ``view`` (a part of another rank's shared buffer that was
+    just read): they stay in the owner's memory, and are counted in this process's resident set
+    (and ``VmHWM``) only until here. The next read faults them in again. Only whole pages inside
+    the view are dropped."""
+    import ctypes
+
+    start = view.data_ptr()
+    end = start + view.numel() * view.element_size()
+    first = -(-start // _PAGE) * _PAGE
+    last = end // _PAGE * _PAGE
+    if last <= first:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
 def _peer_path(pid: int, fd: int) -> str:
     return f"/proc/{pid}/fd/{fd}"
 

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from meshtrain import faults
 from meshtrain.config import Config
@@ -47,6 +46,7 @@ from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.replan.layout_change import take_change
 from meshtrain.replan.monitor import ReplanMonitor
 from meshtrain.training import straggler
+from meshtrain.training.cross_entropy import token_cross_entropy_sum
 from meshtrain.training.diloco.outer import reduce_over_groups
 from meshtrain.training.energy import EnergyMeter, summary_line
 from meshtrain.training.evaluate import Evaluator
@@ -194,13 +194,13 @@ class Trainer:
                               self.plan.microbatches, self.mesh.dp)
 
     def token_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy; vocab-parallel (never gathering logits) under tp."""
+        """Summed token cross-entropy: vocab-parallel (never gathering logits) under tp, else a
+        chunk of rows at a time in fp32 (:mod:`meshtrain.training.cross_entropy`)."""
         tp = self.mesh.comm("tp")
         if tp.active:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                 self.vocab_start, tp, IGNORE_INDEX).sum()
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                               reduction="sum", ignore_index=IGNORE_INDEX)
+        return token_cross_entropy_sum(logits.flatten(0, 1), targets.flatten(), IGNORE_INDEX)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """:meth:`token_loss_sum` of a training micro-batch (where tests inject faults)."""

@@ -81,7 +81,10 @@ def test_70b_dp64_zero3_matches_planner():
     dp = report["collectives"]["axes"]["dp"]["ops"]
     # Each block (~3.4 GB in bf16) exceeds the 25 MiB bucket: its seven projections are units,
     # its norm weights join the root unit (embedding, final norm, head).
-    assert dp["all_gather"]["calls"] == 2 * dp["reduce_scatter"]["calls"] == 2 * (80 * 7 + 1)
+    # Every bucket gathered for forward and again for backward, but the last unit (the last
+    # block's w2, a bucket of its own) stays gathered for its backward.
+    assert dp["reduce_scatter"]["calls"] == 80 * 7 + 1
+    assert dp["all_gather"]["calls"] == 2 * (80 * 7 + 1) - 1
 
 
 def test_70b_uneven_stage_is_priced_as_the_runtime_splits_it():
@@ -271,4 +274,5 @@ def test_mixtral_zero3_shards_experts_over_their_expert_group_as_the_planner_pri
     held = report["bytes"]["param"] / 2
     assert held == pytest.approx(expert / 2 + dense / 16, rel=1e-5)  # buckets' padding aside
     edp = report["collectives"]["axes"]["edp"]["ops"]
-    assert edp["all_gather"]["calls"] == 2 * edp["reduce_scatter"]["calls"] == 2 * 32
+    # The last block's experts stay gathered from its forward to its backward.
+    assert edp["reduce_scatter"]["calls"] == 32 and edp["all_gather"]["calls"] == 2 * 32 - 1

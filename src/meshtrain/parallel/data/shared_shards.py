@@ -29,6 +29,7 @@ import torch
 
 from meshtrain.config.runtime_facts import INITIAL_PAIRS
 from meshtrain.parallel.data.staging import StagingPool
+from meshtrain.parallel.shared_memory import drop_resident_pages
 
 
 class SharedStagingPool(StagingPool):
@@ -73,6 +74,16 @@ class SharedShards:
         if reducer is None or not reducer.owns(bucket.param_shard):
             return None
         return reducer.peer_views(bucket.param_shard)
+
+    @staticmethod
+    def drop_peer_pages(shards: list[torch.Tensor], own: int) -> None:
+        """After a gather: stop counting the other ranks' shards just read in this process's
+        resident memory (:func:`~meshtrain.parallel.shared_memory.drop_resident_pages`), so a
+        rank's ``VmHWM`` holds its own shards and the units it has gathered, as under gloo, not
+        every rank's shards of the whole model."""
+        for k, shard in enumerate(shards):
+            if k != own:
+                drop_resident_pages(shard)
 
     def settle(self) -> None:
         """Every rank of every shared group meets here (see the module docstring)."""

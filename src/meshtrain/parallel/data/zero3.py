@@ -11,14 +11,19 @@ is released (storage resized to zero bytes; on the CPU an anonymous memory map w
 handed back, :mod:`.mapped`), so the parameters (views into it) cost nothing.
 
 - Forward: a unit's pre-forward hook all-gathers it (waiting for a prefetch if one is in flight)
-  and starts prefetching the next unit; its post-forward hook frees it again.
+  and starts prefetching the next unit; its post-forward hook frees it again, except the last
+  unit's when a backward follows (that backward runs first, :meth:`ParameterGatherer.
+  last_unit`).
 - Backward: a hook on the unit's output fires when the gradient reaches it; it re-gathers the
   unit (prefetching the previous one) before the unit's backward runs. Once the unit's
   gradients are reduce-scattered (:class:`DataParallelEngine`), its storage is freed.
 - The root unit (embedding, final norm, head) is gathered when the model's forward starts, freed
   when it ends, re-gathered when the gradient of the logits arrives, and freed once its gradients
-  are reduced at the end of backward. So every parameter is gathered once for forward and once
-  for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO paper (7).
+  are reduced at the end of backward. So every parameter but the last unit's is gathered once
+  for forward and once for backward: 1.5x the bytes of plain data parallelism, as in the ZeRO
+  paper (7).
+- On one host the gathers and reductions can go through shared memory instead of the backend
+  (:mod:`.shared_shards`).
 - Under pipeline parallelism (every schedule) the stage chunks run the units between
   :meth:`ParameterGatherer.begin_pipelined_step` and :meth:`~ParameterGatherer.
   end_pipelined_step`: each unit is gathered and freed around each micro-batch's forward and
@@ -73,6 +78,7 @@ class ParameterGatherer:
         self._peer_shards = {} if shared is None else {
             b.index: views for b in engine.buckets
             if (views := shared.peer_shards(b)) is not None}
+        self._own_rank = {"dp": engine.dp_rank, "edp": engine.edp_rank}
         self.shards_may_have_changed = True
         """Shared shards (:mod:`.shared_shards`): set when the group met after its reductions
         (the shards may be written from then on); the next gather meets the group first."""
@@ -114,6 +120,7 @@ class ParameterGatherer:
                     self.engine.shared_shards.settle()
                     self.shards_may_have_changed = False
                 comm.all_gather_shared(alias, peers)
+                self.engine.shared_shards.drop_peer_pages(peers, self._own_rank[bucket.axis])
                 self._gathered.add(bucket.index)
                 return
             source = self.engine.gather_source(bucket)  # the shard, or its offloaded copy
@@ -189,17 +196,27 @@ class ParameterGatherer:
             first.register_hook(lambda grad, i=i: self._post_backward(i))
 
     def _keeps_for_backward(self, i: int, output) -> bool:
-        """Whether unit ``i`` stays gathered after its forward: the last unit of a learned
-        order, outside pipeline steps, when a backward will follow (its output needs a
-        gradient). Its backward is the first to run, so freeing it would only gather the same
-        bytes again at once; it is freed once its gradients are reduced, as every unit is.
+        """Whether unit ``i`` stays gathered after its forward: the last unit
+        (:meth:`last_unit`), outside pipeline steps, when a backward will follow (its output
+        needs a gradient). Its backward is the first to run, so freeing it would only gather
+        the same bytes again at once; it is freed once its gradients are reduced, as every unit
+        is.
         (torchtitan keeps FSDP2's last block unsharded after forward for the same reason.)"""
-        if self._pipelined or self._seen is not None or i in self._next:
+        if self._pipelined or i != self.last_unit():
             return False
         tensor = output[0] if isinstance(output, tuple) else output
         if not (isinstance(tensor, torch.Tensor) and tensor.requires_grad):
             return False
         return torch._C._current_graph_task_id() == -1  # not a recomputation in a backward
+
+    def last_unit(self) -> int:
+        """The unit whose forward runs last (as learned from the first forward; during that
+        one, the last registered), which stays gathered for its backward."""
+        if self._seen is None:
+            last = [i for i in range(len(self.units)) if i not in self._next]
+            if len(last) == 1:
+                return last[0]
+        return len(self.units) - 1
 
     def _pre_backward(self, i: int, tracked: bool) -> None:
         if tracked:
