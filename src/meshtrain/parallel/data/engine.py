@@ -56,7 +56,7 @@ from meshtrain.parallel.data.mapped import (
     release_full_buffer,
 )
 from meshtrain.parallel.data.shard_storage import ShardStorage
-from meshtrain.parallel.data.shared_shards import SharedShards, SharedStagingPool
+from meshtrain.parallel.data.shared_shards import SharedShards, shared_staging
 from meshtrain.parallel.data.staging import StagingPool
 from meshtrain.parallel.shared_memory import SharedMemoryReducer
 from meshtrain.parallel.state import shardings_of
@@ -140,11 +140,7 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
         """ZeRO-3 on one host: shards and staging in shared memory (:mod:`.shared_shards`)."""
         for bucket in self.buckets:
             self._init_bucket(bucket)
-        if self.shared_shards is not None and list(self.shared_reducers) == ["dp"] \
-                and not self.has_expert_buckets:
-            self.staging = SharedStagingPool(self.shared_reducers["dp"], self.comms["dp"],
-                                             grad_dtype, self.staging.full_numel,
-                                             self.buckets[0].device)
+        self.staging = shared_staging(self) or self.staging
         self.on_bucket_reduced: Callable[[FlatBucket], None] | None = None
         self.reduced_at_step_end: set[int] = set()
         """Buckets a pipelined step reduces once, in :meth:`sync_all`, not after every

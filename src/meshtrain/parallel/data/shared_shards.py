@@ -53,6 +53,18 @@ class SharedStagingPool(StagingPool):
             self.free = list(range(self._shared))
 
 
+def shared_staging(engine) -> SharedStagingPool | None:
+    """A shared staging pool for a ZeRO-3 ``engine`` whose shards are shared, when all its
+    buckets reduce over one group (``dp``; expert buckets reduce over another, so they keep
+    private staging and gloo); None otherwise."""
+    if (engine.shared_shards is None or list(engine.shared_reducers) != ["dp"]
+            or engine.has_expert_buckets):
+        return None
+    return SharedStagingPool(engine.shared_reducers["dp"], engine.comms["dp"],
+                             engine.grad_dtype, engine.staging.full_numel,
+                             engine.buckets[0].device)
+
+
 class SharedShards:
     """The shared-memory side of a ZeRO-3 engine: one reducer per reduction axis whose group is
     on this host (``reducers``)."""
