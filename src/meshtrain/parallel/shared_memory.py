@@ -47,6 +47,8 @@ process dies, and the size is not capped by a small ``/dev/shm`` mount (Docker's
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import secrets
 import select
@@ -73,16 +75,18 @@ def drop_resident_pages(view: torch.Tensor) -> None:
     just read): they stay in the owner's memory, and are counted in this process's resident set
     (and ``VmHWM``) only until here. The next read faults them in again. Only whole pages inside
     the view are dropped."""
-    import ctypes
-
     start = view.data_ptr()
     end = start + view.numel() * view.element_size()
     first = -(-start // _PAGE) * _PAGE
     last = end // _PAGE * _PAGE
     if last <= first:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+    _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _peer_path(pid: int, fd: int) -> str:
