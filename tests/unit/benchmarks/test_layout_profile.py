@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+import meshtrain.commands.bench.layout_profile as layout_profile
 from tests.helpers import load_benchmark
 
-layout_profile = load_benchmark("layout_profile")
+script = load_benchmark("layout_profile")  # the command a user runs
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
         "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=64", "--set", "train.seq_len=32",
@@ -34,7 +35,7 @@ def test_operators_fall_into_their_categories_and_the_rest_is_waiting():
 def test_a_tiny_dp_suite_prints_both_sides():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert layout_profile.main(["--suite", "dp", "--steps", "1", "--warmup", "0",
+        assert script.main(["--suite", "dp", "--steps", "1", "--warmup", "0",
                                     *TINY]) == 0
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [(r["suite"], r["side"]) for r in lines] == [("dp", "meshtrain"), ("dp", "peer")]
