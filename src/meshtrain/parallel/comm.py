@@ -342,8 +342,10 @@ class CountedComm:
                                                     async_op=async_op), async_op)
 
     def reduce_scatter_into(self, shard: torch.Tensor, full: torch.Tensor,
-                            op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False):
-        """Reduce ``full`` over the axis and keep this rank's equal dim-0 shard in ``shard``."""
+                            op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                            drop_read_pages: bool = False):
+        """Reduce ``full`` over the axis and keep this rank's equal dim-0 shard in ``shard``
+        (``drop_read_pages``: see :meth:`SharedMemoryReducer.reduce_scatter`)."""
         if not self.active:
             shard.copy_(full.reshape(shard.shape))
             return None
@@ -352,8 +354,8 @@ class CountedComm:
                                 shared=True)
             if entry is None:
                 return None
-            return self._issued_shared(entry, self.shared_memory.reduce_scatter(shard, full),
-                                       async_op)
+            work = self.shared_memory.reduce_scatter(shard, full, drop_read_pages)
+            return self._issued_shared(entry, work, async_op)
         entry = self._enter("reduce_scatter", full.shape, full.dtype, self._nbytes(full))
         if entry is None:
             return None

@@ -350,10 +350,13 @@ class SharedMemoryReducer:
             barrier.wait()
         return self._submit(run)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> SharedWork:
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor,
+                       drop_read_pages: bool = False) -> SharedWork:
         """Start reducing ``full`` (a buffer of :meth:`new_buffer` whose length the group size
         divides) so that ``shard`` receives this rank's equal piece of the sum. ``full``'s own
-        piece holds the sum as well; its other pieces keep their local values."""
+        piece holds the sum as well; its other pieces keep their local values. ``drop_read_pages``:
+        afterwards unmap this process's pages of the other ranks' pieces it read
+        (:func:`drop_resident_pages`; ZeRO-3's staging buffers)."""
         views = self.peer_views(full)
         if full.numel() % self.size:
             raise ValueError(f"reduce-scatter of {full.numel()} elements over {self.size} ranks: "
@@ -365,6 +368,11 @@ class SharedMemoryReducer:
             out = self._reduce_own_segment(views)
             if shard.data_ptr() != out.data_ptr():
                 shard.copy_(out.view(shard.shape))
+            if drop_read_pages:  # the other ranks' pieces just read: not this rank's memory
+                seg = self._segment(full.numel(), self.rank)
+                for k, view in enumerate(views):
+                    if k != self.rank:
+                        drop_resident_pages(view[seg])
             barrier.wait()
         return self._submit(run)
 

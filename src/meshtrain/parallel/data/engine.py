@@ -405,7 +405,7 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                 self._gather_grads(b, buf)
             if comm.shares(buf):  # through shared memory, in place: its shard gets the sum
                 out = b.shard(buf)
-                handle = comm.reduce_scatter_into(out, buf, async_op=True)
+                handle = comm.reduce_scatter_into(out, buf, async_op=True, drop_read_pages=True)
             elif self.in_place:  # the staging buffer is scratch: reduced where it is
                 handle = comm.reduce_scatter_in_place(buf, async_op=True)
                 out = b.shard(buf)
