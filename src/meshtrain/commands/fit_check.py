@@ -78,6 +78,8 @@ def loss_bytes(logits: float, act_bytes: float, tp: int) -> float:
     if tp > 1:
         return LOSS_BYTES_PER_LOGIT * logits
     return act_bytes * logits + 2 * 4 * min(LOSS_CHUNK_ELEMENTS, logits)
+
+
 CPU_RUNTIME_BYTES = 0.35e9
 """Host memory a CPU worker holds before it builds its model: the Python interpreter, torch,
 gloo and meshtrain (the ``VmHWM`` of a 2-layer dim-32 run is 0.35-0.40 GB per worker)."""
