@@ -89,10 +89,16 @@ def profiled_worker(target: str, config_dict: dict, warmup: int, steps: int) -> 
     import meshtrain.commands.bench.peers as peers
     import meshtrain.commands.bench.workers as workers
 
-    for module in (workers, peers, parallel_peers):
+    modules = (workers, peers, parallel_peers)
+    originals = [module.timed_run for module in modules]
+    for module in modules:
         module.timed_run = _profiled_run
-    module_name, name = target.rsplit(":", 1)
-    return getattr(importlib.import_module(module_name), name)(config_dict, warmup, steps)
+    try:  # a reused worker process (the test suite's pool) gets the originals back after
+        module_name, name = target.rsplit(":", 1)
+        return getattr(importlib.import_module(module_name), name)(config_dict, warmup, steps)
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module.timed_run = original
 
 
 def profile_suites(names: list[str], overrides: list[str], warmup: int, steps: int):
