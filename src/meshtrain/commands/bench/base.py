@@ -199,7 +199,6 @@ def run_once(world: int, worker: Worker, config: Config, options: BenchOptions,
     for rank, peak in zip(ranks, peaks, strict=True):
         # The kernel's high-water mark read from this process (CPU); a worker's own report
         # stays where none could be read (off Linux) and on a GPU (the CUDA allocator's peak).
-        rank["self_peak_bytes"] = rank["peak_bytes"]
         if peak and config.train.device != "cuda":
             rank["peak_bytes"] = peak
     return ranks
