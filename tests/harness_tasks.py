@@ -13,6 +13,7 @@ import os
 import random
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,10 +121,27 @@ def wandb_records(path: Path) -> Iterator:
         yield record
 
 
+def wandb_finished_records(path: Path, timeout_s: float = 30.0) -> list:
+    """:func:`wandb_records` once the file holds its ``exit`` record: W&B's service process
+    writes the file, and its last records (the history rows, then ``exit``) can reach the disk
+    a little after ``run.finish()`` has returned in the process that logged them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except AssertionError:  # a record still being written: its checksum fails
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} has no exit record after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def wandb_history(path: Path) -> list[dict]:
-    """Every history row (``run.log``) of a W&B run file, as ``{name: value}``."""
+    """Every history row (``run.log``) of a finished W&B run file, as ``{name: value}``."""
     rows = []
-    for record in wandb_records(path):
+    for record in wandb_finished_records(path):
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})

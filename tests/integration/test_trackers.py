@@ -18,8 +18,8 @@ import pytest
 
 from tests.harness_tasks import (
     TINY_MODEL,
+    wandb_finished_records,
     wandb_history,
-    wandb_records,
     write_corpus,
     write_tasks,
     write_tokenizer,
@@ -73,7 +73,7 @@ def test_trackers_hold_every_step_and_task_scores_under_pp2(tmp_path, meshtrain,
     assert {row["_step"]: row["tasks/tiny_mc/acc"] for row in history
             if "tasks/tiny_mc/acc" in row} == {s: scored[s]["tiny_mc"]["acc"] for s in (2, 4)}
     config, summary, exit_code = {}, {}, None
-    for record in wandb_records(path):
+    for record in wandb_finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "config":
             config.update({item.key: json.loads(item.value_json)

@@ -144,3 +144,57 @@ def test_pytorch_ddp_holds_a_bucket_copy_of_the_gradients_with_data_parallelism_
     assert torch_ddp["buffer_bytes"] - local["buffer_bytes"] == pytest.approx(
         torch_ddp["grad_bytes"], rel=1e-9)
     assert stage0(MEGATRON_2021_TORCH_DDP, 1) == stage0(in_place, 1)  # no DDP, no buckets
+
+
+@pytest.mark.parametrize("pp,v", [(2, 2), (3, 4), (4, 3), (8, 2), (16, 8)])
+def test_uneven_interleaved_chunks_hold_what_the_runtime_schedule_holds(pp, v):
+    """The layer-microbatches a rank holds at its peak under interleaved 1F1B with chunks of
+    unequal size, against a walk of the order of work the pipeline runtime really builds."""
+    import random
+
+    from meshtrain.parallel.pipeline import build_schedule
+    from meshtrain.planner.cost.pipeline import interleaved_peak_layers
+
+    rng = random.Random(pp * 100 + v)
+    for m in (pp, 2 * pp, 3 * pp):
+        schedule = build_schedule("interleaved-1f1b", pp, m, v)
+        stages = pp * v
+        splits = [[0] + [1] * (stages - 2) + [0]]  # Llama 3's: embedding and loss alone
+        splits += [[rng.randint(0, 3) for _ in range(stages)] for _ in range(3)]
+        for layers in splits:
+            for rank in range(pp):
+                held = peak = 0
+                for action in schedule.compute_actions(rank):
+                    if action.kind.value == "F":
+                        held += layers[action.stage]
+                    elif action.kind.value in ("B", "I"):
+                        held -= layers[action.stage]
+                    peak = max(peak, held)
+                chunks = [layers[s] for s in range(rank, stages, pp)]
+                assert interleaved_peak_layers(pp, m, v, rank, chunks) == peak, (m, layers, rank)
+
+
+def test_an_empty_first_chunk_lowers_the_first_rank_only():
+    """Llama 3 405B's split (126 layers over 16 ranks × 8 chunks, the first chunk only the
+    embedding, the last only the head): rank 0 holds 7 layers and less than a middle rank."""
+    from meshtrain.planner.cost.estimate import estimate
+    from meshtrain.planner.search.explain import parse_layout
+
+    model = ModelConfig(vocab_size=128256, dim=1024, n_layers=126, n_heads=16, n_kv_heads=8,
+                        ffn_dim=3328)
+    work = Workload(model, seq_len=2048, global_batch=128, traits=MESHTRAIN)
+    split = ":".join(["0"] + ["1"] * 126 + ["0"])
+    uneven = parse_layout(f"tp=1,pp=16,schedule=interleaved-1f1b,v=8,mbs=1,pp_split={split}",
+                          work, 64)
+    assert uneven.pp_split.count(",") == 127 and uneven.dp == 4
+    per_rank = estimate(work, uneven, Cluster(PROFILES["h100-80g"], 64, 8))["per_rank"]
+    first, middle = per_rank[0]["activation_bytes"], per_rank[1]["activation_bytes"]
+    # 32 micro-batches on 16 ranks. Rank 0's 142 warm-up forwards run 16 micro-batches through
+    # each chunk in turn: its 7 one-layer chunks hold 112 layer-microbatches at the peak (the
+    # embedding chunk none), not 7/8 of its 143 chunk-microbatches; rank 1's 140 warm-up
+    # forwards and the first steady one hold 141. Each also holds one block being
+    # back-propagated.
+    assert first / middle == pytest.approx((112 + 1) / (141 + 1))
+    # the comma form reads the same layout
+    assert parse_layout(f"tp=1,pp=16,schedule=interleaved-1f1b,v=8,pp_split={split}".replace(
+        ":", ","), work, 64) == uneven

@@ -69,11 +69,12 @@ from meshtrain.planner.cost.overlap import (
     prefetched_exposed,
     zero3_exposed,
 )
-from meshtrain.planner.cost.pipeline import pipeline_estimate
+from meshtrain.planner.cost.pipeline import interleaved_peak_layers, pipeline_estimate
 from meshtrain.planner.cost.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
 from meshtrain.planner.cost.workload import (
     Workload,
     check_layout,
+    chunk_layer_counts,
     layout_to_json,
     stack_split,
     stage_layers,
@@ -322,7 +323,15 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     mfu_cap = max(floor - step, 0.0)
     step += mfu_cap
 
-    memory = [rank_memory(workload, lay, r, layers, pipe.peak_inflight[r],
+    inflight = list(pipe.peak_inflight)
+    if lay.pp_schedule == "interleaved-1f1b" and lay.virtual_stages > 1 and lay.pp > 1:
+        # Chunks of unequal size (e.g. Megatron-Core's first/last stage a layer short): weigh
+        # what is in flight by the layers of the chunks the warm-up really holds.
+        chunks = chunk_layer_counts(model, stack_split(workload, lay))
+        inflight = [interleaved_peak_layers(lay.pp, lay.microbatches, lay.virtual_stages, r,
+                                            chunks[r]) / sum(chunks[r]) if sum(chunks[r])
+                    else x for r, x in enumerate(inflight)]
+    memory = [rank_memory(workload, lay, r, layers, inflight[r],
                           params=params_by_stage[r],
                           reserve_fraction=cluster.profile.allocator_reserve)
               for r, layers in enumerate(placement)]

@@ -51,6 +51,30 @@ def _closed_form_inflight(schedule: str, pp: int, m: int, v: int) -> list[float]
     return [float(min(pp - rank, m)) for rank in range(pp)]
 
 
+def interleaved_peak_layers(pp: int, m: int, v: int, rank: int,
+                            chunk_layers: list[int]) -> int:
+    """The most layer-microbatches of activations ``rank`` holds under interleaved 1F1B when
+    its chunks have the layer counts ``chunk_layers`` (chunk order; an uneven split such as
+    a first chunk holding only the embedding makes them differ).
+
+    Walks the rank's order of work: ``(p - rank - 1) * 2 + (v - 1) * p`` warm-up forwards,
+    then one forward and one backward at a time, the cool-down backwards last; forward ``k``
+    is of chunk ``(k // p) % v``, backward ``k`` of chunk ``v - 1 - (k // p) % v``
+    (Megatron-LM's order, which :mod:`meshtrain.parallel.pipeline` runs too). With equal
+    chunks this is the closed form's count times the chunk size."""
+    total = m * v
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    held = peak = forwards = backwards = 0
+    while forwards < total:
+        held += chunk_layers[(forwards // pp) % v]
+        forwards += 1
+        peak = max(peak, held)
+        if forwards > warmup:
+            held -= chunk_layers[v - 1 - (backwards // pp) % v]
+            backwards += 1
+    return peak
+
+
 def _closed_form_bubble_time(schedule: str, pp: int, v: int, f: float, b: float,
                              w: float) -> float:
     if schedule == "interleaved-1f1b":

@@ -142,6 +142,18 @@ def _stage_layers(key: str, pp: int, chunks: int, v_shape: bool, split: str,
     return _SPLITS[cache_key]
 
 
+def chunk_layer_counts(model: ModelConfig, layout: Layout) -> list[list[int]]:
+    """Per pipeline rank, the layer count of each of its chunks in chunk order (stage ``r``,
+    ``r + pp``, ... under the round-robin placement), split as :func:`stage_layers` splits."""
+    if layout.pp == 1:
+        return [[model.n_layers]]
+    from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
+
+    stages = layout.pp * layout.chunks_per_rank
+    per_stage = runtime_stage_layers(model, model.vocab_size, stages, layout.pp_split)
+    return [[len(per_stage[s]) for s in range(r, stages, layout.pp)] for r in range(layout.pp)]
+
+
 def check_layout(workload: Workload, layout: Layout) -> None:
     """Raise :class:`ConfigError` when ``layout`` cannot run ``workload``."""
     m, lay = workload.model, layout
@@ -154,7 +166,12 @@ def check_layout(workload: Workload, layout: Layout) -> None:
                           expert_ffn_dim=m.expert_ffn_dim if m.moe_experts else None,
                           seq_len=workload.seq_len if lay.sequence_parallel else None)
     check_sequence_parallel(lay.sequence_parallel, lay.tp)
-    check_pipeline_stages(lay.pp * lay.chunks_per_rank, m.n_layers)
+    if lay.pp_split:  # explicit layer counts, empty stages allowed (the runtime's rule)
+        from meshtrain.parallel.pipeline.stage_split import parse_split
+
+        parse_split(lay.pp_split, m.n_layers, lay.pp * lay.chunks_per_rank)
+    else:
+        check_pipeline_stages(lay.pp * lay.chunks_per_rank, m.n_layers)
     if lay.pp_schedule == "interleaved-1f1b" and lay.pp > 1:
         check_interleaved_microbatches(lay.pp, lay.microbatches)
     if lay.ep > 1:

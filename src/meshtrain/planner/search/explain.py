@@ -60,6 +60,9 @@ def parse_layout(text: str, workload: Workload, gpus: int) -> Layout:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         key, value = key.strip().lower(), value.strip()
+        if not sep and item.isdigit() and "pp_split" in values:
+            values["pp_split"] += f",{item}"  # pp_split's own commas: its layer counts go on
+            continue
         if not sep or not value:
             raise ConfigError(f'--explain "{text}": "{item}" is not key=value.')
         if key == "mbs":
@@ -73,7 +76,9 @@ def parse_layout(text: str, workload: Workload, gpus: int) -> Layout:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ConfigError(f"--explain: {key}={value}: expected true or false.")
             values[field] = value.lower() in ("true", "1", "yes")
-        elif field in ("pp_schedule", "activation_checkpointing", "pp_split"):
+        elif field == "pp_split":
+            values[field] = value.replace(":", ",")  # 7:8:...:7 or 7,8,...,7 (last key)
+        elif field in ("pp_schedule", "activation_checkpointing"):
             values[field] = value
         else:
             values[field] = _int(key, value)
