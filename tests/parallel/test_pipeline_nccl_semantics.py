@@ -116,7 +116,7 @@ def _cases(pp: int, *extra: str, nproc: int | None = None):
             for name, v in SCHEDULES]
 
 
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: make bench
 def test_every_schedule_matches_one_process_without_tags(pp):
     cases = _cases(pp)
     results = run_distributed(pp, train_untagged, [c.to_dict() for c in cases], STEPS,

@@ -59,6 +59,7 @@ def test_every_schedule_with_another_axis(axes):
                             f"parallel.virtual_stages={v}", nproc=4) for name, v in SCHEDULES])
 
 
+@pytest.mark.slow  # make bench: the 4-D MoE test (dp2 ep2 tp2 pp2) runs 8 processes in make test
 def test_dp2_tp2_pp2_eight_processes():
     _parity(8, [tiny_config("parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2",
                             "parallel.zero=1", "parallel.sequence_parallel=true", nproc=8)])

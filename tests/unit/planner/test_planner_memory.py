@@ -170,7 +170,7 @@ def test_uneven_interleaved_chunks_hold_what_the_runtime_schedule_holds(pp, v):
                     elif action.kind.value in ("B", "I"):
                         held -= layers[action.stage]
                     peak = max(peak, held)
-                chunks = [layers[s] for s in range(rank, stages, pp)]
+                chunks = tuple(layers[s] for s in range(rank, stages, pp))
                 assert interleaved_peak_layers(pp, m, v, rank, chunks) == peak, (m, layers, rank)
 
 

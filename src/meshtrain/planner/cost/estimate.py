@@ -329,7 +329,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         # what is in flight by the layers of the chunks the warm-up really holds.
         chunks = chunk_layer_counts(model, stack_split(workload, lay))
         inflight = [interleaved_peak_layers(lay.pp, lay.microbatches, lay.virtual_stages, r,
-                                            chunks[r]) / sum(chunks[r]) if sum(chunks[r])
+                                            tuple(chunks[r])) / sum(chunks[r]) if sum(chunks[r])
                     else x for r, x in enumerate(inflight)]
     memory = [rank_memory(workload, lay, r, layers, inflight[r],
                           params=params_by_stage[r],

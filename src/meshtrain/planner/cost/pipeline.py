@@ -25,6 +25,7 @@ micro-batches' worth of one full stage's activations a rank holds at its peak.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 SIMULATE_MAX_ACTIONS = 6_000
 
@@ -51,8 +52,9 @@ def _closed_form_inflight(schedule: str, pp: int, m: int, v: int) -> list[float]
     return [float(min(pp - rank, m)) for rank in range(pp)]
 
 
+@functools.lru_cache(maxsize=4096)
 def interleaved_peak_layers(pp: int, m: int, v: int, rank: int,
-                            chunk_layers: list[int]) -> int:
+                            chunk_layers: tuple[int, ...]) -> int:
     """The most layer-microbatches of activations ``rank`` holds under interleaved 1F1B when
     its chunks have the layer counts ``chunk_layers`` (chunk order; an uneven split such as
     a first chunk holding only the embedding makes them differ).

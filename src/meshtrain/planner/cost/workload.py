@@ -147,11 +147,15 @@ def chunk_layer_counts(model: ModelConfig, layout: Layout) -> list[list[int]]:
     ``r + pp``, ... under the round-robin placement), split as :func:`stage_layers` splits."""
     if layout.pp == 1:
         return [[model.n_layers]]
-    from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
-
     stages = layout.pp * layout.chunks_per_rank
-    per_stage = runtime_stage_layers(model, model.vocab_size, stages, layout.pp_split)
-    return [[len(per_stage[s]) for s in range(r, stages, layout.pp)] for r in range(layout.pp)]
+    key = ("chunks", repr(model), stages, layout.pp_split)
+    if key not in _SPLITS:
+        from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
+
+        per_stage = runtime_stage_layers(model, model.vocab_size, stages, layout.pp_split)
+        _SPLITS[key] = tuple((len(layers),) for layers in per_stage)
+    counts = [n for (n,) in _SPLITS[key]]
+    return [counts[r::layout.pp] for r in range(layout.pp)]
 
 
 def check_layout(workload: Workload, layout: Layout) -> None:
