@@ -170,7 +170,7 @@ def check_layout(workload: Workload, layout: Layout) -> None:
                           expert_ffn_dim=m.expert_ffn_dim if m.moe_experts else None,
                           seq_len=workload.seq_len if lay.sequence_parallel else None)
     check_sequence_parallel(lay.sequence_parallel, lay.tp)
-    if lay.pp_split:  # explicit layer counts, empty stages allowed (the runtime's rule)
+    if lay.pp_split and lay.pp > 1:  # explicit layer counts, empty stages allowed (as runs)
         from meshtrain.parallel.pipeline.stage_split import parse_split
 
         parse_split(lay.pp_split, m.n_layers, lay.pp * lay.chunks_per_rank)
