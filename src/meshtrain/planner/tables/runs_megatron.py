@@ -1,5 +1,5 @@
 """Published runs of the Megatron family: Megatron-LM 2021 and 2022 (A100), Megatron-DeepSpeed
-(MT-NLG, A100), Megatron-Core in NeMo 24.09 (H100) and the Nemotron-4 340B report (H100).
+(MT-NLG and BLOOM, A100), Megatron-Core in NeMo 24.09 (H100) and the Nemotron-4 340B report (H100).
 
 Sources (each row names its own):
 
@@ -12,6 +12,8 @@ Sources (each row names its own):
 - Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B"
   (arXiv:2201.11990), 2.4: iteration times 60.1, 50.2 and 44.4 s for global batch 1920 on 280,
   350 and 420 DGX A100 nodes, tp 8 × pp 35 (test).
+- BigScience, BLOOM-176B training page (with Le Scao et al. 2022, arXiv:2211.05100, for the
+  model): about 150 TFLOPs per GPU on 384 A100 80GB at tp 4 × pp 12 × dp 8 (test).
 - NVIDIA dgxc-benchmarking (``llama3.1/README_8b.md``, ``README_70b.md``, ``README_405b.md``,
   ``nemotron/README_15b.md``, ``README_340b.md``, ``nemo_megatron/README_175b.md``): NeMo 24.09
   BF16 step times on DGX H100 with the layouts each README states; recompute, fusions and the
@@ -73,6 +75,17 @@ KORTHIKANTI_TABLE_5 = (
 
 MT_NLG = ((2240, 60.1), (2800, 50.2), (3360, 44.4))
 """Smith et al. 2022, 2.4: (GPUs, seconds per iteration) at global batch 1920, tp 8 × pp 35."""
+
+BLOOM_176B = gpt(14336, 70, 112, vocab=250880)
+"""BLOOM (Le Scao et al. 2022, arXiv:2211.05100): 70 layers, hidden 14,336, 112 heads,
+GELU MLP of 4 × hidden, sequence 2,048, global batch 2,048; its 250,680-token vocabulary padded
+to 250,880 as the trained model holds it. ALiBi and the embedding's LayerNorm cost nothing
+the cost model prices."""
+
+BLOOM_TFLOPS = 150.0
+"""BigScience's BLOOM-176B training page: "training throughput: about 150 TFLOPs" per GPU on
+384 A100 80GB, one model copy on 48 GPUs (tp 4 × pp 12, so dp 8), Megatron-DeepSpeed, which
+reports hardware TFLOPs (the recomputed forward included)."""
 
 NEMOTRON4_15B = ModelConfig(vocab_size=256000, dim=6144, n_layers=32, n_heads=48, n_kv_heads=8,
                             ffn_dim=24576, mlp="gelu", rope_theta=10000.0)
@@ -162,6 +175,15 @@ def _mt_nlg() -> list[PublishedRow]:
             for gpus, seconds in MT_NLG]
 
 
+def _bloom() -> list[PublishedRow]:
+    return [row("BLOOM 176B tp4 pp12 dp8", "BigScience BLOOM-176B training page", "test",
+                "hardware_tflops_per_gpu", BLOOM_TFLOPS, BLOOM_176B, 2048, 2048,
+                Layout(dp=8, tp=4, pp=12, zero=1, microbatches=2048 // (8 * 2),
+                       activation_checkpointing="full"), "a100-80g", "megatron-deepspeed",
+                note="not on the page: priced with micro-batch 2, full recompute, ZeRO-1 and "
+                     "1F1B (without recompute or optimizer sharding it needs over 80 GB)")]
+
+
 def _dgxc() -> list[PublishedRow]:
     rows = []
     for (name, model, seq, tp, pp, cp, chunks, mb, per_gpu, ckpt, split, runs,
@@ -196,4 +218,5 @@ def _nemotron_report() -> list[PublishedRow]:
 
 def megatron_rows() -> list[PublishedRow]:
     """Every Megatron-family row, in the order docs/planner.md lists them."""
-    return _narayanan() + _korthikanti() + _mt_nlg() + _dgxc() + _nemotron_report()
+    return (_narayanan() + _korthikanti() + _mt_nlg() + _bloom() + _dgxc()
+            + _nemotron_report())
