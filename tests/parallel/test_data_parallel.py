@@ -31,8 +31,15 @@ def test_dp2_every_zero_stage_matches_one_process():
               tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
                           "parallel.microbatches=2", nproc=2),
               tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
-                          "parallel.activation_checkpointing=full", nproc=2)]
+                          "parallel.activation_checkpointing=full", nproc=2),
+              # ZeRO-3 gathering no unit ahead, and three units ahead.
+              tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
+                          "parallel.microbatches=2", "parallel.zero3_prefetch=0", nproc=2),
+              tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
+                          "parallel.microbatches=2", "parallel.zero3_prefetch=3", nproc=2)]
     results = assert_layouts_match_one_process(2, cases, STEPS)
+    # Prefetching changes when a unit is gathered, never what is sent.
+    assert _dp_bytes(results[10]) == _dp_bytes(results[9]) == _dp_bytes(results[7])
 
     plain, z1, z2, z3 = (_dp_bytes(r) for r in results[:4])
     assert z1 / plain == pytest.approx(1.0, rel=0.05)
@@ -109,3 +116,50 @@ def check_replica_divergence_detected() -> str:
 def test_replica_check_detects_divergence():
     messages = run_distributed(2, check_replica_divergence_detected)
     assert all("diverged" in m for m in messages)
+
+
+def _units_ahead(config_dicts: list[dict], steps: int) -> list[dict]:
+    """Per config: at every ZeRO-3 unit's forward and backward of the last step, how many
+    other units were gathered (or being gathered) while it ran."""
+    from tests.helpers import build_trainer
+
+    out = []
+    for config_dict in config_dicts:
+        trainer = build_trainer(config_dict)
+        gatherer = trainer.engine.gatherer
+        seen: dict[str, list[int]] = {"forward": [], "backward": []}
+        unit_of = {b.index: i for i, bs in enumerate(gatherer.unit_buckets) for b in bs}
+
+        def record(original, kind, gatherer=gatherer, seen=seen, unit_of=unit_of):
+            def run(unit, *args):
+                result = original(unit, *args)
+                held = {unit_of[b] for b in gatherer._gathered | set(gatherer._handles)
+                        if b in unit_of}
+                seen[kind].append(len(held - {unit}))
+                return result
+            return run
+
+        for _ in range(steps - 1):
+            trainer.train_step()
+        gatherer._pre_forward = record(gatherer._pre_forward, "forward")
+        gatherer._pre_backward = record(gatherer._pre_backward, "backward")
+        trainer.train_step()
+        seen["units"] = len(gatherer.units)
+        out.append(seen)
+    return out
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_zero3_prefetch_gathers_that_many_units_ahead(depth):
+    """``parallel.zero3_prefetch``: while a unit's forward runs, exactly the next ``depth``
+    units (fewer at the end) are gathered beside it; in backward at least the previous
+    ``depth`` are (units whose gradients are still being reduced may be held too)."""
+    config = tiny_config("parallel.zero=3", "parallel.dp_bucket_mb=0.005",
+                         f"parallel.zero3_prefetch={depth}", nproc=2).to_dict()
+    seen = run_distributed(2, _units_ahead, [config], 2)[0][0]
+    n = seen["units"]
+    assert n > 4  # single projections: enough units for every depth
+    assert seen["forward"] == [min(depth, n - 1 - k) for k in range(n)]
+    backward = seen["backward"]
+    assert len(backward) == n
+    assert all(held >= min(depth, n - 1 - k) for k, held in enumerate(backward)), backward

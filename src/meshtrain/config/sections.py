@@ -45,6 +45,11 @@ class ParallelConfig(Layout):
     """Data-parallel degree; 0 = whatever the world size leaves after tp × pp."""
     dp_bucket_mb: float = 25.0
     """Gradient bucket size for data-parallel reduction, in MiB."""
+    zero3_prefetch: int = 1
+    """ZeRO-3: units gathered ahead of the one running (the next in forward, the previous in
+    backward): 0 gathers each unit only when it runs, 1 (default) overlaps the next unit's
+    gather with this one's compute, more hold more units at once for a deeper overlap across
+    hosts. Each unit ahead costs its full parameters in memory."""
     dp_shared_memory: bool = True
     """Reduce data-parallel gradients (fp32 on CPU, ZeRO stages 0-1) through shared memory
     instead of gloo's loopback TCP when every rank of the group runs on this host; false = always

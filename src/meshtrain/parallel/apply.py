@@ -80,7 +80,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
     grad_dtype = torch.bfloat16 if plan.grad_dtype == "bf16" else torch.float32
     state.dp_engine = apply_data_parallel(model, mesh, plan.zero, plan.dp_bucket_mb,
                                           plan.dp_shared_memory, grad_dtype, init_values,
-                                          offload=open_store(plan, mesh))
+                                          offload=open_store(plan, mesh),
+                                          prefetch=plan.zero3_prefetch)
     return model
 
 

@@ -46,6 +46,8 @@ class ParallelPlan(Layout):
 
     dp_bucket_mb: float = 25.0
     dp_shared_memory: bool = True
+    zero3_prefetch: int = 1
+    """ZeRO-3 units gathered ahead of the running one (``parallel.zero3_prefetch``)."""
     tp_rules: tuple[tuple[str, str], ...] = DEFAULT_TP_RULES
     init_seed: int = 0
     """Seed of the name-seeded initialisation, for a model built on the meta device."""
@@ -73,7 +75,7 @@ class ParallelPlan(Layout):
         par = config.parallel
         return cls(**dataclasses.asdict(par.layout()),
                    dp_bucket_mb=par.dp_bucket_mb, dp_shared_memory=par.dp_shared_memory,
-                   init_seed=config.train.seed,
+                   zero3_prefetch=par.zero3_prefetch, init_seed=config.train.seed,
                    param_dtype=config.train.precision,
                    grad_dtype=par.grad_reduce_dtype,
                    compile_blocks=config.train.compile,

@@ -177,6 +177,10 @@ def validate_parallel(config: Config) -> None:
     at_least(par.microbatches, 1, "parallel.microbatches")
     if par.dp_bucket_mb <= 0:
         raise ConfigError(f"parallel.dp_bucket_mb = {par.dp_bucket_mb} must be positive.")
+    if isinstance(par.zero3_prefetch, bool) or not isinstance(par.zero3_prefetch, int) \
+            or par.zero3_prefetch < 0:
+        raise ConfigError(f"parallel.zero3_prefetch = {par.zero3_prefetch!r} must be a whole "
+                          "number of units, 0 or more (1: the next unit, the default).")
     choice(par.grad_reduce_dtype, GRAD_REDUCE_DTYPES, "parallel.grad_reduce_dtype")
     if par.grad_reduce_dtype == "bf16" and train.precision != "bf16":
         raise ConfigError("parallel.grad_reduce_dtype = bf16 needs train.precision = bf16 (fp32 "

@@ -177,6 +177,7 @@ INVALID = {
     "model.vocab_size": ["-1", "100"], "parallel.tp": ["0", "3"], "parallel.pp": ["0", "9"],
     "parallel.zero": ["4", "-1"], "parallel.pp_schedule": ["zigzag", ""],
     "parallel.microbatches": ["0", "5", "100000000"], "parallel.dp_bucket_mb": ["0", "nan"],
+    "parallel.zero3_prefetch": ["-1", "1.5", "two"],
     "parallel.pp_split": ["1,2", "x"], "train.lr": ["-1", "0", "nan", "inf"],
     "train.min_lr": ["-1", "1"], "train.steps": ["0"], "train.global_batch": ["0", "-4"],
     "train.lr_schedule": ["linear"], "train.decay_fraction": ["0", "2", "nan"],

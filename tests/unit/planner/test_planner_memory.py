@@ -198,3 +198,26 @@ def test_an_empty_first_chunk_lowers_the_first_rank_only():
     # the comma form reads the same layout
     assert parse_layout(f"tp=1,pp=16,schedule=interleaved-1f1b,v=8,pp_split={split}".replace(
         ":", ","), work, 64) == uneven
+
+
+def test_zero3_prefetch_depth_is_priced_as_the_units_it_holds():
+    """``parallel.zero3_prefetch`` k: the running unit and the k after it are gathered, so the
+    priced ZeRO-3 buffers grow by the largest run of k + 1 consecutive units (here every unit
+    of a layer is one block: equal units)."""
+    from meshtrain.config import load_config
+    from meshtrain.planner.cost.memory import zero3_transient_bytes, zero3_units
+
+    buffers = {}
+    for depth in (0, 1, 3):
+        config = load_config(None, ["model.dim=256", "model.n_layers=6", "model.n_heads=4",
+                                    "model.n_kv_heads=4", "model.ffn_dim=704",
+                                    "model.vocab_size=512", "parallel.zero=3",
+                                    f"parallel.zero3_prefetch={depth}"])
+        work = Workload.from_config(config)
+        assert work.traits.zero3_prefetch == depth
+        buffers[depth] = zero3_transient_bytes(work, Layout(dp=2, zero=3), list(range(6)),
+                                               1e7)
+    unit = zero3_units(config.model, 0, 1, 25 * 2**20, 4)
+    assert len(unit) == 1  # one unit per block at this size
+    assert buffers[1] - buffers[0] == pytest.approx(unit[0] * 4)
+    assert buffers[3] - buffers[1] == pytest.approx(2 * unit[0] * 4)

@@ -70,7 +70,7 @@ def _by_axis(named: list, shardings) -> list[tuple[str, list]]:
 def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
                         bucket_mb: float, shared_memory: bool = True,
                         grad_dtype: torch.dtype = torch.float32,
-                        init_values=None, offload=None) -> DataParallelEngine:
+                        init_values=None, offload=None, prefetch: int = 1) -> DataParallelEngine:
     """Flatten ``model``'s parameters into buckets, install the gradient hooks of ZeRO stage
     ``zero`` (0 = plain DP) and, for stage 3, the gather/free hooks of each unit
     (:func:`_zero3_units`: a block, or its sub-modules when it exceeds ``bucket_mb``).
@@ -79,7 +79,8 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     ``edp``; the gatherer gathers and frees a unit's buckets together.
     ``shared_memory``, ``grad_dtype`` and ``init_values``: see :class:`DataParallelEngine`;
     ``offload``: an :class:`~meshtrain.parallel.offload.store.OffloadStore` to keep this
-    rank's shards in (an :class:`OffloadedEngine`), None = none."""
+    rank's shards in (an :class:`OffloadedEngine`), None = none; ``prefetch``: ZeRO-3 units
+    gathered ahead of the running one (:class:`ParameterGatherer`)."""
     bucket_bytes = int(bucket_mb * 2**20)
     engine_class = DataParallelEngine
     if offload is not None:
@@ -102,5 +103,5 @@ def apply_data_parallel(model: torch.nn.Module, mesh, zero: int,
     buckets = iter(engine.buckets)
     by_unit = [[next(buckets) for _ in unit] for unit in reversed(unit_groups)][::-1]
     engine.gatherer = ParameterGatherer(engine, model, [m for m, _ in units], by_unit,
-                                        list(buckets))
+                                        list(buckets), prefetch)
     return engine

@@ -53,12 +53,15 @@ from meshtrain.parallel.data.mapped import release_full_buffer, restore_full_buf
 class ParameterGatherer:
     """Gathers and frees ZeRO-3 buckets around each unit's forward and backward; ``units``
     (modules, in forward order) and ``unit_buckets`` (the buckets of each, one per reduction
-    axis) correspond one to one; ``root_buckets``: those of the parameters outside every unit."""
+    axis) correspond one to one; ``root_buckets``: those of the parameters outside every unit;
+    ``prefetch``: units gathered ahead of the running one (the next ones in forward, the
+    previous ones in backward; 0: none)."""
 
     def __init__(self, engine: DataParallelEngine, model: torch.nn.Module,
                  units: list[torch.nn.Module], unit_buckets: list[list[FlatBucket]],
-                 root_buckets: list[FlatBucket]):
+                 root_buckets: list[FlatBucket], prefetch: int = 1):
         self.engine = engine
+        self.prefetch = prefetch
         self.units = units
         self.unit_buckets = unit_buckets
         self.root_buckets = root_buckets
@@ -143,8 +146,9 @@ class ParameterGatherer:
     def _root_pre_forward(self, module, args) -> None:
         self._reset_backward_state()
         self._gather_all(self.root_buckets, wait=True)
-        if self.unit_buckets:
-            self._gather_all(self.unit_buckets[0], wait=False)
+        if self.unit_buckets and self.prefetch:
+            for unit in [0] + self._ahead(0, self._next)[:self.prefetch - 1]:
+                self._gather_all(self.unit_buckets[unit], wait=False)
 
     def _learn_order(self) -> None:
         """After the first forward: prefetch, and reduce in reverse, in the order the units
@@ -173,8 +177,18 @@ class ParameterGatherer:
         if self._seen is not None and i not in self._seen:
             self._seen.append(i)
         self._gather_all(self.unit_buckets[i], wait=True)
-        if not self._busy.get(i) and i in self._next:
-            self._gather_all(self.unit_buckets[self._next[i]], wait=False)
+        if not self._busy.get(i):
+            for ahead in self._ahead(i, self._next):
+                self._gather_all(self.unit_buckets[ahead], wait=False)
+
+    def _ahead(self, i: int, order: dict[int, int]) -> list[int]:
+        """The ``prefetch`` units after ``i`` in ``order`` (``_next``: forward, ``_prev``:
+        backward), fewer at the end."""
+        units = []
+        while len(units) < self.prefetch and i in order:
+            i = order[i]
+            units.append(i)
+        return units
 
     def _post_forward(self, i: int, args, output) -> None:
         if self._busy.get(i):  # re-run inside its own backward (checkpointing): keep it
@@ -224,8 +238,8 @@ class ParameterGatherer:
         for bucket in self.unit_buckets[i]:
             self.engine.stage_gradients(bucket)
         self._gather_all(self.unit_buckets[i], wait=True)
-        if i in self._prev:
-            self._gather_all(self.unit_buckets[self._prev[i]], wait=False)
+        for ahead in self._ahead(i, self._prev):
+            self._gather_all(self.unit_buckets[ahead], wait=False)
 
     def _post_backward(self, i: int) -> None:
         left = self._busy.pop(i, 0) - 1

@@ -334,7 +334,8 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
     """What a ZeRO-3 rank allocates beyond its model states at the peak of backward: the root
     unit (``rank_params`` minus the units: embedding, final norm, head and, when blocks are
     split, their norm weights), gathered from the logits' gradient to the end of backward; the
-    unit being used and the one prefetched (the largest consecutive pair); and the gradient
+    unit being used and the ``RuntimeTraits.zero3_prefetch`` ones gathered ahead of it (the
+    largest run of that many consecutive units); and the gradient
     staging buffers of the engine's pool (:data:`meshtrain.config.runtime_facts.INITIAL_PAIRS`,
     each sized for the largest bucket,
     the root's included: its gradients in full and its shard). With one unit per block
@@ -349,7 +350,8 @@ def zero3_transient_bytes(workload: Workload, layout: Layout, layers: list[int],
     if not units:
         return 0.0
     root = max(rank_params - sum(units), 0.0)
-    pairs = max((a + b for a, b in zip(units, units[1:], strict=False)), default=units[0])
+    window = min(1 + workload.traits.zero3_prefetch, len(units))
+    pairs = max(sum(units[i:i + window]) for i in range(len(units) - window + 1))
     if not workload.traits.zero3_split_blocks:
         # FSDP2 (one unit per block, torchtitan): no staging pool. At the peak (the start of
         # backward) the root is gathered and its head's gradient, unsharded in the parameter

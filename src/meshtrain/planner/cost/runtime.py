@@ -58,6 +58,9 @@ class RuntimeTraits:
     zero3_split_blocks: bool = True
     """ZeRO-3 splits a block larger than a bucket into sub-module units (meshtrain); False: one
     unit per block (FSDP2 wrapping each block, as torchtitan does)."""
+    zero3_prefetch: int = 1
+    """ZeRO-3 units gathered ahead of the running one (``parallel.zero3_prefetch``; FSDP2's
+    forward and backward prefetch of one)."""
     pp_scatter_gather: bool = False
     """Pipeline sends are split over the tp ranks (Narayanan et al. 2021, 4.1)."""
     pipeline_reduces_every_microbatch: bool = False

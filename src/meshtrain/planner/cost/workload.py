@@ -64,7 +64,8 @@ class Workload:
     def from_config(cls, config: Config, traits: RuntimeTraits = MESHTRAIN) -> Workload:
         """The workload a run config describes."""
         traits = dataclasses.replace(traits,
-                                     dp_bucket_bytes=config.parallel.dp_bucket_mb * 2**20)
+                                     dp_bucket_bytes=config.parallel.dp_bucket_mb * 2**20,
+                                     zero3_prefetch=config.parallel.zero3_prefetch)
         if config.parallel.grad_reduce_dtype == "bf16":
             traits = dataclasses.replace(traits, grad_reduce_bytes=2)
         if (config.train.device == "cpu" and config.parallel.dp_shared_memory
