@@ -325,8 +325,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
 
     inflight = list(pipe.peak_inflight)
     if lay.pp_schedule == "interleaved-1f1b" and lay.virtual_stages > 1 and lay.pp > 1:
-        # Chunks of unequal size (e.g. Megatron-Core's first/last stage a layer short): weigh
-        # what is in flight by the layers of the chunks the warm-up really holds.
+        # Chunks may differ in size (e.g. a first chunk holding only the embedding): count the
+        # layers in flight by walking each rank's order of work over its chunks.
         chunks = chunk_layer_counts(model, stack_split(workload, lay))
         inflight = [interleaved_peak_layers(lay.pp, lay.microbatches, lay.virtual_stages, r,
                                             tuple(chunks[r])) / sum(chunks[r]) if sum(chunks[r])
