@@ -174,9 +174,9 @@ def test_uneven_interleaved_chunks_hold_what_the_runtime_schedule_holds(pp, v):
                 assert interleaved_peak_layers(pp, m, v, rank, chunks) == peak, (m, layers, rank)
 
 
-def test_an_empty_first_chunk_lowers_the_first_rank_only():
+def test_an_embedding_only_first_chunk_holds_no_activations_in_flight():
     """Llama 3 405B's split (126 layers over 16 ranks × 8 chunks, the first chunk only the
-    embedding, the last only the head): rank 0 holds 7 layers and less than a middle rank."""
+    embedding, the last only the head): rank 0 holds activations of its 7 layers only."""
     from meshtrain.planner.cost.estimate import estimate
     from meshtrain.planner.search.explain import parse_layout
 
