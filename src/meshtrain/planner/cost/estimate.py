@@ -329,8 +329,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         # layers in flight by walking each rank's order of work over its chunks.
         chunks = chunk_layer_counts(model, stack_split(workload, lay))
         inflight = [interleaved_peak_layers(lay.pp, lay.microbatches, lay.virtual_stages, r,
-                                            tuple(chunks[r])) / sum(chunks[r]) if sum(chunks[r])
-                    else x for r, x in enumerate(inflight)]
+                                            tuple(chunks[r])) / sum(chunks[r])
+                    if len(set(chunks[r])) > 1 else x for r, x in enumerate(inflight)]
     memory = [rank_memory(workload, lay, r, layers, inflight[r],
                           params=params_by_stage[r],
                           reserve_fraction=cluster.profile.allocator_reserve)

@@ -48,8 +48,14 @@ def _closed_form_inflight(schedule: str, pp: int, m: int, v: int) -> list[float]
     if schedule == "gpipe":
         return [float(m)] * pp
     if schedule == "interleaved-1f1b" and v > 1:
-        return [min((pp - rank - 1) * 2 + (v - 1) * pp + 1, m * v) / v for rank in range(pp)]
+        return [min(interleaved_warmup(pp, v, rank) + 1, m * v) / v for rank in range(pp)]
     return [float(min(pp - rank, m)) for rank in range(pp)]
+
+
+def interleaved_warmup(pp: int, v: int, rank: int) -> int:
+    """Chunk forwards ``rank`` runs under interleaved 1F1B before its first backward
+    (Megatron-LM's warm-up count), when the step has that many."""
+    return (pp - rank - 1) * 2 + (v - 1) * pp
 
 
 @functools.lru_cache(maxsize=4096)
@@ -65,7 +71,7 @@ def interleaved_peak_layers(pp: int, m: int, v: int, rank: int,
     (Megatron-LM's order, which :mod:`meshtrain.parallel.pipeline` runs too). With equal
     chunks this is the closed form's count times the chunk size."""
     total = m * v
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = min(interleaved_warmup(pp, v, rank), total)
     held = peak = forwards = backwards = 0
     while forwards < total:
         held += chunk_layers[(forwards // pp) % v]

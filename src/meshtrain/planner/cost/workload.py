@@ -149,14 +149,18 @@ def chunk_layer_counts(model: ModelConfig, layout: Layout) -> list[list[int]]:
     if layout.pp == 1:
         return [[model.n_layers]]
     stages = layout.pp * layout.chunks_per_rank
-    key = ("chunks", repr(model), stages, layout.pp_split)
-    if key not in _SPLITS:
+    key = (repr(model), stages, layout.pp_split)
+    if key not in _CHUNK_COUNTS:
         from meshtrain.parallel.pipeline.stage_split import stage_layers as runtime_stage_layers
 
         per_stage = runtime_stage_layers(model, model.vocab_size, stages, layout.pp_split)
-        _SPLITS[key] = tuple((len(layers),) for layers in per_stage)
-    counts = [n for (n,) in _SPLITS[key]]
-    return [counts[r::layout.pp] for r in range(layout.pp)]
+        _CHUNK_COUNTS[key] = tuple(len(layers) for layers in per_stage)
+    counts = _CHUNK_COUNTS[key]
+    return [list(counts[r::layout.pp]) for r in range(layout.pp)]
+
+
+_CHUNK_COUNTS: dict[tuple, tuple[int, ...]] = {}
+"""Layer counts per stage, remembered per (model, stages, split) like ``_SPLITS``."""
 
 
 def check_layout(workload: Workload, layout: Layout) -> None:
