@@ -22,6 +22,7 @@ from meshtrain.planner.tables.published import (
 from meshtrain.planner.tables.stacks import (
     MEGATRON_2021_A100,
     MEGATRON_CORE_2024_H100,
+    MEGATRON_DEEPSPEED_A100,
     TORCHTITAN_2024_A100,
     TORCHTITAN_2025_H100,
 )
@@ -33,6 +34,7 @@ TRAIN_ROWS = [r for r in ROWS if r.split == "train"]
 
 WRITTEN = {"megatron-2021 a100": MEGATRON_2021_A100.gemm,
            "torchtitan-2024 a100": TORCHTITAN_2024_A100.gemm,
+           "megatron-deepspeed a100": MEGATRON_DEEPSPEED_A100.gemm,
            "megatron-core-2024 h100": MEGATRON_CORE_2024_H100.gemm,
            "torchtitan-2025 h100": TORCHTITAN_2025_H100.gemm,
            "allocator reserve": ALLOCATOR_RESERVE,

@@ -18,6 +18,7 @@ from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
 from meshtrain.planner.tables.stacks import (
     MEGATRON_2021_A100,
     MEGATRON_CORE_2024_H100,
+    MEGATRON_DEEPSPEED_A100,
     TORCHTITAN_2024_A100,
     TORCHTITAN_2025_H100,
 )
@@ -188,13 +189,14 @@ updated parameters all-gathered, not overlapped). Same code base and cluster (Se
 no fit rows of its own: it keeps the 2021 stack's A100 kernel efficiency."""
 MEGATRON_DEEPSPEED = dataclasses.replace(
     MEGATRON_2021, zero_stages=(0, 1), pp_schedules=("1f1b",), pp_scatter_gather=False,
-    uniform_pipeline_stages=False)
+    uniform_pipeline_stages=False, kernel_efficiency=(("a100", MEGATRON_DEEPSPEED_A100),))
 """Megatron-DeepSpeed as BLOOM (BigScience 2022) and MT-NLG (Smith et al. 2022) ran it:
 Megatron-LM's model code and fused kernels (unfused softmax attention, tp without sequence
 parallelism, full recompute) under DeepSpeed's pipeline engine (1F1B only, each tp rank sends
 the whole boundary activation, layers split as evenly as the count allows) and DeepSpeed's
-ZeRO-1 over data parallelism, reduced after the pipeline, not overlapped. Megatron-LM's kernels
-on the same A100s: the megatron-2021 A100 efficiency, no fit of its own."""
+ZeRO-1 over data parallelism, reduced after the pipeline, not overlapped. Its A100 efficiency is
+fitted on MT-NLG's smallest run (:data:`meshtrain.planner.tables.stacks.MEGATRON_DEEPSPEED_A100`:
+lower than megatron-2021's for the same kernels, the engine's unpriced cost folded in)."""
 MEGATRON_CORE_2024 = RuntimeTraits(
     flash_attention=True, overlap_dp=True, zero_stages=(0, 1), context_parallel=True,
     pp_schedules=("1f1b", "interleaved-1f1b"), sequence_parallel=True,

@@ -167,10 +167,13 @@ def _korthikanti() -> list[PublishedRow]:
 
 
 def _mt_nlg() -> list[PublishedRow]:
-    return [row(f"MT-NLG 530B tp8 pp35 dp{gpus // 280}", "Smith 2022 (MT-NLG) 2.4", "test",
+    # The smallest run fits the stack's A100 efficiency; the larger two only check it.
+    return [row(f"MT-NLG 530B tp8 pp35 dp{gpus // 280}", "Smith 2022 (MT-NLG) 2.4",
+                "train" if gpus == MT_NLG[0][0] else "test",
                 "step_time_s", seconds, gpt(20480, 105, 128, vocab=50272), 2048, 1920,
                 Layout(dp=gpus // 280, tp=8, pp=35, microbatches=1920 // (gpus // 280),
                        activation_checkpointing="full"), "a100-80g", "megatron-deepspeed",
+                "megatron-deepspeed a100" if gpus == MT_NLG[0][0] else "",
                 note="ZeRO stage not stated: priced without")
             for gpus, seconds in MT_NLG]
 

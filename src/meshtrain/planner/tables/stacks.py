@@ -17,8 +17,21 @@ MEGATRON_2021_A100 = StackEfficiency(
 """Megatron-LM as Narayanan et al. 2021 ran it on Selene's A100 80 GB (SC21). Also the A100
 profiles' default for stacks without an A100 entry of their own (meshtrain: no published A100
 runs to fit on), see :data:`meshtrain.planner.tables.profiles.PROFILES`. Korthikanti et al. 2022
-(``megatron-2022``) and Megatron-DeepSpeed ran the same kernels on the same GPUs and have no
-train rows of their own: they inherit this entry, and their rows stay test rows."""
+(``megatron-2022``) and Megatron-DeepSpeed ran the same kernels on the same GPUs; ``megatron-2022`` has no
+train rows of its own and inherits this entry (its rows stay test rows). Megatron-DeepSpeed has
+an entry of its own (:data:`MEGATRON_DEEPSPEED_A100`)."""
+
+MEGATRON_DEEPSPEED_A100 = StackEfficiency(
+    gemm=0.579,
+    source="megatron-deepspeed on A100: fitted on MT-NLG 530B's smallest run (Smith et al. 2022, "
+           "2.4: 2,240 A100 80 GB, tp 8 x pp 35 x dp 8, 60.1 s per iteration; the train row): the "
+           "value that prices it at its published step time")
+"""Megatron-LM's kernels under DeepSpeed's pipeline engine and ZeRO-1 (MT-NLG, BLOOM) on A100
+80 GB. With megatron-2021's A100 figure (0.70) every run of this stack was predicted 12-21 %
+faster than it ran (MT-NLG's three runs, BLOOM): what the engine adds beyond the terms the cost
+model prices for it (1F1B, whole-boundary sends, unoverlapped ZeRO-1 reduction) is not
+attributed to a mechanism, so it is fitted here as a lower efficiency on one run. MT-NLG's two
+larger runs and BLOOM (another team, model and layout) are test rows."""
 
 TORCHTITAN_2024_A100 = StackEfficiency(
     gemm=0.74,
