@@ -33,6 +33,7 @@ from meshtrain.planner.tables.published import published_rows
 from meshtrain.planner.tables.stacks import (
     MEGATRON_2021_A100,
     MEGATRON_CORE_2024_H100,
+    MEGATRON_DEEPSPEED_A100,
     TORCHTITAN_2024_A100,
     TORCHTITAN_2025_H100,
 )
@@ -79,6 +80,9 @@ def test_published_stacks_carry_their_a100_fits():
     # Korthikanti et al. 2022 ran the same code on the same cluster: the 2021 fit carries over.
     assert MEGATRON_2022.kernel_efficiency == MEGATRON_2021.kernel_efficiency
     assert STACKS["megatron-2021-torch-ddp"].kernel_efficiency == MEGATRON_2021.kernel_efficiency
+    # Megatron-DeepSpeed has its own, lower A100 entry, fitted on one MT-NLG run.
+    deepspeed = kernel_efficiency(STACKS["megatron-deepspeed"].kernel_efficiency, a100)
+    assert deepspeed.gemm == MEGATRON_DEEPSPEED_A100.gemm < 0.70
 
 
 @pytest.mark.parametrize("stack,profile", [("meshtrain", "a100-80g"), ("meshtrain", "h100-80g"),
@@ -118,7 +122,7 @@ def test_every_profile_and_stack_entry_states_its_source():
         for family, entry in traits.kernel_efficiency:
             assert family in {p.family for p in PROFILES.values()} and entry.source
     for entry in (MEGATRON_2021_A100, TORCHTITAN_2024_A100, MEGATRON_CORE_2024_H100,
-                  TORCHTITAN_2025_H100):
+                  TORCHTITAN_2025_H100, MEGATRON_DEEPSPEED_A100):
         assert "train row" in entry.source, entry.source
 
 
@@ -130,6 +134,7 @@ def _mean_speed_error(rows, gemm):
 
 @pytest.mark.parametrize("key,entry", [("megatron-2021 a100", MEGATRON_2021_A100),
                                        ("torchtitan-2024 a100", TORCHTITAN_2024_A100),
+                                       ("megatron-deepspeed a100", MEGATRON_DEEPSPEED_A100),
                                        ("megatron-core-2024 h100", MEGATRON_CORE_2024_H100),
                                        ("torchtitan-2025 h100", TORCHTITAN_2025_H100)])
 def test_stack_efficiencies_are_the_fits_on_train_rows_only(key, entry):

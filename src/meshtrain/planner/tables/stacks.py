@@ -17,9 +17,9 @@ MEGATRON_2021_A100 = StackEfficiency(
 """Megatron-LM as Narayanan et al. 2021 ran it on Selene's A100 80 GB (SC21). Also the A100
 profiles' default for stacks without an A100 entry of their own (meshtrain: no published A100
 runs to fit on), see :data:`meshtrain.planner.tables.profiles.PROFILES`. Korthikanti et al. 2022
-(``megatron-2022``) and Megatron-DeepSpeed ran the same kernels on the same GPUs; ``megatron-2022`` has no
-train rows of its own and inherits this entry (its rows stay test rows). Megatron-DeepSpeed has
-an entry of its own (:data:`MEGATRON_DEEPSPEED_A100`)."""
+(``megatron-2022``) and Megatron-DeepSpeed ran the same kernels on the same GPUs;
+``megatron-2022`` has no train rows of its own and inherits this entry (its rows stay test
+rows). Megatron-DeepSpeed has an entry of its own (:data:`MEGATRON_DEEPSPEED_A100`)."""
 
 MEGATRON_DEEPSPEED_A100 = StackEfficiency(
     gemm=0.579,
