@@ -16,7 +16,7 @@ from meshtrain.cli import main
 from meshtrain.commands.bench import SUITES, BenchOptions, Suite, format_table, register_suite
 from meshtrain.commands.bench.base import bench_config, summarise_run
 from meshtrain.commands.bench.roofline import GEMM_SIZES
-from meshtrain.commands.bench.runner import resolve_suites, suite_result
+from meshtrain.commands.bench.runner import median_interval, resolve_suites, suite_result
 from meshtrain.config import ConfigError
 from meshtrain.config.model_size import flops_per_token
 from meshtrain.host.allocator import allocator_env
@@ -68,6 +68,8 @@ def _check_result(result: dict, suite: str, world: int, same_allocator: bool = T
     assert result["memory_ratio"] == result["meshtrain_peak_bytes"] / result["peer_peak_bytes"]
     # One run per side: the median of run-by-run quotients is the quotient of the medians.
     assert result["paired_ratio"] == pytest.approx(result["ratio"])
+    assert result["paired_ratio_interval"] == [result["paired_ratio"]] * 2
+    assert result["paired_ratio_confidence"] == 0.0  # one run says nothing of the spread
     assert (result["steps"], result["warmup"], result["repeats"]) == (2, 0, 1)
     assert result["tokens_per_step"] == 4 * 32
     assert result["threads_per_process"] == 1
@@ -187,9 +189,27 @@ def test_summary_ratios_of_three_repeats_by_hand():
     assert result["meshtrain_tokens_per_s"] == 200 and result["peer_tokens_per_s"] == 150
     assert result["ratio"] == pytest.approx(4 / 3)
     assert result["paired_ratio"] == pytest.approx(2 / 3)
+    # Three run-by-run ratios: their range, which holds their median 75 % of the time.
+    assert result["paired_ratio_interval"] == pytest.approx([1 / 2, 3])
+    assert result["paired_ratio_confidence"] == pytest.approx(0.75)
     # CPU medians 100 and 60.
     assert result["cpu_ratio"] == pytest.approx(5 / 3)
     assert result["meshtrain_runs_tokens_per_s"] == [100, 300, 200]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 9, 20])
+def test_paired_interval_holds_the_median_as_often_as_it_says(n):
+    # Skewed noise with a known median (exp(0) = 1): the interval of n draws must contain it
+    # in the stated share of trials, whatever the distribution.
+    generator = torch.Generator().manual_seed(n)
+    trials, hits, confidence = 4000, 0, None
+    for _ in range(trials):
+        draws = torch.randn(n, generator=generator).exp().tolist()
+        low, high, confidence = median_interval(draws)
+        hits += low <= 1.0 <= high
+    assert hits / trials == pytest.approx(confidence, abs=0.025)
+    assert confidence >= 0.9 or n < 5  # five runs are the fewest that reach 90 %
+    assert median_interval([4.0, 1.0, 3.0, 2.0, 5.0]) == (1.0, 5.0, pytest.approx(0.9375))
 
 
 def test_scaling_suite_json_and_plot(tmp_path):
@@ -318,10 +338,11 @@ def test_registry_refuses_a_duplicate_name():
 def test_format_table_shows_every_suite():
     row = {"suite": "single", "world_size": 1, "peer": "peer X", "meshtrain_tokens_per_s": 900.0,
            "peer_tokens_per_s": 1000.0, "ratio": 0.9, "cpu_ratio": 0.95,
-           "paired_ratio": 0.925,
+           "paired_ratio": 0.925, "paired_ratio_interval": [0.875, 0.975],
+           "paired_ratio_confidence": 0.75,
            "meshtrain_peak_bytes": 2 << 20, "peer_peak_bytes": 3 << 20, "repeats": 3,
            "steps": 20, "warmup": 2, "threads_per_process": 1}
     table = format_table([row, {**row, "suite": "dp", "world_size": 2}])
     assert "single" in table and "dp" in table and "0.900" in table and "2/3" in table
     assert "0.667" in table  # memory: 2 MiB against 3
-    assert "0.950" in table and "0.925" in table
+    assert "0.950" in table and "0.925" in table and "0.875-0.975 75%" in table

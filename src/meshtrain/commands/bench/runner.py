@@ -23,6 +23,7 @@ brings its own ``run``.
 from __future__ import annotations
 
 import difflib
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -130,9 +131,12 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
     result["memory_ratio"] = result["meshtrain_peak_bytes"] / result["peer_peak_bytes"]
     result["cpu_ratio"] = result["meshtrain_cpu_tokens_per_s"] / result["peer_cpu_tokens_per_s"]
     # Run i of each side ran back to back, so their quotient shares the machine's state then.
-    result["paired_ratio"] = statistics.median(
-        a["tokens_per_s"] / b["tokens_per_s"]
-        for a, b in zip(runs["meshtrain"], runs["peer"], strict=True))
+    paired = [a["tokens_per_s"] / b["tokens_per_s"]
+              for a, b in zip(runs["meshtrain"], runs["peer"], strict=True)]
+    result["paired_ratio"] = statistics.median(paired)
+    low, high, confidence = median_interval(paired)
+    result["paired_ratio_interval"] = [low, high]
+    result["paired_ratio_confidence"] = confidence
     t = config.train
     result.update(
         steps=options.steps, warmup=options.warmup, repeats=options.repeats,
@@ -140,6 +144,27 @@ def suite_result(suite: Suite, config: Config, world: int, options: BenchOptions
         threads_per_process=max(r["threads"] for rs in runs.values() for r in rs),
         shape=shape_of(config), torch_version=torch.__version__)
     return result
+
+
+def median_interval(values: list[float], confidence: float = 0.9) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of what ``values`` sample, and its coverage.
+
+    With ``n`` values sorted, ``[x_k, x_(n+1-k)]`` holds the true median unless at least
+    ``n + 1 - k`` of the values fall on one side of it, which happens with probability
+    ``2 P(Binomial(n, 1/2) <= k - 1)``. Returns the narrowest such interval whose coverage is at
+    least ``confidence``, or, with too few values for that, the whole range and what it covers
+    (5 values: their range, 94 %; 3: 75 %; 1: 0 %)."""
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def coverage(k: int) -> float:
+        tail = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        return max(1.0 - 2.0 * tail, 0.0)
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k], coverage(k)
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -> list[dict]:
@@ -184,22 +209,27 @@ def format_pairs(results: list[dict]) -> str:
     """The table of the meshtrain-vs-peer suites."""
     mib = 1024 * 1024
     header = (f"{'suite':<9} {'procs':>5} {'meshtrain tok/s':>16} {'peer tok/s':>11} "
-              f"{'ratio':>6} {'paired':>6} {'cpu ratio':>9} {'peak MiB mt/peer':>17} "
+              f"{'ratio':>6} {'paired':>6} {'paired interval':>15} {'cpu ratio':>9} "
+              f"{'peak MiB mt/peer':>17} "
               f"{'mem ratio':>9}  peer")
     lines = [header, "-" * len(header)]
     for r in results:
         peaks = f"{r['meshtrain_peak_bytes'] / mib:.0f}/{r['peer_peak_bytes'] / mib:.0f}"
         memory = r['meshtrain_peak_bytes'] / r['peer_peak_bytes']
+        low, high = r.get("paired_ratio_interval", (float("nan"), float("nan")))
+        interval = f"{low:.3f}-{high:.3f} {r.get('paired_ratio_confidence', 0.0):.0%}"
         lines.append(f"{r['suite']:<9} {r['world_size']:>5} {r['meshtrain_tokens_per_s']:>16,.0f} "
                      f"{r['peer_tokens_per_s']:>11,.0f} {r['ratio']:>6.3f} "
-                     f"{r.get('paired_ratio', float('nan')):>6.3f} "
+                     f"{r.get('paired_ratio', float('nan')):>6.3f} {interval:>15} "
                      f"{r.get('cpu_ratio', float('nan')):>9.3f} {peaks:>17} {memory:>9.3f}  "
                      f"{r['peer']}")
     r = results[0]
     lines.append(f"median of {r['repeats']} alternating runs per side, {r['steps']} measured "
                  f"steps after {r['warmup']} warm-up, {r['threads_per_process']} thread(s) "
                  f"per process; ratio = meshtrain / peer (> 1: meshtrain faster); paired: "
-                 f"median of run-by-run ratios; cpu ratio: the same per CPU-second used; "
+                 f"median of run-by-run ratios, with the range of them that holds their "
+                 f"median at the stated confidence (order statistics, no assumption on the "
+                 f"noise); cpu ratio: the same per CPU-second used; "
                  f"peak: each side's largest worker's VmHWM, read from outside; mem ratio = "
                  f"meshtrain / peer (< 1: meshtrain holds less)")
     for r in results:
