@@ -264,14 +264,14 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError("--tokens and --deadline-hours go together (a budget and a deadline).")
     cluster = cluster_from_args(args, profile, args.gpus)
     if args.tokens is not None:
-        if getattr(args, "explain", None):
+        if getattr(args, "explain", None) is not None:
             raise ConfigError("plan --explain prices one layout on --gpus; drop --tokens.")
         if cluster.wan is not None:
             raise ConfigError("plan --tokens (a GPU-count budget) prices one site; drop "
                               "--sites / --nodes-per-site, or plan the sites without --tokens.")
         return _run_budget_plan(args, config, profile)
     work = Workload.from_config(config, STACKS[args.stack])
-    if getattr(args, "explain", None):
+    if getattr(args, "explain", None) is not None:
         return _run_explain(args, config, work, cluster, profile.name)
     result = plan(work, cluster, args.top, _energy(args), offload=args.offload).to_dict()
     if args.objective != "time":

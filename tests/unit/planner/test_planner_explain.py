@@ -34,7 +34,8 @@ def test_layout_syntax_fills_dp_and_micro_batches():
                                         ("tp=8,sp=maybe", "true or false"), ("tp", "key=value"),
                                         ("dp=4,tp=8", "is not --gpus"),
                                         ("tp=8,mbs=3", "does not divide"),
-                                        ("tp=3", "does not divide --gpus")])
+                                        ("tp=3", "does not divide --gpus"),
+                                        ("", "needs a layout"), (" , ", "needs a layout")])
 def test_layout_syntax_refuses_what_it_cannot_read(text, words):
     with pytest.raises(ConfigError, match=words):
         parse_layout(text, ROW.workload, 256)

@@ -55,6 +55,9 @@ counts 0)."""
 def parse_layout(text: str, workload: Workload, gpus: int) -> Layout:
     """The :class:`Layout` ``text`` describes for ``workload`` on ``gpus`` GPUs, refused with
     a :class:`ConfigError` naming the bad key or value."""
+    if not text.strip(" ,"):
+        raise ConfigError('--explain needs a layout, e.g. "dp=8,tp=8,pp=4,mbs=1" (keys: '
+                          f"{', '.join(sorted(set(KEYS) | {'mbs'}))}).")
     values: dict = {}
     mbs = None
     for item in filter(None, (part.strip() for part in text.split(","))):
