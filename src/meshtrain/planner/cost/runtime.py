@@ -213,6 +213,23 @@ attention, layer-norm fused into the linear layers, fused rotary, ``fast-swiglu`
 sequence parallelism, context parallelism, interleaved 1F1B with equal layers per virtual
 stage, selective (core attention) or full recompute; its H100 GEMM efficiency is fitted on its
 train rows (:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2024_H100`)."""
+LLAMA3_2024 = dataclasses.replace(
+    MEGATRON_CORE_2024, zero_stages=(0, 2, 3), uniform_pipeline_stages=False,
+    cp_comm_overlap=False, zero3_split_blocks=False)
+"""Meta's training runtime as Llama Team 2024 ("The Llama 3 Herd of Models", arXiv:2407.21783,
+3.3.2) describes it for Llama 3 405B on H100: FSDP that shards the optimizer state and the
+gradients but keeps the weights gathered from forward through backward (ZeRO-2; with a
+pipeline, each micro-batch's gradients are reduce-scattered in fp32 into the fp32 shard, the
+paper's "FP32 gradient accumulation ... and reduce-scatter gradients in FP32"); an interleaved
+pipeline whose first and last stages hold one layer fewer (the first chunk only the embedding,
+the last only the head: unequal stages), with asynchronous sends; context parallelism that
+all-gathers K and V before attention (not a ring, so not hidden behind it); tensor
+parallelism. What the paper does not state (sequence parallelism, fused kernels and SwiGLU,
+flash attention, tensor-parallel communication overlap, the optimizer's traffic, the kernels'
+efficiency) is priced as ``megatron-core-2024``, the H100 stack of the same year, with that
+stack's H100 fit: nothing is fitted on Meta's runs, which stay test rows. Its pipeline order is
+Megatron's (the paper's tunable number of consecutive micro-batches ``N`` priced at ``N = pp``,
+Megatron-Core's default)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
                                 zero3_split_blocks=False, fp32_params=True, offload=False,
                                 kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
@@ -233,6 +250,7 @@ its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,
+          "llama3-2024": LLAMA3_2024,
           "torchtitan-2024": TORCHTITAN_2024, "torchtitan-2025": TORCHTITAN_2025}
 """Software stacks the cost model can price, by name."""
 

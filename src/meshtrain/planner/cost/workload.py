@@ -26,6 +26,7 @@ from meshtrain.config.layout_rules import (
     choice,
 )
 from meshtrain.planner.cost.runtime import (  # noqa: F401 - re-exported: callers import them here
+    LLAMA3_2024,
     MEGATRON_2021,
     MEGATRON_2021_TORCH_DDP,
     MEGATRON_2022,

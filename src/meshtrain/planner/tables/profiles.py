@@ -12,7 +12,7 @@ from pathlib import Path
 
 from meshtrain.config import ConfigError
 from meshtrain.planner.hardware.profile import HardwareProfile
-from meshtrain.planner.tables.stacks import MEGATRON_2021_A100
+from meshtrain.planner.tables.stacks import MEGATRON_2021_A100, MEGATRON_CORE_2024_H100
 
 PUBLISHED_MFU_CAPS = {
     "a100": (0.604, "the best MFU among the A100 train rows (meshtrain.planner.tables.fitting."
@@ -54,11 +54,14 @@ _A100_EFFICIENCY = ("megatron-2021's A100 fit (stack_efficiency.MEGATRON_2021_A1
                     "A100 figure fitted on the oldest stack in the validation set; attention "
                     "efficiency 0.75 by analogy (unused by Megatron-LM 2021, which has no fused "
                     "attention)")
-_H100_EFFICIENCY = ("0.62 set against Llama Team 2024 Table 4 (Llama 3 405B, tp 8 x pp 16, "
-                    "430 and 400 TFLOP/s per GPU on 8,192 and 16,384 H100), a calibration point "
-                    "outside the validation set; attention 0.75 by analogy")
-_ANALOGY = ("by analogy with the H100's 0.62 (Llama Team 2024 Table 4), unvalidated: no "
-            "published run on this GPU is in the validation set")
+_H100_GEMM = MEGATRON_CORE_2024_H100.gemm
+_H100_EFFICIENCY = (f"{_H100_GEMM} megatron-core-2024's H100 fit (stack_efficiency."
+                    "MEGATRON_CORE_2024_H100), the H100 figure fitted on the H100 train rows "
+                    "(dgxc-benchmarking, NeMo 24.09); attention efficiency 0.75 by analogy")
+_ANALOGY = (f"by analogy with the H100's {_H100_GEMM} (megatron-core-2024's H100 fit), "
+            "unvalidated: no published run on this GPU is in the validation set")
+_H200_GEMM = round(_H100_GEMM + 0.02, 3)
+_MI300X_GEMM = round(_H100_GEMM - 0.02, 3)
 HOST_ADAMW_FRACTION = 0.4
 """Fraction of the host's peak DRAM bandwidth that its AdamW over offloaded state streams (all
 cores, every rank of the node at once): an assumption, not a measurement. AdamW on a CPU is
@@ -144,7 +147,7 @@ PROFILES: dict[str, HardwareProfile] = {
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559,
             hbm_gbps=3350.0,
-            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
@@ -154,7 +157,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96, hbm_gbps=4000.0,
-            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
@@ -165,7 +168,7 @@ PROFILES: dict[str, HardwareProfile] = {
                    "compute, links and power as h100-80g"),
         HardwareProfile(
             "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96,
-            hbm_gbps=2400.0, matmul_efficiency=0.62, kernel_overhead_us=5.0,
+            hbm_gbps=2400.0, matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0,
             intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
             inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
             min_clock_mhz=990.0, power_limit_w=500.0, power_w=1075.0,  # h100-80g's server share
@@ -178,7 +181,7 @@ PROFILES: dict[str, HardwareProfile] = {
                    "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
         HardwareProfile(
             "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559, hbm_gbps=3350.0,
-            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=165.0,
+            matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
@@ -190,30 +193,30 @@ PROFILES: dict[str, HardwareProfile] = {
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
         HardwareProfile(
             "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 143771, hbm_gbps=4800.0,
-            matmul_efficiency=0.64, kernel_overhead_us=5.0, intra_node_gbps=370.0,
+            matmul_efficiency=_H200_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
-            family="h100", efficiency_source=f"0.64 {_ANALOGY}, a little above for its HBM",
+            family="h100", efficiency_source=f"{_H200_GEMM} {_ANALOGY}, a little above for its HBM",
             allocator_reserve=ALLOCATOR_RESERVE,
             **_DGX_H100_HOST,
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=_MIB * 182784, hbm_gbps=7700.0,
-            matmul_efficiency=0.62, kernel_overhead_us=5.0, intra_node_gbps=720.0,
+            matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
-            power_w=1790.0, family="b200", efficiency_source=f"0.62 {_ANALOGY}",
+            power_w=1790.0, family="b200", efficiency_source=f"{_H100_GEMM} {_ANALOGY}",
             allocator_reserve=ALLOCATOR_RESERVE,
             **_DGX_B200_HOST,
             source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
             "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=_GIB * 192, hbm_gbps=5300.0,
-            matmul_efficiency=0.60, kernel_overhead_us=8.0, intra_node_gbps=300.0,
+            matmul_efficiency=_MI300X_GEMM, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
             power_w=1300.0, family="mi300x", allocator_reserve=ALLOCATOR_RESERVE,
-            efficiency_source=f"0.60 {_ANALOGY}, a little below for a less mature stack",
+            efficiency_source=f"{_MI300X_GEMM} {_ANALOGY}, a little below for a less mature stack",
             **_MI300X_HOST,
             source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
     )

@@ -2,7 +2,8 @@
 were fitted on (**train**) and the rows that only measure its accuracy (**test**).
 
 The rows live in :mod:`meshtrain.planner.tables.runs_megatron` (Megatron-LM 2021/2022,
-Megatron-DeepSpeed, Megatron-Core) and :mod:`meshtrain.planner.tables.runs_torchtitan`; each
+Megatron-DeepSpeed, Megatron-Core), :mod:`meshtrain.planner.tables.runs_llama3` (Meta's Llama 3
+405B runs) and :mod:`meshtrain.planner.tables.runs_torchtitan`; each
 names its source, layout and which figure it is, and every train row names the constant it
 feeds (:mod:`meshtrain.planner.tables.fitting`, whose routines take train rows only).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 from meshtrain.planner.cost.fit_advice import COMPONENTS
 from meshtrain.planner.cost.memory import GB
 from meshtrain.planner.tables.fitting import fit_groups, priced, refit, speed_error
+from meshtrain.planner.tables.runs_llama3 import llama3_rows
 from meshtrain.planner.tables.runs_megatron import megatron_rows
 from meshtrain.planner.tables.runs_row import PublishedRow
 from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
@@ -24,7 +26,7 @@ from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
 
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set, train and test."""
-    return megatron_rows() + torchtitan_rows()
+    return megatron_rows() + llama3_rows() + torchtitan_rows()
 
 
 def evaluate(row: PublishedRow) -> dict:
@@ -59,7 +61,7 @@ def _percent(value: float) -> str:
 
 
 def _figure(metric: str, value: float, gpus: int) -> str:
-    if metric == "hardware_tflops_per_gpu":
+    if metric in ("hardware_tflops_per_gpu", "model_tflops_per_gpu"):
         return f"{value:.1f} TFLOP/s"
     if metric == "step_time_s":
         return f"{value:.2f} s"

@@ -16,7 +16,8 @@ from meshtrain.planner.cost.workload import STACKS, RuntimeTraits, Workload
 SPLITS = ("train", "test")
 """A row's ``split``: fitted on, or only checked against."""
 
-METRICS = ("hardware_tflops_per_gpu", "step_time_s", "tokens_per_s", "memory_gb_per_gpu")
+METRICS = ("hardware_tflops_per_gpu", "model_tflops_per_gpu", "step_time_s", "tokens_per_s",
+           "memory_gb_per_gpu")
 """The estimate keys a row can compare."""
 
 
