@@ -7,9 +7,9 @@ import pytest
 from meshtrain.config import ConfigError, ModelConfig
 from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.estimate import estimate
-from meshtrain.planner.cost.workload import MEGATRON_2021, MEGATRON_2022, Workload
+from meshtrain.planner.cost.workload import LLAMA3_2024, MEGATRON_2021, MEGATRON_2022, Workload
 from meshtrain.planner.hardware.profile import Cluster
-from meshtrain.planner.search.layouts import plan, price_layouts
+from meshtrain.planner.search.layouts import enumerate_layouts, plan, price_layouts
 from meshtrain.planner.tables.presets import preset_config
 from meshtrain.planner.tables.profiles import PROFILES, load_profile
 from meshtrain.planner.tables.published import evaluate, published_rows
@@ -140,6 +140,28 @@ def test_pipelined_layouts_are_priced_with_the_least_zero_sharding_that_fits():
     # Megatron-LM has no ZeRO-2/3 to offer; a variant over the limit at any sharding is skipped.
     assert zeros(none, dataclasses.replace(work, traits=MEGATRON_2022)) == [(1, False)]
     assert zeros(dataclasses.replace(none, cp=1, dp=4, microbatches=128)) == [(1, False)]
+    # Meta's FSDP (llama3-2024) has no ZeRO-1: its pipelines start at ZeRO-2 and grow to 3.
+    meta = dataclasses.replace(work, traits=LLAMA3_2024)
+    assert zeros(dataclasses.replace(none, zero=2), meta) == [(2, False), (3, True)]
+    assert zeros(dataclasses.replace(full, zero=2), meta) == [(2, True)]
+
+
+def test_a_stack_without_zero_1_searches_its_pipelines_at_zero_2():
+    import dataclasses
+
+    work = dataclasses.replace(Workload.from_config(preset_config("llama3-70b")),
+                               traits=LLAMA3_2024)
+    layouts = enumerate_layouts(work, Cluster(PROFILES["h100-80g"], 32, 8))
+    pipelined = {lay.zero for lay in layouts if lay.pp > 1}
+    assert pipelined == {0, 2}
+    assert {lay.zero for lay in layouts if lay.pp == 1} == {0, 2, 3}
+    result = plan(work, Cluster(PROFILES["h100-80g"], 32, 8), top=40)
+    variants = [c for c in result.candidates if c["pp"] > 1 and c["zero"] == 3]
+    assert variants, "no pipelined ZeRO-3 variant among the first 40"
+    assert all(c["why"].endswith("ZeRO-3 as this pipeline does not fit at ZeRO-2")
+               for c in variants)
+    assert not any("does not fit at ZeRO" in c["why"] for c in result.candidates
+                   if c["zero"] == 2)
 
 
 def test_plan_finds_a_pipeline_that_only_zero_3_makes_fit():

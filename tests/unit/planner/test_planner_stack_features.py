@@ -12,6 +12,7 @@ from meshtrain.planner.cost.estimate import estimate
 from meshtrain.planner.cost.memory import layer_activation_units
 from meshtrain.planner.cost.overlap import pipelined_exposed
 from meshtrain.planner.cost.workload import (
+    LLAMA3_2024,
     MEGATRON_2022,
     MEGATRON_CORE_2024,
     MEGATRON_DEEPSPEED,
@@ -45,6 +46,10 @@ def _work(traits, seq=8192, batch=16, model=LLAMA_8B):
     ("torchtitan-2025", TORCHTITAN_2025, Layout(dp=2, tp=2, pp=2, zero=3,
                                                 sequence_parallel=True, microbatches=4,
                                                 activation_checkpointing="selective")),
+    # Llama 3 405B's: ZeRO-2, interleaved, first chunk the embedding alone, last the head alone.
+    ("llama3-2024", LLAMA3_2024, Layout(dp=2, tp=2, pp=2, cp=2, zero=2, sequence_parallel=True,
+                                        pp_schedule="interleaved-1f1b", virtual_stages=2,
+                                        microbatches=4, pp_split="0,16,16,0")),
 ])
 def test_each_stack_runs_what_its_runs_used(stack, traits, layout):
     check_stack_offers(_work(traits), layout, stack)
@@ -60,6 +65,7 @@ def test_each_stack_runs_what_its_runs_used(stack, traits, layout):
     ("megatron-core-2024", MEGATRON_CORE_2024, Layout(dp=2, zero=3), "ZeRO stages"),
     ("megatron-core-2024", MEGATRON_CORE_2024, Layout(pp=2, pp_schedule="zb-h1",
                                                       microbatches=2), "zb-h1"),
+    ("llama3-2024", LLAMA3_2024, Layout(dp=2, zero=1), "ZeRO stages it offers: 0, 2, 3"),
 ])
 def test_each_stack_refuses_only_what_it_could_not_run(stack, traits, layout, words):
     with pytest.raises(ConfigError, match=words):
@@ -127,3 +133,21 @@ def test_megatron_core_hides_tp_and_cp_communication_behind_compute():
         assert entry["total_s"] == pytest.approx(exposed["overlap"][axis]["total_s"])
         assert exposed["overlap"][axis]["overlapped_s"] == 0
     assert hidden["step_time_s"] < exposed["step_time_s"]
+
+
+def test_meta_runtime_shards_gradients_and_reduces_them_every_micro_batch():
+    # Llama 3's FSDP (llama3-2024, ZeRO-2) against Megatron-Core's distributed optimizer
+    # (ZeRO-1) on the same pipelined layout: fp32 gradients are held as a 1/dp shard instead of
+    # whole, and reduce-scattered during every micro-batch's backward instead of once.
+    layout = Layout(dp=8, tp=8, pp=2, zero=2, sequence_parallel=True, microbatches=8,
+                    pp_split="16,16")
+    cluster = Cluster(H100, 128, 8)
+    work = _work(LLAMA3_2024, batch=64)
+    meta = estimate(work, layout, cluster)
+    core = estimate(_work(MEGATRON_CORE_2024, batch=64), dataclasses.replace(layout, zero=1),
+                    cluster)
+    for m, c in zip(meta["per_rank"], core["per_rank"], strict=True):
+        assert m["grad_bytes"] == pytest.approx(c["grad_bytes"] / 8)
+    few = estimate(work, dataclasses.replace(layout, microbatches=2), cluster)
+    assert meta["breakdown"]["dp_comm_total_s"] > 3 * few["breakdown"]["dp_comm_total_s"]
+    assert core["breakdown"]["dp_comm_total_s"] < meta["breakdown"]["dp_comm_total_s"] / 3

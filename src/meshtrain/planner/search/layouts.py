@@ -89,6 +89,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     traits = workload.traits  # only what the priced runtime offers
     cps = cps if traits.context_parallel else (1,)
     zero_stages = tuple(z for z in zero_stages if z in traits.zero_stages)
+    pipelined_zero = pipeline_base_zero(traits)
     checkpointing = tuple(c for c in checkpointing if c in traits.checkpointing)
     sp_options = (True, False) if traits.sequence_parallel else (False,)
     shapes = [(t, c) for t in tps for c in _divisors(gpus // t)
@@ -108,7 +109,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
                     continue
                 for ep in eps:
                     for zero in zero_stages:
-                        if (pp > 1 and zero > 1) or (dp == 1 and zero > 0):
+                        if (pp > 1 and zero > pipelined_zero) or (dp == 1 and zero > 0):
                             continue
                         for schedule, v in _schedules(pp, model.n_layers, m, traits):
                             for sp, ckpt in itertools.product(
@@ -121,6 +122,13 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     return layouts
 
 
+def pipeline_base_zero(traits) -> int:
+    """The ZeRO stage a pipelined layout is searched at beside ZeRO-0: the least sharding the
+    runtime offers (1 for the Megatron-style stacks and meshtrain; 2 for ``llama3-2024``,
+    whose FSDP shards gradients with the optimizer state and has no ZeRO-1)."""
+    return min((z for z in traits.zero_stages if z >= 1), default=1)
+
+
 def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
                   energy: dict | None = None,
                   offload: Offload = NO_OFFLOAD) -> list[tuple[Layout, dict]]:
@@ -129,26 +137,28 @@ def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
 
     A pipelined layout at ZeRO-1 that does not fit is priced again at ZeRO-2 (gradients
     sharded over dp), and if that does not fit either, at ZeRO-3 (weights too), where the
-    stack offers those stages: the least sharding that fits. Under a pipeline both stages
-    reduce-scatter every micro-batch (ZeRO-3 gathers the weights every micro-batch too), the
-    traffic that makes Megatron-LM and DeepSpeed pair pipelines with ZeRO-1 only; so a
-    variant is priced only where the sharding is what makes the layout fit, which also keeps
-    the search near the size of the unsharded one. A variant whose lower bound (the optimizer
-    shard and activations as at ZeRO-1, plus the whole weights at ZeRO-2) is already over the
-    memory limit is skipped unpriced. Every layout is priced with ``offload`` (the
-    ``parallel.offload*`` settings; a variant whose ZeRO stage cannot run them is skipped).
-    """
+    stack offers those stages: the least sharding that fits (a stack without ZeRO-1 searches
+    pipelines at its least sharding, :func:`pipeline_base_zero`, and grows from there).
+    Under a pipeline both stages reduce-scatter every micro-batch (ZeRO-3 gathers the weights
+    every micro-batch too), the traffic that makes Megatron-LM and DeepSpeed pair pipelines
+    with ZeRO-1 only; so a variant is priced only where the sharding is what makes the layout
+    fit, which also keeps the search near the size of the unsharded one. A variant whose
+    lower bound (the optimizer shard and activations as at ZeRO-1, plus the whole weights at
+    ZeRO-2) is already over the memory limit is skipped unpriced. Every layout is priced with
+    ``offload`` (the ``parallel.offload*`` settings; a variant whose ZeRO stage cannot run them
+    is skipped)."""
     priced = []
     stages = workload.traits.zero_stages
+    base = pipeline_base_zero(workload.traits)
     for layout in layouts:
         result = estimate(workload, layout, cluster, energy, use_simulator=False,
                           offload=offload)
         priced.append((layout, result))
-        if result["fits"] or layout.pp == 1 or layout.zero != 1 or layout.dp == 1:
+        if result["fits"] or layout.pp == 1 or layout.zero != base or layout.dp == 1:
             continue
         limit = result["memory_limit_gb"] * GB
         for zero in (2, 3):
-            if zero not in stages or any(
+            if zero <= base or zero not in stages or any(
                     r["optim_bytes"] + r["activation_bytes"] + (r["param_bytes"] if zero == 2
                                                                else 0) > limit
                     for r in result["per_rank"]):
@@ -158,6 +168,7 @@ def price_layouts(workload: Workload, cluster: Cluster, layouts: list[Layout],
                 continue  # what needs ZeRO-3 (check_offload)
             priced.append((sharded, estimate(workload, sharded, cluster, energy,
                                              use_simulator=False, offload=offload)))
+            priced[-1][1]["sharded_from_zero"] = base  # why() says so
             if priced[-1][1]["fits"]:
                 break
     return priced
@@ -183,8 +194,9 @@ def why(result: dict) -> str:
     headroom = result["memory_limit_gb"] - result["memory_gb_per_gpu"]
     text = f"{result['bound']}-bound ({text}); {headroom:.0f} GB memory headroom"
     lay = result["layout"]
-    if lay["pp"] > 1 and lay["zero"] >= 2 and not result.get("offload"):  # price_layouts
-        text += f"; ZeRO-{lay['zero']} as this pipeline does not fit at ZeRO-1"
+    if "sharded_from_zero" in result and not result.get("offload"):  # price_layouts' variant
+        text += (f"; ZeRO-{lay['zero']} as this pipeline does not fit at "
+                 f"ZeRO-{result['sharded_from_zero']}")
     if result.get("offload"):
         from meshtrain.planner.search.offload import cost_text
 
@@ -267,8 +279,12 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
                       key=_speed)
     # Re-price the front runners with the schedule simulator (closed forms ranked them); one
     # that no longer fits (the simulator's in-flight micro-batches) is not counted either.
-    front = [estimate(workload, layout_from_json(r["layout"]), cluster, energy,
-                      offload=Offload.from_json(r["offload"])) for r in feasible[:3 * top]]
+    front = []
+    for r in feasible[:3 * top]:
+        front.append(estimate(workload, layout_from_json(r["layout"]), cluster, energy,
+                              offload=Offload.from_json(r["offload"])))
+        if "sharded_from_zero" in r:  # a price_layouts variant stays one
+            front[-1]["sharded_from_zero"] = r["sharded_from_zero"]
     count = len(feasible) - sum(1 for r in front if not r["fits"])
     feasible = sorted((r for r in front if r["fits"]), key=_speed)
     rows = [candidate_row(r) for r in feasible[:top]]
