@@ -21,14 +21,12 @@ amount (``--default-allocator`` measures that way).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-from meshtrain.commands.bench.memory_peak import measure_train_peaks
+from meshtrain.commands.bench.memory_peak import measure_peaks
 
 MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=2",
          "model.ffn_dim=512"]
@@ -48,40 +46,15 @@ def _last_tokens_per_s(run_dir: Path) -> float | None:
     return steps[-1]["tokens_per_s"] if steps else None
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set ``values`` in this process's environment (the launched run inherits it), then
-    restore it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _peaks(overrides: list[str], nproc: int, run_dir: Path, env: dict[str, str]) -> dict:
-    # ``--nproc 1`` trains in the launched process itself, which the tree poll does not see as a
-    # worker: mark it rank 0 (without WORLD_SIZE it is still no torchrun job) so the exit hook
-    # records its peak.
-    extra = dict(env, RANK="0", LOCAL_WORLD_SIZE="1") if nproc == 1 else env
-    with _environment(extra):
-        return measure_train_peaks(overrides, nproc, run_dir)
-
-
 def measure(cp: int, seq: int, work: Path, live_allocator: bool = True) -> dict:
     """Per-rank activation memory (long run's VmHWM minus the short run's) at ``cp``, and the
     long run's throughput; ``live_allocator``: map 1 MiB+ blocks (see the module docstring)."""
     layout = [f"parallel.cp={cp}"]
     env = LIVE_ALLOCATOR if live_allocator else {}
-    long_run = _peaks([*MODEL, *RUN, *layout, f"train.seq_len={seq}"], cp, work / f"cp{cp}-long",
-                      env)
-    short_run = _peaks([*MODEL, *RUN, *layout, f"train.seq_len={SHORT_SEQ}"], cp,
-                       work / f"cp{cp}-short", env)
+    long_run = measure_peaks([*MODEL, *RUN, *layout, f"train.seq_len={seq}"], cp,
+                             work / f"cp{cp}-long", env)
+    short_run = measure_peaks([*MODEL, *RUN, *layout, f"train.seq_len={SHORT_SEQ}"], cp,
+                              work / f"cp{cp}-short", env)
     excess = [a - b for a, b in zip(long_run["peaks"], short_run["peaks"], strict=True)]
     return {"cp": cp, "seq_len": seq, "activation_bytes": excess,
             "long_peaks": long_run["peaks"], "short_peaks": short_run["peaks"],

@@ -17,6 +17,7 @@ processes at ZeRO-2 and ZeRO-3).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -139,6 +140,35 @@ def measure_train_peaks(overrides: list[str], nproc: int, run_dir: Path,
     if missing:
         raise RuntimeError(f"no VmHWM seen for ranks {missing}")
     return {"peaks": [peaks[r] for r in range(nproc)], "wall_s": time.monotonic() - start}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """Set ``values`` in this process's environment (a launched run inherits it), then restore
+    it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def measure_peaks(overrides: list[str], nproc: int, run_dir: Path,
+                  env: dict[str, str] | None = None) -> dict:
+    """:func:`measure_train_peaks` with ``env`` added to the run's environment; ``--nproc 1``
+    trains in the launched process itself, which the tree poll does not see as a worker, so it
+    is marked rank 0 (without ``WORLD_SIZE`` it is still no torchrun job) and the exit hook
+    records its peak."""
+    extra = dict(env or {})
+    if nproc == 1:
+        extra.update(RANK="0", LOCAL_WORLD_SIZE="1")
+    with _environment(extra):
+        return measure_train_peaks(overrides, nproc, run_dir)
 
 
 def excess_over_tiny(layout: list[str], nproc: int, work: Path) -> dict:

@@ -252,12 +252,14 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len / lay.cp
     if kinds:
         # Backward of a block holds the gradients of what it saved while it runs: one block's
-        # activations more at the peak (measured on the CPU: without it the estimate is 16-24 %
-        # under the VmHWM difference of a long and a short sequence, docs/parallelism.md).
-        largest = max(layer_activation_bytes(workload, lay, layer, "none") for _, layer in kinds)
-        activations += largest
-        if lay.activation_checkpointing == "full":
-            activations += largest  # the block being recomputed
+        # activations more at the peak. Under full recomputation that one block is the block
+        # recomputed, whose activations its backward frees as it makes their gradients: one
+        # block, not two. Measured from outside on the CPU (docs/planner.md, *Activation
+        # memory measured from outside*): without the block the estimate is 16-24 % under the
+        # VmHWM difference of a long and a short sequence; with two under full recomputation,
+        # 54 % over.
+        activations += max(layer_activation_bytes(workload, lay, layer, "none")
+                           for _, layer in kinds)
     if last:  # logits and the loss's fp32 buffers, one micro-batch (loss_bytes_per_logit)
         logit = workload.traits.loss_bytes_per_logit + workload.act_bytes - 2  # fp32 logits
         activations += logit * s * b * model.vocab_size / lay.tp
