@@ -122,7 +122,7 @@ def enumerate_layouts(workload: Workload, cluster: Cluster, *,
     return layouts
 
 
-def pipeline_base_zero(traits) -> int:
+def pipeline_base_zero(traits: RuntimeTraits) -> int:
     """The ZeRO stage a pipelined layout is searched at beside ZeRO-0: the least sharding the
     runtime offers (1 for the Megatron-style stacks and meshtrain; 2 for ``llama3-2024``,
     whose FSDP shards gradients with the optimizer state and has no ZeRO-1)."""

@@ -50,7 +50,9 @@ MEGATRON_CORE_2024_H100 = StackEfficiency(
            "value at which they are on average neither faster nor slower than published")
 """Megatron-Core (NeMo 24.09, Transformer Engine) on H100 80 GB; its other dgxc-benchmarking
 rows (Llama 3.1 70B and 405B, Nemotron-4 15B and 340B) and the Nemotron-4 340B report's rows
-are test rows."""
+are test rows. Also ``llama3-2024``'s entry (Meta's runs are test rows) and the H100-family
+profiles' default for stacks without an H100 entry of their own (see
+:data:`meshtrain.planner.tables.profiles.PROFILES`)."""
 
 TORCHTITAN_2025_H100 = StackEfficiency(
     gemm=0.604,
