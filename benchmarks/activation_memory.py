@@ -12,9 +12,10 @@ without a GPU allocator's reserve) for the same config.
 
 The cases cover what the planner's activation accounting distinguishes: the three
 checkpointing modes, a pipeline's micro-batches in flight under 1F1B, GPipe and interleaved
-1F1B, tensor parallelism with and without sequence parallelism, and an MoE model under expert
-parallelism. The workers map blocks of 1 MiB and more (``MALLOC_MMAP_THRESHOLD_=1048576``), so
-``VmHWM`` follows the tensors alive at the peak.
+1F1B (and the logits GPipe's last stage keeps for every micro-batch), tensor parallelism with
+and without sequence parallelism, and an MoE model under expert parallelism. The workers map
+blocks of 1 MiB and more (``MALLOC_MMAP_THRESHOLD_=1048576``), so ``VmHWM`` follows the
+tensors alive at the peak.
 
 ``python benchmarks/activation_memory.py [CASE ...]`` prints one JSON line per case (MiB per
 rank, measured and planned); no names: every case.
@@ -55,6 +56,10 @@ CASES = {
                      "parallel.pp_schedule=1f1b"]),
     "pp2-gpipe": (2, ["train.global_batch=4", "parallel.pp=2", "parallel.microbatches=4",
                       "parallel.pp_schedule=gpipe"]),
+    # A vocabulary of 8,192: each micro-batch's logits (128 MiB in fp32 at 4,096 tokens)
+    # stay on the last stage until its backward, all four of them under GPipe.
+    "pp2-gpipe-vocab": (2, ["train.global_batch=4", "parallel.pp=2", "parallel.microbatches=4",
+                            "parallel.pp_schedule=gpipe", "model.vocab_size=8192"]),
     "pp2-interleaved": (2, ["train.global_batch=4", "parallel.pp=2", "parallel.microbatches=4",
                             "parallel.pp_schedule=interleaved-1f1b",
                             "parallel.virtual_stages=2"]),

@@ -7,7 +7,7 @@ within 25 % of it. The cases cover the three checkpointing modes, 1F1B, GPipe an
 pipelines, tensor parallelism with and without sequence parallelism, and expert parallelism.
 The tolerance is the spread of the runtime's transient peaks around the per-block accounting:
 the planner counts whole blocks, while the peak falls inside one block's backward (measured
-0.87-1.23 of the measured figure, docs/planner.md). About 3 minutes on 2 vCPUs: in
+0.87-1.20 of the measured figure, docs/planner.md). About 3 minutes on 2 vCPUs: in
 ``make bench``.
 """
 

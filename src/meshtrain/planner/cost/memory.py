@@ -262,6 +262,9 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
                            for _, layer in kinds)
     if last:  # logits and the loss's fp32 buffers, one micro-batch (loss_bytes_per_logit)
         logit = workload.traits.loss_bytes_per_logit + workload.act_bytes - 2  # fp32 logits
+        if lay.pp > 1 and lay.pp_schedule == "gpipe":  # every loss's forward, then backwards
+            logit += (inflight - 1) * (workload.traits.loss_saved_bytes_per_logit
+                                       or workload.act_bytes)
         activations += logit * s * b * model.vocab_size / lay.tp
     if lay.zero >= 3:
         buffers = zero3_transient_bytes(workload, lay, layers, params.dense + params.expert,

@@ -111,6 +111,13 @@ class RuntimeTraits:
     ``F.cross_entropy(logits.float())`` as torchtitan runs it keeps the saved fp32 log-softmax
     output while its backward allocates the fp32 gradients of both the log-softmax output and
     input: 12."""
+    loss_saved_bytes_per_logit: float = 0.0
+    """Bytes per logit element a micro-batch's loss keeps from its forward to its backward: what
+    a last stage holds for each further micro-batch in flight (GPipe runs every forward before
+    the first backward; the 1F1B family runs each last-stage backward right after its forward).
+    0: the activation dtype's size, the logits meshtrain's chunked cross-entropy keeps
+    (:mod:`meshtrain.training.cross_entropy`); 4: the fp32 log-softmax output of torchtitan's
+    eager ``F.cross_entropy(logits.float())``."""
     fused_swiglu: bool = False
     """SwiGLU's activation is one fused kernel that saves only its input (the gate and up
     projections' output) and recomputes the SiLU in backward: Megatron-LM's ``bias_swiglu_impl``
@@ -231,7 +238,8 @@ stack's H100 fit: nothing is fitted on Meta's runs, which stay test rows. Its pi
 Megatron's (the paper's tunable number of consecutive micro-batches ``N`` priced at ``N = pp``,
 Megatron-Core's default)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
-                                zero3_split_blocks=False, fp32_params=True, offload=False,
+                                loss_saved_bytes_per_logit=4.0, zero3_split_blocks=False,
+                                fp32_params=True, offload=False,
                                 kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
 overlapped reduce-scatter in fp32 with fp32 sharded parameters, eager element-wise kernels,
