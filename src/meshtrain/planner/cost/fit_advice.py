@@ -164,12 +164,28 @@ def _together(workload: Workload, layout: Layout, cluster: Cluster, result: dict
               stack: str, offload: Offload, replicas: int,
               steps: int = 4) -> tuple[Layout, Offload, dict] | None:
     """Greedily combined changes: at most ``steps`` times, the change that lowers the peak most
-    (re-chosen for what is then the largest part), until it fits; None unless it took two."""
+    (re-chosen for what is then the largest part), until it fits; None unless it took two.
+    Offload is the last resort: the changes that keep ``offload`` as it is are combined first,
+    and only when they do not fit within ``steps`` are offload changes allowed too (offload
+    moves the update to the host and adds transfers, so a layout change that fits is
+    preferred)."""
+    kept = _greedy(workload, layout, cluster, result, stack, offload, replicas, steps, False)
+    if kept is not None and kept[2]["fits"]:
+        return kept
+    return _greedy(workload, layout, cluster, result, stack, offload, replicas, steps, True)
+
+
+def _greedy(workload: Workload, layout: Layout, cluster: Cluster, result: dict, stack: str,
+            offload: Offload, replicas: int, steps: int,
+            allow_offload: bool) -> tuple[Layout, Offload, dict] | None:
+    """:func:`_together`'s walk, with or without changes to the offload settings."""
     current, moved, priced, taken = layout, offload, result, 0
     while not priced["fits"] and taken < steps:
         best = None
         for *_, changed, tried in _changes(workload, current, cluster, _largest(priced)[1],
                                            moved):
+            if tried != moved and not allow_offload:
+                continue
             candidate = _priced(workload, changed, cluster, stack, tried, replicas)
             if candidate and _badness(candidate) < _badness(best[2] if best else priced):
                 best = (changed, tried, candidate)
