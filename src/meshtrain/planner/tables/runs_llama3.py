@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from meshtrain.config import ModelConfig
 from meshtrain.config.layout import Layout
+from meshtrain.planner.tables.presets import PRESETS
 from meshtrain.planner.tables.runs_row import PublishedRow, row
 
-LLAMA3_405B = ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                          ffn_dim=53248, mlp="swiglu", rope_theta=500000.0)
-"""Llama 3 405B (Llama Team 2024, Table 3)."""
+LLAMA3_405B = ModelConfig(**PRESETS["llama3-405b"][0])
+"""Llama 3 405B (Llama Team 2024, Table 3): the ``llama3-405b`` preset's model."""
 
 LLAMA3_TABLE_4_8K = ((8192, 430.0), (16384, 400.0))
 """Llama Team 2024, Table 4, sequence 8,192: (GPUs, TFLOP/s per GPU) at tp 8 × pp 16."""
