@@ -13,7 +13,8 @@ without a GPU allocator's reserve) for the same config.
 The cases cover what the planner's activation accounting distinguishes: the three
 checkpointing modes, a pipeline's micro-batches in flight under 1F1B, GPipe and interleaved
 1F1B (and the logits GPipe's last stage keeps for every micro-batch), tensor parallelism with
-and without sequence parallelism, and an MoE model under expert parallelism. The workers map
+and without sequence parallelism, and an MoE model under expert parallelism (over dp, and
+folded over tp with and without sequence parallelism). The workers map
 blocks of 1 MiB and more (``MALLOC_MMAP_THRESHOLD_=1048576``), so ``VmHWM`` follows the
 tensors alive at the peak.
 
@@ -66,6 +67,10 @@ CASES = {
     "tp2": (2, ["train.global_batch=1", "parallel.tp=2"]),
     "tp2-sp": (2, ["train.global_batch=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "moe-ep2": (2, ["train.global_batch=2", *MOE, "parallel.dp=2", "parallel.ep=2"]),
+    # Experts folded over the tp ranks: each computes its share of the assignments.
+    "moe-tp2-ep2": (2, ["train.global_batch=1", *MOE, "parallel.tp=2", "parallel.ep=2"]),
+    "moe-tp2-sp-ep2": (2, ["train.global_batch=1", *MOE, "parallel.tp=2", "parallel.ep=2",
+                           "parallel.sequence_parallel=true"]),
 }
 
 

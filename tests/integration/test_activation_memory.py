@@ -4,10 +4,11 @@
 difference of every worker's ``VmHWM`` (what the tokens cost that rank: activations, pipeline
 messages, MoE dispatch, logits); the planner's per-rank estimate of the same difference must be
 within 25 % of it. The cases cover the three checkpointing modes, 1F1B, GPipe and interleaved
-pipelines, tensor parallelism with and without sequence parallelism, and expert parallelism.
+pipelines, tensor parallelism with and without sequence parallelism, and expert parallelism
+(also with the experts folded over tp).
 The tolerance is the spread of the runtime's transient peaks around the per-block accounting:
 the planner counts whole blocks, while the peak falls inside one block's backward (measured
-0.87-1.20 of the measured figure, docs/planner.md). About 3 minutes on 2 vCPUs: in
+0.87-1.21 of the measured figure, docs/planner.md). About 4-5 minutes on 2 vCPUs: in
 ``make bench``.
 """
 

@@ -58,7 +58,10 @@ def _kernels_line(result: dict) -> str:
 def format_plan(plan: dict, title: str) -> str:
     """A ranked table of candidates with one line each on what bounds them."""
     listed = len(plan["candidates"])
+    dropped = plan.get("resimulated_not_fitting", 0)
     lines = [title, f"{plan['searched']} layouts searched, {plan['feasible']} fit in memory"
+             + (f" ({dropped} of the front runners do not once re-priced with the schedule "
+                "simulator, and are not listed)" if dropped else "")
              + (f"; the best {listed} are listed." if listed else ".")]
     if plan.get("offload"):
         lines.append(plan["offload"])

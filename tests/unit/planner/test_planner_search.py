@@ -176,3 +176,31 @@ def test_plan_finds_a_pipeline_that_only_zero_3_makes_fit():
                  and (r["layout"]["pp"] == 1 or r["layout"]["zero"] < 2)]
     assert best["tokens_per_s"] > max(r["tokens_per_s"] for r in unsharded)
     assert result.searched == len(result.priced)
+
+
+def test_plans_feasible_count_is_the_searchs_whatever_top_is():
+    # `feasible` counts every searched layout that fits as the closed forms price them; the
+    # front runners re-priced with the schedule simulator (3 x top of them) change only what
+    # is listed, and how many of them no longer fit is said apart.
+    work = Workload.from_config(preset_config("llama3-70b"))
+    cluster = Cluster(PROFILES["h100-80g"], 64, 8)
+    few, many = plan(work, cluster, top=1), plan(work, cluster, top=8)
+    fitting = sum(1 for r in few.priced if r["fits"])
+    assert few.feasible == many.feasible == fitting > len(many.candidates)
+    for result, top in ((few, 1), (many, 8)):
+        assert 0 <= result.resimulated_not_fitting <= 3 * top
+        assert len(result.candidates) == min(top, 3 * top - result.resimulated_not_fitting)
+
+
+def test_plan_report_says_how_many_front_runners_the_simulator_dropped():
+    from meshtrain.commands.planner_report import format_plan
+
+    work = Workload.from_config(preset_config("llama3-70b"))
+    found = plan(work, Cluster(PROFILES["h100-80g"], 64, 8), top=2).to_dict()
+    assert "resimulated_not_fitting" in found
+    found.update(resimulated_not_fitting=0)
+    assert "re-priced" not in format_plan(found, "plan")
+    found.update(resimulated_not_fitting=3)
+    line = format_plan(found, "plan").splitlines()[1]
+    assert line.startswith(f"{found['searched']} layouts searched, {found['feasible']} fit in "
+                           "memory (3 of the front runners do not once re-priced")

@@ -25,8 +25,10 @@ keeps no ``s × s`` scores; unfused attention adds ``2 a s / h`` (the softmax ou
 checkpointing keeps only each block's input (plus one block's working set while it recomputes);
 selective recomputes the attention core and the MLP activation function. At the peak, the
 backward of one block also holds the gradients of what it saved (one block's activations more).
-A MoE layer runs whole on every tp rank (as the runtime replicates it over tp), so its parameters
-and activations are not divided by tp. A rank holds its
+A MoE layer is a replicated region under tp (every tp rank routes the whole, gathered
+sequence); with ep = 1 each tp rank also computes every assignment, with ep > 1 the experts are
+folded over the tp ranks and each computes its 1/tp share of the assignments, whose outputs are
+all-gathered back whole (:mod:`meshtrain.planner.cost.expert_parallel`). A rank holds its
 stage's activations times the schedule's peak in-flight micro-batches
 (:mod:`meshtrain.planner.cost.pipeline`). Under context parallelism a rank's activations are
 those of its ``S / cp`` tokens, plus the gathered full-sequence K and V
@@ -51,7 +53,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.config.model_size import attention_params, mlp_params, norm_params
 from meshtrain.config.runtime_facts import INITIAL_PAIRS
 from meshtrain.planner.cost.context_parallel import saved_kv_bytes
-from meshtrain.planner.cost.expert_parallel import expert_reduction_size
+from meshtrain.planner.cost.expert_parallel import expert_reduction_size, row_split
 from meshtrain.planner.cost.workload import Workload
 
 GB = 1e9
@@ -168,10 +170,15 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
     whole = 0.0  # saved by every tp rank in full, with or without sequence parallelism
     if model.is_moe_layer(layer):
         # The MoE layer runs whole on every tp rank (its input sequence gathered under sp).
+        # With experts folded over tp (ep > 1) each tp rank computes its 1/tp share of the
+        # assignments: its experts' inputs and intermediates are that share, while the expert
+        # outputs are all-gathered back whole for the gate-weighted sum (parallel.expert.fold).
         k = model.moe_top_k
         f = model.expert_ffn_dim
-        whole += k * per_hidden * f / h + per_hidden * model.shared_ffn_dim / h
-        whole += 4.0 * k + 4.0 * model.moe_experts / h  # dispatched + combined, fp32 scores
+        split = row_split(layout)
+        whole += k * per_hidden * f / h / split + per_hidden * model.shared_ffn_dim / h
+        # The experts' input rows, their gathered outputs, the router's fp32 scores.
+        whole += 2.0 * k / split + 2.0 * k + 4.0 * model.moe_experts / h
         whole += 2.0 if sp else 0.0  # the gathered input (without sp: ``replicated`` has it)
     else:
         parallel += per_hidden * model.ffn_dim / h

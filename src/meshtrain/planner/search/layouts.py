@@ -233,9 +233,14 @@ class PlanResult:
     candidates: list[dict]
     searched: int
     feasible: int
+    """Searched layouts that fit in memory as the closed forms price them (the same count
+    whatever ``top`` is)."""
     nothing_fits: str | None = None
     offload: str | None = None
     """What offload the search tried and what fit with it (None when it tried none)."""
+    resimulated_not_fitting: int = 0
+    """Front runners (the first ``3 × top`` that fit) that no longer fit once re-priced with the
+    schedule simulator's in-flight micro-batches; counted in :attr:`feasible`, not listed."""
     priced: list[dict] = dataclasses.field(default_factory=list, repr=False)
     """Every searched layout's closed-form estimate (fitting or not), for callers that compare
     the ranking with the rest of the search; not part of the JSON form."""
@@ -285,7 +290,8 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
                               offload=Offload.from_json(r["offload"])))
         if "sharded_from_zero" in r:  # a price_layouts variant stays one
             front[-1]["sharded_from_zero"] = r["sharded_from_zero"]
-    count = len(feasible) - sum(1 for r in front if not r["fits"])
+    count = len(feasible)
+    dropped = sum(1 for r in front if not r["fits"])
     feasible = sorted((r for r in front if r["fits"]), key=_speed)
     rows = [candidate_row(r) for r in feasible[:top]]
     message = None
@@ -295,7 +301,7 @@ def plan(workload: Workload, cluster: Cluster, top: int = 10,
         if searching:
             message += " " + why_offload_does_not_fit(offloaded)
     searched = len(results) + len(offloaded)
-    return PlanResult(rows, searched, count, message, note,
+    return PlanResult(rows, searched, count, message, note, dropped,
                       results + [r for *_, r in offloaded])
 
 
