@@ -67,6 +67,8 @@ CASES = {
     "tp2": (2, ["train.global_batch=1", "parallel.tp=2"]),
     "tp2-sp": (2, ["train.global_batch=1", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "moe-ep2": (2, ["train.global_batch=2", *MOE, "parallel.dp=2", "parallel.ep=2"]),
+    # Without ep the MoE layer is replicated over tp: every tp rank computes every assignment.
+    "moe-tp2": (2, ["train.global_batch=1", *MOE, "parallel.tp=2"]),
     # Experts folded over the tp ranks: each computes its share of the assignments.
     "moe-tp2-ep2": (2, ["train.global_batch=1", *MOE, "parallel.tp=2", "parallel.ep=2"]),
     "moe-tp2-sp-ep2": (2, ["train.global_batch=1", *MOE, "parallel.tp=2", "parallel.ep=2",
