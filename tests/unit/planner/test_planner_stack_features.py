@@ -15,6 +15,7 @@ from meshtrain.planner.cost.workload import (
     LLAMA3_2024,
     MEGATRON_2022,
     MEGATRON_CORE_2024,
+    MEGATRON_CORE_2025,
     MEGATRON_DEEPSPEED,
     MESHTRAIN,
     TORCHTITAN_2025,
@@ -46,6 +47,12 @@ def _work(traits, seq=8192, batch=16, model=LLAMA_8B):
     ("torchtitan-2025", TORCHTITAN_2025, Layout(dp=2, tp=2, pp=2, zero=3,
                                                 sequence_parallel=True, microbatches=4,
                                                 activation_checkpointing="selective")),
+    # Megatron-Bridge's: uneven chunks (the embedding and the loss counted as layers).
+    ("megatron-core-2025", MEGATRON_CORE_2025, Layout(dp=2, tp=2, pp=2, zero=1,
+                                                      sequence_parallel=True,
+                                                      pp_schedule="interleaved-1f1b",
+                                                      virtual_stages=2, microbatches=4,
+                                                      pp_split="7,8,8,9")),
     # Llama 3 405B's: ZeRO-2, interleaved, first chunk the embedding alone, last the head alone.
     ("llama3-2024", LLAMA3_2024, Layout(dp=2, tp=2, pp=2, cp=2, zero=2, sequence_parallel=True,
                                         pp_schedule="interleaved-1f1b", virtual_stages=2,
@@ -65,6 +72,7 @@ def test_each_stack_runs_what_its_runs_used(stack, traits, layout):
     ("megatron-core-2024", MEGATRON_CORE_2024, Layout(dp=2, zero=3), "ZeRO stages"),
     ("megatron-core-2024", MEGATRON_CORE_2024, Layout(pp=2, pp_schedule="zb-h1",
                                                       microbatches=2), "zb-h1"),
+    ("megatron-core-2025", MEGATRON_CORE_2025, Layout(dp=2, zero=2), "ZeRO stages it offers"),
     ("llama3-2024", LLAMA3_2024, Layout(dp=2, zero=1), "ZeRO stages it offers: 0, 2, 3"),
 ])
 def test_each_stack_refuses_only_what_it_could_not_run(stack, traits, layout, words):
@@ -151,3 +159,49 @@ def test_meta_runtime_shards_gradients_and_reduces_them_every_micro_batch():
     few = estimate(work, dataclasses.replace(layout, microbatches=2), cluster)
     assert meta["breakdown"]["dp_comm_total_s"] > 3 * few["breakdown"]["dp_comm_total_s"]
     assert core["breakdown"]["dp_comm_total_s"] < meta["breakdown"]["dp_comm_total_s"] / 3
+
+
+QWEN3_30B_A3B = dataclasses.replace(
+    preset_config("llama3-8b").model, vocab_size=151936, dim=2048, n_layers=48, n_heads=32,
+    n_kv_heads=4, head_width=128, qk_norm=True, moe_experts=128, moe_top_k=8, moe_ffn_dim=768)
+
+
+def _moe_layer_bytes(traits, tp):
+    layout = Layout(dp=8 // tp, tp=tp, ep=8, sequence_parallel=tp > 1)
+    return layer_activation_units(QWEN3_30B_A3B, 0, 4096, layout, True, "none",
+                                  fused_swiglu=True,
+                                  moe_sequence_sharded=traits.moe_sequence_sharded,
+                                  moe_gate_in_activation=traits.moe_gate_in_activation)
+
+
+def test_megatron_core_2025_keeps_a_tp_th_of_an_moe_layers_tokens_on_each_rank():
+    # Expert tensor parallelism 1: each tp rank routes its own S/tp tokens, so everything an
+    # MoE block keeps is divided by tp; meshtrain's replicated region keeps the gathered expert
+    # outputs and the router's work whole on every tp rank, so it divides by less.
+    for traits, exact in ((MEGATRON_CORE_2025, True), (MESHTRAIN, False)):
+        one, two = _moe_layer_bytes(traits, 1), _moe_layer_bytes(traits, 2)
+        assert (two == pytest.approx(one / 2)) is exact
+    # Gate weights applied inside the SwiGLU: the experts' outputs are not kept for backward.
+    kept = dataclasses.replace(MEGATRON_CORE_2025, moe_gate_in_activation=False)
+    assert _moe_layer_bytes(kept, 1) > _moe_layer_bytes(MEGATRON_CORE_2025, 1)
+
+
+def test_megatron_core_2025_gathers_nothing_over_tp_in_an_moe_layer_and_hides_all_to_alls():
+    layout = Layout(dp=4, tp=2, ep=8, sequence_parallel=True, microbatches=4)
+    cluster = Cluster(H100, 8, 8)
+    work = _work(MEGATRON_CORE_2025, seq=4096, batch=16, model=QWEN3_30B_A3B)
+    plain = _work(dataclasses.replace(MEGATRON_CORE_2025, ep_comm_overlap=False,
+                                      tp_comm_overlap=False), seq=4096, batch=16,
+                  model=QWEN3_30B_A3B)
+    replicated = _work(dataclasses.replace(MEGATRON_CORE_2024, tp_comm_overlap=False),
+                       seq=4096, batch=16, model=QWEN3_30B_A3B)
+    hidden, exposed, gathered = (estimate(w, layout, cluster) for w in (work, plain, replicated))
+    # The same all-to-all bytes, part of them hidden behind another micro-batch's compute.
+    assert hidden["ep_comm_bytes"] == exposed["ep_comm_bytes"] > 0
+    entry = hidden["overlap"]["ep"]
+    assert entry["total_s"] == pytest.approx(exposed["overlap"]["ep"]["total_s"])
+    assert 0 < entry["overlapped_s"] and entry["exposed_s"] < entry["total_s"]
+    assert exposed["overlap"]["ep"]["overlapped_s"] == 0
+    assert hidden["step_time_s"] < exposed["step_time_s"]
+    # tp moves attention's activations only, not the MoE layer's gathered tokens and outputs.
+    assert exposed["overlap"]["tp"]["total_s"] < 0.5 * gathered["overlap"]["tp"]["total_s"]

@@ -151,7 +151,9 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
     groups = [(dense, size, stride)]
     total = exposed = 0.0
     if expert:  # with cp, the cp ranks (tp apart) set how many share a node: approximate
-        groups.append((expert, expert_reduction_size(lay), expert_reduction_stride(lay)))
+        sharded = traits.moe_sequence_sharded
+        groups.append((expert, expert_reduction_size(lay, sharded),
+                       expert_reduction_stride(lay, sharded)))
     m = lay.microbatches
     overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
     if root and size > 1:  # gathered when the step starts, reduced when it ends
@@ -289,7 +291,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
                                     c.backward_input + c.backward_weight + c.recompute, c.forward,
                                     len(placement[slowest]), root)
     zero_share = reduction_group(lay)[0] if lay.zero >= 1 else 1
-    expert_share = expert_reduction_size(lay) if lay.zero >= 1 else 1
+    expert_share = (expert_reduction_size(lay, workload.traits.moe_sequence_sharded)
+                    if lay.zero >= 1 else 1)
     shard = sp.dense / zero_share + sp.expert / expert_share
     optimizer = (shard * workload.traits.optimizer_bytes_per_param
                  / (cluster.process_rates()[1] * 1e9))
@@ -366,7 +369,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     overlap = {"dp": overlap_entry(dp_total, dp_exposed),
                "tp": overlap_entry(m * (c.tp_comm + c.tp_hidden), m * c.tp_comm),
                "cp": overlap_entry(m * (c.cp_comm + c.cp_hidden), m * c.cp_comm),
-               "ep": overlap_entry(m * c.ep_comm, m * c.ep_comm),
+               "ep": overlap_entry(m * (c.ep_comm + c.ep_hidden), m * c.ep_comm),
                "pp": overlap_entry(m * pp_total + tied, m * pp_comm + tied)}
     result = {
         "params": total_params,

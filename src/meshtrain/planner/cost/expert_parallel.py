@@ -30,24 +30,37 @@ def row_split(layout: Layout) -> int:
     return layout.tp if layout.ep > 1 else 1
 
 
-def expert_reduction_size(layout: Layout) -> int:
+def token_split(layout: Layout, sequence_sharded: bool = False) -> int:
+    """Over how many tp ranks an MoE layer's tokens and assignments are divided: ``tp`` when
+    each tp rank keeps its own sequence shard through the layer (``sequence_sharded``,
+    :attr:`~meshtrain.planner.cost.runtime.RuntimeTraits.moe_sequence_sharded`, under sequence
+    parallelism), else :func:`row_split`."""
+    if sequence_sharded and layout.sequence_parallel:
+        return layout.tp
+    return row_split(layout)
+
+
+def expert_reduction_size(layout: Layout, sequence_sharded: bool = False) -> int:
     """Ranks an expert parameter's gradient is reduced and ZeRO-sharded over: ``dp · cp · tp /
-    ep`` with expert parallelism, ``dp · cp`` (as every parameter) without."""
-    return max(layout.dp * layout.cp * row_split(layout) // layout.ep, 1)
+    ep`` with expert parallelism (or with tp ranks that route tokens of their own,
+    :func:`token_split`), ``dp · cp`` (as every parameter) without."""
+    split = token_split(layout, sequence_sharded)
+    return max(layout.dp * layout.cp * split // layout.ep, 1)
 
 
-def expert_reduction_stride(layout: Layout) -> int:
+def expert_reduction_stride(layout: Layout, sequence_sharded: bool = False) -> int:
     """Approximate rank distance between the members of an expert-data-parallel group (they
     are ``ep`` apart in the stage's ``dp × tp`` numbering)."""
     if layout.ep <= 1:
-        return layout.tp
+        return 1 if token_split(layout, sequence_sharded) > 1 else layout.tp
     return layout.ep * layout.cp
 
 
 def routed_rows(workload: Workload, layout: Layout) -> float:
     """Assignments one rank dispatches per MoE layer and micro-batch (dropless)."""
     tokens = layout.micro_batch_size(workload.global_batch) * workload.seq_len / layout.cp
-    return tokens * workload.model.moe_top_k / row_split(layout)
+    split = token_split(layout, workload.traits.moe_sequence_sharded)
+    return tokens * workload.model.moe_top_k / split
 
 
 def ep_layer_bus_bytes(workload: Workload, layout: Layout) -> float:

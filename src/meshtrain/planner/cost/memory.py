@@ -139,11 +139,16 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout: Layout,
                            flash: bool, mode: str | None = None,
-                           policy: str = "modules", fused_swiglu: bool = False) -> float:
+                           policy: str = "modules", fused_swiglu: bool = False,
+                           moe_sequence_sharded: bool = False,
+                           moe_gate_in_activation: bool = False) -> float:
     """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
     element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them).
     ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``);
-    ``fused_swiglu``: the SwiGLU kernel keeps only its input (``RuntimeTraits.fused_swiglu``)."""
+    ``fused_swiglu``: the SwiGLU kernel keeps only its input (``RuntimeTraits.fused_swiglu``);
+    ``moe_sequence_sharded``: each tp rank keeps its own tokens through an MoE layer
+    (``RuntimeTraits.moe_sequence_sharded``); ``moe_gate_in_activation``: the experts' outputs
+    are not kept (``RuntimeTraits.moe_gate_in_activation``)."""
     mode = mode or layout.activation_checkpointing
     t, h = layout.tp, model.dim
     sp = layout.sequence_parallel
@@ -175,10 +180,19 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         # outputs are all-gathered back whole for the gate-weighted sum (parallel.expert.fold).
         k = model.moe_top_k
         f = model.expert_ffn_dim
+        moe = 4.0 * model.moe_experts / h  # the router's fp32 scores
+        outputs = 0.0 if moe_gate_in_activation else 2.0 * k  # kept for the gate's backward
+        if moe_sequence_sharded and sp:
+            # Each tp rank routes its own S/tp tokens and nothing is gathered: the whole
+            # layer's saved tensors are a tp-th (router, experts' inputs, intermediates and
+            # outputs, shared experts).
+            moe += (k * per_hidden * f / h + 2.0 * k + outputs
+                    + per_hidden * model.shared_ffn_dim / h)
+            return replicated / t + parallel / t + moe / t
         split = row_split(layout)
         whole += k * per_hidden * f / h / split + per_hidden * model.shared_ffn_dim / h
         # The experts' input rows, their gathered outputs, the router's fp32 scores.
-        whole += 2.0 * k / split + 2.0 * k + 4.0 * model.moe_experts / h
+        whole += 2.0 * k / split + outputs + moe
         whole += 2.0 if sp else 0.0  # the gathered input (without sp: ``replicated`` has it)
     else:
         parallel += per_hidden * model.ffn_dim / h
@@ -193,7 +207,9 @@ def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
                                    workload.traits.flash_attention, mode,
                                    workload.traits.selective_policy,
-                                   workload.traits.fused_swiglu)
+                                   workload.traits.fused_swiglu,
+                                   workload.traits.moe_sequence_sharded,
+                                   workload.traits.moe_gate_in_activation)
     tokens = workload.seq_len / layout.cp * b
     return units * tokens * workload.model.dim * workload.act_bytes / 2
 
@@ -247,7 +263,7 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     states = (workload.precision, grad_bytes, workload.traits.fp32_params,
               workload.traits.optimizer_state_bytes)
     dense = model_state_bytes(params.dense, lay.zero, shards, *states)
-    expert_shards = expert_reduction_size(lay)
+    expert_shards = expert_reduction_size(lay, workload.traits.moe_sequence_sharded)
     expert = model_state_bytes(params.expert, lay.zero, expert_shards, *states)
     param_b, grad_b, optim_b = (d + e for d, e in zip(dense, expert, strict=True))
 

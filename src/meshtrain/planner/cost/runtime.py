@@ -154,6 +154,22 @@ class RuntimeTraits:
     """The distributed optimizer's parameter all-gather after the update (ZeRO 1-2) overlaps the
     next step's forward, bucket by bucket (Megatron-LM ``--overlap-param-gather``); else it is
     exposed."""
+    moe_sequence_sharded: bool = False
+    """Under sequence parallelism each tp rank keeps its own ``S / tp`` tokens through an MoE
+    layer: it routes them and dispatches their assignments over an expert group that spans the
+    tp ranks, and nothing is gathered over tp (Megatron-Core's MoE with expert tensor
+    parallelism 1). False: meshtrain's replicated region, where every tp rank routes the whole
+    gathered sequence and folded experts all-gather their outputs back
+    (:mod:`meshtrain.planner.cost.expert_parallel`)."""
+    moe_gate_in_activation: bool = False
+    """The router's gate weights multiply the experts' SwiGLU output inside the activation
+    kernel (Megatron-Core's weighted SwiGLU), so the experts' outputs are not kept for the
+    gate's backward and the unpermute is a plain sum; False: the outputs are kept, as
+    meshtrain's gate-weighted sum keeps them."""
+    ep_comm_overlap: bool = False
+    """The expert all-to-alls of one micro-batch run while another micro-batch's block computes
+    (Megatron-Core's ``overlap_moe_expert_parallel_comm``, pairing one micro-batch's forward
+    with another's backward): only what outlasts the block's compute is exposed."""
     offload: bool = True
     """The runtime keeps a ZeRO shard in host memory or NVMe files as meshtrain does
     (``parallel.offload``, :mod:`meshtrain.planner.cost.offload`); the published stacks are
@@ -255,10 +271,20 @@ docs/performance.md): the 2024 stack with ``torch.compile`` on every block (elem
 kernels fused), async tensor parallelism (which needs compile), and pipeline schedules; Float8
 is not priced (no row using it is in the validation set). Its H100 GEMM efficiency is fitted on
 its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN_2025_H100`)."""
+MEGATRON_CORE_2025 = dataclasses.replace(MEGATRON_CORE_2024, moe_sequence_sharded=True,
+                                         moe_gate_in_activation=True, ep_comm_overlap=True,
+                                         uniform_pipeline_stages=False)
+"""Megatron-Core as Megatron-Bridge's 2025 MoE recipes run it (``scripts/performance``): the
+2024 stack, with uneven pipeline stages (``pipeline_model_parallel_layout``, the embedding and
+the loss counted as layers), the MoE layer of expert tensor parallelism 1 (each tp rank's own tokens
+dispatched by all-to-all over an expert group spanning the tp ranks, nothing gathered over tp)
+the router's gate weights applied inside the experts' SwiGLU (``weighted_bias_swiglu``), and
+the expert all-to-alls overlapped with another micro-batch's compute (``moe_a2a_overlap``).
+No fit rows of its own: it keeps the 2024 stack's H100 kernel efficiency."""
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,
-          "llama3-2024": LLAMA3_2024,
+          "megatron-core-2025": MEGATRON_CORE_2025, "llama3-2024": LLAMA3_2024,
           "torchtitan-2024": TORCHTITAN_2024, "torchtitan-2025": TORCHTITAN_2025}
 """Software stacks the cost model can price, by name."""
 

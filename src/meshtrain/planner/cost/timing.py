@@ -34,7 +34,7 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.context_parallel import layer_comm_time
-from meshtrain.planner.cost.expert_parallel import routed_rows, row_split
+from meshtrain.planner.cost.expert_parallel import routed_rows, token_split
 from meshtrain.planner.cost.memory import layer_activation_bytes
 from meshtrain.planner.cost.overlap import pipelined_exposed
 from meshtrain.planner.cost.workload import Workload
@@ -60,6 +60,9 @@ class BlockCost:
     tp_hidden: float = 0.0
     """Tensor-parallel communication hidden behind the block's GEMMs (``tp_comm`` is what
     stays exposed; 0 unless ``RuntimeTraits.tp_comm_overlap``)."""
+    ep_hidden: float = 0.0
+    """Expert all-to-alls hidden behind another micro-batch's compute
+    (``RuntimeTraits.ep_comm_overlap``)."""
     cp_hidden: float = 0.0
     """Context-parallel communication hidden behind attention
     (``RuntimeTraits.cp_comm_overlap``)."""
@@ -104,8 +107,9 @@ class GemmClock:
 
 
 def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout,
-                   ) -> list[tuple[float, float, float, float]]:
-    """(m, n, k, batch) of each forward GEMM in a block on one rank."""
+                   moe_sequence_sharded: bool = False) -> list[tuple[float, float, float, float]]:
+    """(m, n, k, batch) of each forward GEMM in a block on one rank (``moe_sequence_sharded``:
+    ``RuntimeTraits.moe_sequence_sharded``)."""
     t, h, hd = layout.tp, model.dim, model.head_dim
     q_width, kv_width = model.n_heads * hd / t, model.kv_heads * hd / t
     shapes = [(tokens, q_width + 2 * kv_width, h, 1), (tokens, h, q_width, 1)]
@@ -114,15 +118,18 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
         f = model.ffn_dim / t
         return shapes + [(tokens, up * f, h, 1), (tokens, h, f, 1)]
     # Router and shared experts are replicated over tp; with ep > 1 the routed experts are
-    # folded over the tp ranks, each computing its 1/tp share (planner.expert_parallel).
+    # folded over the tp ranks, each computing its 1/tp share (planner.expert_parallel). A
+    # stack whose tp ranks keep their own tokens through the layer runs all of it on S/tp.
     f = model.expert_ffn_dim
     local = model.moe_experts / layout.ep
-    per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts / row_split(layout)
-    shapes += [(tokens, model.moe_experts, h, 1), (per_expert, up * f, h, local),
+    split = token_split(layout, moe_sequence_sharded)
+    own = tokens / split if moe_sequence_sharded and layout.sequence_parallel else tokens
+    per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts / split
+    shapes += [(own, model.moe_experts, h, 1), (per_expert, up * f, h, local),
                (per_expert, h, f, local)]
     if model.moe_shared_experts:
         shared = model.shared_ffn_dim
-        shapes += [(tokens, up * shared, h, 1), (tokens, h, shared, 1)]
+        shapes += [(own, up * shared, h, 1), (own, h, shared, 1)]
     return shapes
 
 
@@ -137,7 +144,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     cost = BlockCost()
 
     linear_flops = linear_time = 0.0
-    shapes = _linear_shapes(model, layer, tokens, lay)
+    shapes = _linear_shapes(model, layer, tokens, lay, traits.moe_sequence_sharded)
     for m, n, k, batch in shapes:
         one = clock.gemm(m, n, k, batch)
         cost.forward += one
@@ -191,7 +198,8 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         message = tokens * model.dim * workload.act_bytes
         # Attention and MLP each reduce once forward and once backward; a replicated MoE layer
         # reduces nothing (without sp), with sp it gathers its input forward and backward.
-        moe_plain = model.is_moe_layer(layer) and not lay.sequence_parallel
+        sharded = traits.moe_sequence_sharded and lay.sequence_parallel
+        moe_plain = model.is_moe_layer(layer) and (not lay.sequence_parallel or sharded)
         collectives = (2 if moe_plain else 4) + (2 if mode == "full" else 0)
         if lay.sequence_parallel:
             # Each all-reduce becomes an all-gather and a reduce-scatter: the same bus bytes,
@@ -201,7 +209,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         else:
             one = cluster.collective_time("all_reduce", message, lay.tp, 1, "tp")
         cost.tp_comm = collectives * one
-        if lay.ep > 1 and model.is_moe_layer(layer):
+        if lay.ep > 1 and model.is_moe_layer(layer) and not sharded:
             # Folded experts: the tp ranks' shares of the expert outputs are all-gathered
             # forward, the shares' input gradients backward (parallel.expert.fold).
             rows = tokens * model.moe_top_k * model.dim * workload.act_bytes
@@ -214,6 +222,10 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         stride = 1 if lay.cp == 1 else lay.cp
         cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
                                                             stride, "ep")
+    if traits.ep_comm_overlap and cost.ep_comm:
+        # Another micro-batch's block computes while these all-to-alls run.
+        hidden = min(cost.ep_comm, cost.compute)
+        cost.ep_hidden, cost.ep_comm = hidden, cost.ep_comm - hidden
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
     if traits.tp_comm_overlap and cost.tp_comm:
         exposed = pipelined_exposed(cost.tp_comm, linear_time, lay.tp)

@@ -31,6 +31,7 @@ from meshtrain.planner.cost.runtime import (  # noqa: F401 - re-exported: caller
     MEGATRON_2021_TORCH_DDP,
     MEGATRON_2022,
     MEGATRON_CORE_2024,
+    MEGATRON_CORE_2025,
     MEGATRON_DEEPSPEED,
     MESHTRAIN,
     STACKS,

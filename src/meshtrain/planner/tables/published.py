@@ -20,13 +20,14 @@ from meshtrain.planner.cost.memory import GB
 from meshtrain.planner.tables.fitting import fit_groups, priced, refit, speed_error
 from meshtrain.planner.tables.runs_llama3 import llama3_rows
 from meshtrain.planner.tables.runs_megatron import megatron_rows
+from meshtrain.planner.tables.runs_moe import moe_rows
 from meshtrain.planner.tables.runs_row import PublishedRow
 from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
 
 
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set, train and test."""
-    return megatron_rows() + llama3_rows() + torchtitan_rows()
+    return megatron_rows() + llama3_rows() + moe_rows() + torchtitan_rows()
 
 
 def evaluate(row: PublishedRow) -> dict:

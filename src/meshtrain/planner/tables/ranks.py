@@ -11,9 +11,11 @@ from meshtrain.planner.tables.profiles import PROFILES
 from meshtrain.planner.tables.runs_row import PublishedRow
 
 RANKED_SOURCES = ("Narayanan 2021", "Korthikanti 2022", "torchtitan docs/performance.md (A100)",
-                  "torchtitan docs/performance.md Table 1", "NVIDIA dgxc-benchmarking")
+                  "torchtitan docs/performance.md Table 1",
+                  "NVIDIA dgxc-benchmarking (NeMo 24.09)")
 """Sources whose layouts the rank table covers (every row of these but the memory rows, and of
-the dgxc-benchmarking recipes the smallest scale of each)."""
+the dgxc-benchmarking NeMo 24.09 recipes the smallest scale of each; the MoE row is not
+ranked)."""
 
 
 def ranked_rows(rows: list[PublishedRow]) -> list[PublishedRow]:
