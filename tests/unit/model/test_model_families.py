@@ -37,7 +37,8 @@ SCALINGS = {
 # Published totals (the model cards' parameter counts), to 0.5 %.
 PUBLISHED = {"llama3.1-8b": 8.03e9, "llama3.1-70b": 70.6e9, "llama3.1-405b": 405.9e9,
              "llama3.2-1b": 1.24e9, "llama3.2-3b": 3.21e9, "qwen2.5-7b": 7.62e9,
-             "qwen2.5-72b": 72.7e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.8e9}
+             "qwen2.5-72b": 72.7e9, "qwen3-8b": 8.19e9, "qwen3-32b": 32.8e9,
+             "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9}
 
 
 @pytest.mark.parametrize("name", list(SCALINGS))

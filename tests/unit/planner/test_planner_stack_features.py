@@ -189,7 +189,8 @@ def test_megatron_core_2025_keeps_a_tp_th_of_an_moe_layers_tokens_on_each_rank()
 def test_megatron_core_2025_gathers_nothing_over_tp_in_an_moe_layer_and_hides_all_to_alls():
     layout = Layout(dp=4, tp=2, ep=8, sequence_parallel=True, microbatches=4)
     cluster = Cluster(H100, 8, 8)
-    work = _work(MEGATRON_CORE_2025, seq=4096, batch=16, model=QWEN3_30B_A3B)
+    work = _work(dataclasses.replace(MEGATRON_CORE_2025, ep_comm_overlap=True), seq=4096,
+                 batch=16, model=QWEN3_30B_A3B)
     plain = _work(dataclasses.replace(MEGATRON_CORE_2025, ep_comm_overlap=False,
                                       tp_comm_overlap=False), seq=4096, batch=16,
                   model=QWEN3_30B_A3B)

@@ -272,15 +272,18 @@ kernels fused), async tensor parallelism (which needs compile), and pipeline sch
 is not priced (no row using it is in the validation set). Its H100 GEMM efficiency is fitted on
 its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN_2025_H100`)."""
 MEGATRON_CORE_2025 = dataclasses.replace(MEGATRON_CORE_2024, moe_sequence_sharded=True,
-                                         moe_gate_in_activation=True, ep_comm_overlap=True,
+                                         moe_gate_in_activation=True,
                                          uniform_pipeline_stages=False)
 """Megatron-Core as Megatron-Bridge's 2025 MoE recipes run it (``scripts/performance``): the
 2024 stack, with uneven pipeline stages (``pipeline_model_parallel_layout``, the embedding and
 the loss counted as layers), the MoE layer of expert tensor parallelism 1 (each tp rank's own tokens
 dispatched by all-to-all over an expert group spanning the tp ranks, nothing gathered over tp)
-the router's gate weights applied inside the experts' SwiGLU (``weighted_bias_swiglu``), and
-the expert all-to-alls overlapped with another micro-batch's compute (``moe_a2a_overlap``).
-No fit rows of its own: it keeps the 2024 stack's H100 kernel efficiency."""
+and the router's gate weights applied inside the experts' SwiGLU (``weighted_bias_swiglu``).
+Its recipes differ on overlapping the expert all-to-alls with another micro-batch's compute
+(``moe_a2a_overlap``: on for Qwen3-235B on H100, off for Qwen3-30B): the stack prices them
+exposed, and a run that overlaps them sets ``ep_comm_overlap`` (the Qwen3-235B row,
+:mod:`meshtrain.planner.tables.runs_moe`). No fit rows of its own: it keeps the 2024 stack's
+H100 kernel efficiency."""
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,

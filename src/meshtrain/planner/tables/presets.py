@@ -77,6 +77,14 @@ PRESETS: dict[str, tuple[dict, int, int, str]] = {
     "qwen3-32b": (dict(_QWEN3, dim=5120, n_layers=64, n_heads=64, ffn_dim=25600),
                   4096, 1024, "Qwen's published config.json for Qwen3-32B; 4M-token batch "
                   "assumed"),
+    "qwen3-30b-a3b": (dict(_QWEN3, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                           ffn_dim=6144, moe_experts=128, moe_top_k=8, moe_ffn_dim=768),
+                      4096, 1024, "Qwen's published config.json for Qwen3-30B-A3B (every layer "
+                      "MoE); 4M-token batch assumed"),
+    "qwen3-235b-a22b": (dict(_QWEN3, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                             ffn_dim=12288, moe_experts=128, moe_top_k=8, moe_ffn_dim=1536),
+                        4096, 2048, "Qwen's published config.json for Qwen3-235B-A22B (every "
+                        "layer MoE); batch: Megatron-Bridge's H100 recipe (8M tokens)"),
 }
 
 

@@ -21,22 +21,23 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.runtime import MEGATRON_CORE_2025
+from meshtrain.planner.tables.presets import PRESETS
 from meshtrain.planner.tables.runs_row import PublishedRow, row
 
-QWEN3_235B_A22B = ModelConfig(vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
-                              head_width=128, qk_norm=True, rope_theta=1e6, norm_eps=1e-6,
-                              ffn_dim=12288, moe_experts=128, moe_top_k=8, moe_ffn_dim=1536)
-"""Qwen3-235B-A22B as Qwen's published config.json gives it: every layer MoE, 128 experts of
-width 1,536, 8 routed per token, no shared expert (235.1B parameters, 22.2B active)."""
+QWEN3_235B_A22B = ModelConfig(**PRESETS["qwen3-235b-a22b"][0])
+"""Qwen3-235B-A22B, the ``qwen3-235b-a22b`` preset (Qwen's published config.json): every layer
+MoE, 128 experts of width 1,536, 8 routed per token, no shared expert (235.1B parameters, 22.2B
+active)."""
 
 QWEN3_SPLIT = ",".join(["2"] + ["3"] * 30 + ["2"])
 """Layers per chunk, in pipeline order (8 ranks × 4 chunks): the embedding and the loss each
 take a layer's place."""
 
 BRIDGE_H100_QWEN3 = dataclasses.replace(MEGATRON_CORE_2025, grad_reduce_bytes=2,
-                                        tp_comm_overlap=False)
+                                        tp_comm_overlap=False, ep_comm_overlap=True)
 """``megatron-core-2025`` as the H100 recipe configures it: bf16 gradient reduction, no
-tensor-parallel communication overlap."""
+tensor-parallel communication overlap, the expert all-to-alls overlapped with another
+micro-batch's compute (``moe_a2a_overlap``)."""
 
 
 def moe_rows() -> list[PublishedRow]:
