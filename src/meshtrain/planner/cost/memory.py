@@ -174,10 +174,6 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
                   ("swiglu", "selective"): 6.0}.get((model.mlp, mode), 4.0)
     whole = 0.0  # saved by every tp rank in full, with or without sequence parallelism
     if model.is_moe_layer(layer):
-        # The MoE layer runs whole on every tp rank (its input sequence gathered under sp).
-        # With experts folded over tp (ep > 1) each tp rank computes its 1/tp share of the
-        # assignments: its experts' inputs and intermediates are that share, while the expert
-        # outputs are all-gathered back whole for the gate-weighted sum (parallel.expert.fold).
         k = model.moe_top_k
         f = model.expert_ffn_dim
         moe = 4.0 * model.moe_experts / h  # the router's fp32 scores
@@ -189,6 +185,11 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
             moe += (k * per_hidden * f / h + 2.0 * k + outputs
                     + per_hidden * model.shared_ffn_dim / h)
             return replicated / t + parallel / t + moe / t
+        # meshtrain's replicated region: every tp rank routes the whole sequence (gathered
+        # under sp). With experts folded over tp (ep > 1) each tp rank computes its 1/tp share
+        # of the assignments: its experts' inputs and intermediates are that share, while the
+        # expert outputs are all-gathered back whole for the gate-weighted sum
+        # (parallel.expert.fold).
         split = row_split(layout)
         whole += k * per_hidden * f / h / split + per_hidden * model.shared_ffn_dim / h
         # The experts' input rows, their gathered outputs, the router's fp32 scores.
