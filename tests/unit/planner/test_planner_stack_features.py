@@ -206,3 +206,21 @@ def test_megatron_core_2025_gathers_nothing_over_tp_in_an_moe_layer_and_hides_al
     assert hidden["step_time_s"] < exposed["step_time_s"]
     # tp moves attention's activations only, not the MoE layer's gathered tokens and outputs.
     assert exposed["overlap"]["tp"]["total_s"] < 0.5 * gathered["overlap"]["tp"]["total_s"]
+
+
+def test_without_ep_sequence_sharded_tp_ranks_split_the_experts_work_and_reduce_over_tp():
+    # ep = 1: meshtrain's replicated region runs every assignment on every tp rank, so a tp 2
+    # rank does more than half of a tp 1 rank's work; with each tp rank's own tokens
+    # (Megatron-Core, expert tp 1) it does exactly half, and the experts' gradients, now
+    # different on the tp ranks, reduce over dp x tp.
+    from meshtrain.planner.cost.expert_parallel import expert_reduction_size
+    from meshtrain.planner.cost.timing import block_cost
+
+    cluster = Cluster(H100, 8, 8)
+    one, two = Layout(dp=8, microbatches=2), Layout(dp=4, tp=2, sequence_parallel=True,
+                                                    microbatches=4)
+    for traits, halves in ((MEGATRON_CORE_2025, True), (MEGATRON_CORE_2024, False)):
+        work = _work(traits, seq=4096, batch=16, model=QWEN3_30B_A3B)
+        whole, half = (block_cost(work, lay, cluster, 0).flops for lay in (one, two))
+        assert (half == pytest.approx(whole / 2)) is halves
+    assert expert_reduction_size(two, True) == 8 and expert_reduction_size(two) == 4
