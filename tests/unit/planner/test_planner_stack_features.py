@@ -161,9 +161,7 @@ def test_meta_runtime_shards_gradients_and_reduces_them_every_micro_batch():
     assert core["breakdown"]["dp_comm_total_s"] < meta["breakdown"]["dp_comm_total_s"] / 3
 
 
-QWEN3_30B_A3B = dataclasses.replace(
-    preset_config("llama3-8b").model, vocab_size=151936, dim=2048, n_layers=48, n_heads=32,
-    n_kv_heads=4, head_width=128, qk_norm=True, moe_experts=128, moe_top_k=8, moe_ffn_dim=768)
+QWEN3_30B_A3B = preset_config("qwen3-30b-a3b").model
 
 
 def _moe_layer_bytes(traits, tp):
