@@ -90,6 +90,14 @@ def pipelined_exposed(comm: float, compute: float, steps: int) -> float:
     return comm / n + max(comm * (n - 1) / n - compute, 0.0)
 
 
+def paired_exposed(each: float, slots: tuple[float, ...]) -> float:
+    """Seconds left exposed of ``len(slots)`` collectives of ``each`` seconds when each runs
+    beside one compute slot of another micro-batch and hides behind it up to the slot's length
+    (an MoE block's four all-to-alls under Megatron-Core's expert-parallel overlap, which pairs
+    one micro-batch's forward with another's backward as DeepSeek-V3's DualPipe does)."""
+    return sum(max(each - slot, 0.0) for slot in slots)
+
+
 def overlap_entry(total: float, exposed: float) -> dict:
     """One axis of the ``overlap`` table: ``total_s``, ``overlapped_s``, ``exposed_s``."""
     exposed = min(max(exposed, 0.0), total)

@@ -167,9 +167,11 @@ class RuntimeTraits:
     gate's backward and the unpermute is a plain sum; False: the outputs are kept, as
     meshtrain's gate-weighted sum keeps them."""
     ep_comm_overlap: bool = False
-    """The expert all-to-alls of one micro-batch run while another micro-batch's block computes
+    """The expert all-to-alls of one micro-batch run while another micro-batch computes
     (Megatron-Core's ``overlap_moe_expert_parallel_comm``, pairing one micro-batch's forward
-    with another's backward): only what outlasts the block's compute is exposed."""
+    with another's backward): each of an MoE block's four all-to-alls runs beside one compute
+    module of the other micro-batch (attention or experts, forward or backward) and only what
+    outlasts that module is exposed (:func:`meshtrain.planner.cost.overlap.paired_exposed`)."""
     offload: bool = True
     """The runtime keeps a ZeRO shard in host memory or NVMe files as meshtrain does
     (``parallel.offload``, :mod:`meshtrain.planner.cost.offload`); the published stacks are

@@ -36,7 +36,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.context_parallel import layer_comm_time
 from meshtrain.planner.cost.expert_parallel import routed_rows, token_split
 from meshtrain.planner.cost.memory import layer_activation_bytes
-from meshtrain.planner.cost.overlap import pipelined_exposed
+from meshtrain.planner.cost.overlap import paired_exposed, pipelined_exposed
 from meshtrain.planner.cost.workload import Workload
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.hardware.stack_efficiency import KernelEfficiency, kernel_efficiency
@@ -145,8 +145,10 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
 
     linear_flops = linear_time = 0.0
     shapes = _linear_shapes(model, layer, tokens, lay, traits.moe_sequence_sharded)
-    for m, n, k, batch in shapes:
+    attention_gemms = 0.0  # one pass of the qkv and output projections (the first two shapes)
+    for index, (m, n, k, batch) in enumerate(shapes):
         one = clock.gemm(m, n, k, batch)
+        attention_gemms += one if index < 2 else 0.0
         cost.forward += one
         cost.backward_input += one
         cost.backward_weight += one
@@ -218,14 +220,21 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     if lay.ep > 1 and model.is_moe_layer(layer):
         # Each rank dispatches its share of the micro-batch's assignments (1/tp of them).
         routed = routed_rows(workload, lay) * model.dim * workload.act_bytes
-        collectives = 4 + (2 if mode == "full" else 0)
+        all_to_alls = 4 + (2 if mode == "full" else 0)
         stride = 1 if lay.cp == 1 else lay.cp
-        cost.ep_comm = collectives * cluster.collective_time("all_to_all", routed, lay.ep,
+        cost.ep_comm = all_to_alls * cluster.collective_time("all_to_all", routed, lay.ep,
                                                             stride, "ep")
     if traits.ep_comm_overlap and cost.ep_comm:
-        # Another micro-batch's block computes while these all-to-alls run.
-        hidden = min(cost.ep_comm, cost.compute)
-        cost.ep_hidden, cost.ep_comm = hidden, cost.ep_comm - hidden
+        # Each all-to-all runs beside one compute module of another micro-batch: the backward
+        # combine beside the attention forward, the forward dispatch beside the experts'
+        # backward, the backward dispatch beside the experts' forward, the forward combine
+        # beside the attention backward. Recomputation's dispatch and combine stay exposed.
+        experts = linear_time / 3 - attention_gemms  # one pass of the MoE layer's products
+        slots = (attention_gemms + attention_fwd, 2 * experts, experts,
+                 2 * attention_gemms + attention_bwd)
+        each = cost.ep_comm / all_to_alls
+        exposed = paired_exposed(each, slots) + each * (all_to_alls - len(slots))
+        cost.ep_hidden, cost.ep_comm = cost.ep_comm - exposed, exposed
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
     if traits.tp_comm_overlap and cost.tp_comm:
         exposed = pipelined_exposed(cost.tp_comm, linear_time, lay.tp)
