@@ -182,8 +182,8 @@ def test_plans_feasible_count_is_the_searchs_whatever_top_is():
     # `feasible` counts every searched layout that fits as the closed forms price them; the
     # front runners re-priced with the schedule simulator (3 x top of them) change only what
     # is listed, and how many of them no longer fit is said apart.
-    work = Workload.from_config(preset_config("llama3-70b"))
-    cluster = Cluster(PROFILES["h100-80g"], 64, 8)
+    work = Workload.from_config(preset_config("llama3-8b"))
+    cluster = Cluster(PROFILES["h100-80g"], 16, 8)
     few, many = plan(work, cluster, top=1), plan(work, cluster, top=8)
     fitting = sum(1 for r in few.priced if r["fits"])
     assert few.feasible == many.feasible == fitting > len(many.candidates)
@@ -195,8 +195,8 @@ def test_plans_feasible_count_is_the_searchs_whatever_top_is():
 def test_plan_report_says_how_many_front_runners_the_simulator_dropped():
     from meshtrain.commands.planner_report import format_plan
 
-    work = Workload.from_config(preset_config("llama3-70b"))
-    found = plan(work, Cluster(PROFILES["h100-80g"], 64, 8), top=2).to_dict()
+    work = Workload.from_config(preset_config("llama3-8b"))
+    found = plan(work, Cluster(PROFILES["h100-80g"], 16, 8), top=2).to_dict()
     assert "resimulated_not_fitting" in found
     found.update(resimulated_not_fitting=0)
     assert "re-priced" not in format_plan(found, "plan")
