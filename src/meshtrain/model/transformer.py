@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtrain.config.model import MLP_KINDS, ModelConfig
+from meshtrain.model.causal_attention import causal_attention
 from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.init import init_weights
 from meshtrain.model.moe import MoE
@@ -89,7 +90,9 @@ class AttentionCore(nn.Module):
     """Causal scaled-dot-product attention on q [B, Hq, S, D], k/v [B, Hkv, S, D].
 
     Parameter-free and RoPE-free, so a strategy can wrap or replace it (e.g. for context
-    parallelism or selective checkpointing). Grouped-query attention uses SDPA's ``enable_gqa``
+    parallelism or selective checkpointing); causal attention runs through
+    :func:`~meshtrain.model.causal_attention.causal_attention`, which skips the masked half on
+    CPU. Grouped-query attention uses SDPA's ``enable_gqa``
     (query head ``h`` reads kv head ``h // (Hq / Hkv)``); the head counts come from the tensors,
     so tensor-parallel shards work unchanged.
     """
@@ -100,10 +103,10 @@ class AttentionCore(nn.Module):
         attend) replaces the causal mask (document masking)."""
         # enable_gqa reads kv head h // (Hq / Hkv) without materialising repeated heads
         # (the repeat_interleave copy and its backward sum cost ~15% of attention on CPU).
-        gqa = q.shape[1] != k.shape[1]
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return causal_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
