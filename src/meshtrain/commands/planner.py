@@ -43,6 +43,11 @@ def add_hardware_options(parser: argparse.ArgumentParser, gpus_required: bool) -
                         help="software stack to price (what it fuses, overlaps, saves for "
                              "backward, and its kernel efficiency on the GPU where it has its "
                              "own; meshtrain.planner.cost.workload.STACKS); default meshtrain")
+    parser.add_argument("--trait", action="append", default=[], dest="traits",
+                        metavar="NAME=VALUE",
+                        help="change one of the stack's runtime traits as the run configured "
+                             "it, e.g. tp_comm_overlap=false (repeatable; docs/planner.md, "
+                             "Pricing a run as it ran)")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     parser.add_argument("--pue", type=float, default=1.2, help="datacenter PUE (default 1.2)")
     parser.add_argument("--price-per-kwh", type=float, default=0.10, help="currency per kWh")
@@ -98,7 +103,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from meshtrain.planner.cost.estimate import estimate
     from meshtrain.planner.cost.fit_advice import why_not_fits
     from meshtrain.planner.cost.offload import Offload
-    from meshtrain.planner.cost.workload import STACKS, Workload, check_stack_offers
+    from meshtrain.planner.cost.workload import check_stack_offers
 
     model = getattr(args, "model", None)
     if model:
@@ -130,7 +135,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     check_world_size(gpus, dp=par.dp, **degrees, what="--gpus")
     profile = profile_from_args(args)
     cluster = cluster_from_args(args, profile, gpus)
-    work = Workload.from_config(config, STACKS[args.stack])
+    work = workload_from_args(config, args)
     check_stack_offers(work, layout, args.stack)
     offload = Offload.from_config(par)
     if par.replicas > 1:
@@ -145,6 +150,7 @@ def run_estimate(args: argparse.Namespace) -> int:
 
         result["wide_area"] = describe_sites(work, layout, cluster, result)
     result["hardware"], result["stack"] = profile.name, args.stack
+    result["traits"] = traits_set(args)
     if par.replicas > 1:  # each replica group's memory is its inner layout's
         from meshtrain.planner.sites.diloco_cost import inner_cluster, inner_workload
 
@@ -158,6 +164,11 @@ def run_estimate(args: argparse.Namespace) -> int:
     for warning in result["warnings"]:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
     text = format_estimate(result, profile.name)
+    if result["traits"]:
+        from meshtrain.planner.cost.trait_overrides import format_value
+
+        text += (f"\nstack {args.stack} with " + ", ".join(
+            f"{name}={format_value(value)}" for name, value in result["traits"].items()))
     if "wide_area" in result:
         from meshtrain.planner.sites.across_sites import format_sites
 
@@ -169,6 +180,26 @@ def run_estimate(args: argparse.Namespace) -> int:
         text += "\n" + format_energy_schedule(result["energy_schedule"], " per pipeline")
     print(json.dumps(result, indent=2) if args.json else text)
     return 0
+
+
+def workload_from_args(config: Config, args: argparse.Namespace):
+    """The :class:`~meshtrain.planner.cost.workload.Workload` of ``config`` priced with
+    ``--stack``, its traits changed by every ``--trait`` (which win over what the run config
+    sets, e.g. ``parallel.grad_reduce_dtype``)."""
+    import dataclasses
+
+    from meshtrain.planner.cost.trait_overrides import apply_traits
+    from meshtrain.planner.cost.workload import STACKS, Workload
+
+    work = Workload.from_config(config, STACKS[args.stack])
+    return dataclasses.replace(work, traits=apply_traits(work.traits, args.traits))
+
+
+def traits_set(args: argparse.Namespace) -> dict:
+    """What ``--trait`` changed, by name (the last value of each), for the JSON output."""
+    from meshtrain.planner.cost.trait_overrides import parse_trait
+
+    return dict(parse_trait(text) for text in args.traits)
 
 
 def profile_from_args(args: argparse.Namespace):
@@ -244,7 +275,6 @@ def run_plan(args: argparse.Namespace) -> int:
     """``meshtrain plan``: rank layouts; exit 0 even when nothing fits (the answer says why)."""
     from meshtrain.commands.planner_report import format_plan
     from meshtrain.config import parse_override, set_key
-    from meshtrain.planner.cost.workload import STACKS, Workload
     from meshtrain.planner.search.layouts import plan
     from meshtrain.planner.tables.presets import PRESETS, preset_config
 
@@ -270,7 +300,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError("plan --tokens (a GPU-count budget) prices one site; drop "
                               "--sites / --nodes-per-site, or plan the sites without --tokens.")
         return _run_budget_plan(args, config, profile)
-    work = Workload.from_config(config, STACKS[args.stack])
+    work = workload_from_args(config, args)
     if getattr(args, "explain", None) is not None:
         return _run_explain(args, config, work, cluster, profile.name)
     result = plan(work, cluster, args.top, _energy(args), offload=args.offload).to_dict()
@@ -281,7 +311,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                          args.gpu_hour_price)
     result["objective"] = args.objective
     result.update(model=args.model, hardware=profile.name, stack=args.stack, gpus=args.gpus,
-                  gpus_per_node=args.gpus_per_node, seq_len=config.train.seq_len,
+                  traits=traits_set(args), gpus_per_node=args.gpus_per_node,
+                  seq_len=config.train.seq_len,
                   global_batch=config.train.global_batch)
     title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
              f"seq {config.train.seq_len}, global batch {config.train.global_batch}")
@@ -315,10 +346,9 @@ def _run_explain(args: argparse.Namespace, config: Config, work, cluster,
 
 def _run_budget_plan(args: argparse.Namespace, config: Config, profile) -> int:
     """``plan --tokens T --deadline-hours H``: GPU count and layout for the objective."""
-    from meshtrain.planner.cost.workload import STACKS, Workload
     from meshtrain.planner.search.objective import budget_plan, format_budget_plan
 
-    work = Workload.from_config(config, STACKS[args.stack])
+    work = workload_from_args(config, args)
     answer = budget_plan(work, profile, args.gpus, args.gpus_per_node,
                          args.tokens, args.deadline_hours, args.objective, _energy(args),
                          args.gpu_hour_price)

@@ -10,7 +10,8 @@ feeds (:mod:`meshtrain.planner.tables.fitting`, whose routines take train rows o
 ``python -m meshtrain.planner.tables.published`` prints every row with its error and the
 accuracy over train and test rows; ``--table`` the per-row table docs/planner.md shows;
 ``--fit`` the constants the train rows give; ``--ranks`` where published layouts rank among the
-layouts ``plan`` searches (:mod:`meshtrain.planner.tables.ranks`).
+layouts ``plan`` searches (:mod:`meshtrain.planner.tables.ranks`); ``--commands`` the
+``meshtrain estimate`` command that prices each row (:mod:`meshtrain.planner.tables.row_commands`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def headline(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the validation set with errors, train rows apart from test rows; ``--table``: the
-    docs table; ``--fit``: the constants the train rows give; ``--ranks``: the rank table."""
+    docs table; ``--fit``: the constants the train rows give; ``--ranks``: the rank table;
+    ``--commands``: each row's ``meshtrain estimate`` command."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -110,6 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         groups = fit_groups(rows)
         for name, value in refit(rows).items():
             print(f"{name}: {value:.3f} (from {len(groups[name])} train row(s))")
+        return
+    if "--commands" in args:
+        from meshtrain.planner.tables.row_commands import row_command
+
+        for row in rows:
+            print(f"# {row.name} ({row.source}, {row.split}): published {row.metric} "
+                  f"{row.published:g}")
+            print(row_command(row))
         return
     if "--ranks" in args:
         from meshtrain.planner.tables.ranks import print_ranks, ranked_rows
