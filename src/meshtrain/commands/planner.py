@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshtrain.config import Config, ConfigError, load_config
 from meshtrain.config.layout_rules import check_world_size, dp_for_world, world_size
+from meshtrain.config.loading import REQUIRED_WITHOUT_CONFIG
 from meshtrain.validation.model import validate_shapes
 
 
@@ -70,13 +71,6 @@ def _energy(args: argparse.Namespace) -> dict:
             "carbon_g_per_kwh": args.carbon_g_per_kwh}
 
 
-#: What ``estimate`` needs from ``--set`` alone (no ``--config``, no ``--model``): the model's
-#: shape, its vocabulary, the batch and the precision. Every other key keeps its documented
-#: default (:class:`meshtrain.config.ModelConfig`: multi-head attention, SwiGLU, untied
-#: embeddings).
-REQUIRED_WITHOUT_CONFIG = ("model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim",
-                           "model.vocab_size", "train.seq_len", "train.global_batch",
-                           "train.precision")
 
 
 def _model_from_overrides(overrides: list[str]) -> Config:

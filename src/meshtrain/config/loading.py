@@ -198,6 +198,15 @@ def apply_mapping(config: Config, data: dict[str, Any], origin: str) -> None:
             set_key(config, f"{section_name}.{key}", value, origin)
 
 
+#: What ``meshtrain estimate`` needs from ``--set`` alone (no ``--config``, no ``--model``):
+#: the model's shape, its vocabulary, the batch and the precision. Every other key keeps its
+#: documented default (:class:`meshtrain.config.ModelConfig`: multi-head attention, SwiGLU, untied
+#: embeddings).
+REQUIRED_WITHOUT_CONFIG = ("model.dim", "model.n_layers", "model.n_heads", "model.ffn_dim",
+                           "model.vocab_size", "train.seq_len", "train.global_batch",
+                           "train.precision")
+
+
 def parse_override(text: str) -> tuple[str, str]:
     """Split one ``--set`` argument ``section.key=value``."""
     if "=" not in text:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-from meshtrain.commands.planner import REQUIRED_WITHOUT_CONFIG
 from meshtrain.config import ModelConfig
+from meshtrain.config.loading import REQUIRED_WITHOUT_CONFIG
 from meshtrain.planner.cost.trait_overrides import trait_arguments
 from meshtrain.planner.cost.workload import STACKS
 from meshtrain.planner.tables.runs_row import PublishedRow
