@@ -185,7 +185,10 @@ class DeferrableLinear(torch.nn.Linear):
 
 
 def make_deferrable(module: torch.nn.Module) -> None:
-    """Switch every plain ``nn.Linear`` under ``module`` to :class:`DeferrableLinear`."""
+    """Switch every plain ``nn.Linear`` under ``module`` to :class:`DeferrableLinear`, and turn
+    on ``defer_weight_grads`` of the layers that have it (the tensor-parallel linears)."""
     for m in module.modules():
         if type(m) is torch.nn.Linear:
             m.__class__ = DeferrableLinear
+        elif hasattr(m, "defer_weight_grads"):
+            m.defer_weight_grads = True

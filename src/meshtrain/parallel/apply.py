@@ -57,7 +57,8 @@ def parallelize(model: torch.nn.Module, mesh: ParallelMesh, plan: ParallelPlan) 
         check_schedule(schedule)
         layers = stage_layers(model.config, model.config.vocab_size, schedule.num_stages,
                               plan.pp_split)
-        chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers)
+        chunks = split_model(model, schedule.stages_of(mesh.pp_rank), layers,
+                             schedule.defers_weight_grads)
         state.pipeline = (schedule, chunks)
         if model.config.tie_embeddings:
             _mark_tied_embedding(model, mesh, schedule, state.shardings)

@@ -45,3 +45,29 @@ def test_dense_split_matches_plain_backward():
 def test_moe_split_matches_plain_backward():
     deferred = _check("model.moe_experts=4", "model.moe_top_k=2")
     assert any("experts.w1" in n for n in deferred)
+
+
+def test_only_zero_bubble_schedules_make_the_stages_deferrable():
+    import torch
+
+    from meshtrain.config import ModelConfig
+    from meshtrain.model import build_model
+    from meshtrain.model.weight_grad import DeferrableLinear
+    from meshtrain.parallel.pipeline import build_schedule
+    from meshtrain.parallel.pipeline.stage import split_model
+    from meshtrain.parallel.tensor.layers import ColumnParallelLinear
+
+    deferring = {name: build_schedule(name, 2, 4, 2 if name in ("zb-v", "interleaved-1f1b")
+                                      else 1).defers_weight_grads
+                 for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")}
+    assert deferring == {"gpipe": False, "1f1b": False, "interleaved-1f1b": False,
+                         "zb-h1": True, "zb-v": True}
+    config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+    for defer in (False, True):
+        model = build_model(config)
+        model.layers["0"].feed_forward.w1 = ColumnParallelLinear(
+            model.layers["0"].feed_forward.w1, 0, 2)
+        split_model(model, [0, 1], [[0], [1]], defer)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(isinstance(m, DeferrableLinear) == defer for m in linears)
+        assert model.layers["0"].feed_forward.w1.defer_weight_grads == defer

@@ -125,6 +125,12 @@ class Schedule:
         """The pipeline rank holding global ``stage``."""
         return self.stage_to_rank[stage]
 
+    @property
+    def defers_weight_grads(self) -> bool:
+        """Whether any rank runs a deferred weight-gradient pass (``W``: the zero-bubble
+        schedules); only then do the stages' matmuls need the deferrable backward."""
+        return any(a.kind is ActionKind.W for acts in self.actions for a in acts)
+
     def compute_actions(self, rank: int) -> list[Action]:
         """``rank``'s F/B/I/W actions in order, without the communication."""
         return [a for a in self.actions[rank] if a.kind.is_compute]

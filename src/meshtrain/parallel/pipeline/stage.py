@@ -60,8 +60,10 @@ class StageChunk:
 
 
 def split_model(model: nn.Module, stages_here: list[int], layers_per_stage: list[list[int]],
-                ) -> dict[int, StageChunk]:
-    """Keep only this rank's stages in ``model`` (in place); return its chunks by stage."""
+                defer_weight_grads: bool = False) -> dict[int, StageChunk]:
+    """Keep only this rank's stages in ``model`` (in place); return its chunks by stage.
+    ``defer_weight_grads``: the schedule has ``W`` passes, so the matmuls get the deferrable
+    backward (elsewhere they stay plain ``F.linear``, without its Python autograd step)."""
     last = len(layers_per_stage) - 1
     owned = {layer for s in stages_here for layer in layers_per_stage[s]}
     for key in list(model.layers.keys()):
@@ -72,5 +74,6 @@ def split_model(model: nn.Module, stages_here: list[int], layers_per_stage: list
     if last not in stages_here:
         model.norm = None
         model.output = None
-    make_deferrable(model)  # linear weight grads can wait for the W pass (zero-bubble)
+    if defer_weight_grads:
+        make_deferrable(model)  # linear weight grads can wait for the W pass (zero-bubble)
     return {s: StageChunk(model, s, layers_per_stage[s], s == 0, s == last) for s in stages_here}

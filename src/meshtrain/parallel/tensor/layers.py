@@ -78,13 +78,15 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _copy_bias(linear, slice(lo, lo + rows))
         if self.bias is not None:
             self.param_shardings["bias"] = tp_split(self.bias, (out_features,), 0, lo)
+        self.defer_weight_grads = False  # make_deferrable: a zero-bubble pipeline's W pass
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[lo:lo + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Local matmul on the already-entered input."""
-        return linear(x, self.weight, self.bias)
+        matmul = linear if self.defer_weight_grads else F.linear
+        return matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -108,13 +110,14 @@ class RowParallelLinear(nn.Module):
         self.bias = _copy_bias(linear)
         if self.bias is not None:
             self.param_shardings["bias"] = tp_replicated(partial_grad=sequence_parallel)
+        self.defer_weight_grads = False  # make_deferrable: a zero-bubble pipeline's W pass
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[:, lo:lo + cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Partial product, then all-reduce (or sequence reduce-scatter), then the bias."""
-        partial = linear(x, self.weight)
+        partial = (linear if self.defer_weight_grads else F.linear)(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_region(partial, self.comm)
         else:
