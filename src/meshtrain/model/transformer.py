@@ -28,6 +28,7 @@ from meshtrain.model.causal_attention import causal_attention
 from meshtrain.model.feed_forward import FeedForward
 from meshtrain.model.init import init_weights
 from meshtrain.model.moe import MoE
+from meshtrain.model.rms_norm import rms_norm
 from meshtrain.model.rope import rope_frequencies
 
 
@@ -42,9 +43,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x`` and scale it by ``weight``."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel each way instead of five element-wise passes (~10 % of a norm's
-            # time on CPU); the same formula, fp32 throughout.
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            # A few whole-tensor passes each way instead of autograd's chain of element-wise
+            # ops (meshtrain.model.rms_norm); the same formula, fp32 throughout.
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
