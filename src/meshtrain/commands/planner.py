@@ -71,8 +71,6 @@ def _energy(args: argparse.Namespace) -> dict:
             "carbon_g_per_kwh": args.carbon_g_per_kwh}
 
 
-
-
 def _model_from_overrides(overrides: list[str]) -> Config:
     """The run config ``--set`` alone describes, refused unless it defines the model: never the
     demo's model filled in silently."""
