@@ -157,10 +157,7 @@ def run_estimate(args: argparse.Namespace) -> int:
         print(f"meshtrain: warning: {warning}", file=sys.stderr)
     text = format_estimate(result, profile.name)
     if result["traits"]:
-        from meshtrain.planner.cost.trait_overrides import format_value
-
-        text += (f"\nstack {args.stack} with " + ", ".join(
-            f"{name}={format_value(value)}" for name, value in result["traits"].items()))
+        text += "\n" + traits_text(args.stack, result["traits"])
     if "wide_area" in result:
         from meshtrain.planner.sites.across_sites import format_sites
 
@@ -192,6 +189,14 @@ def traits_set(args: argparse.Namespace) -> dict:
     from meshtrain.planner.cost.trait_overrides import parse_trait
 
     return dict(parse_trait(text) for text in args.traits)
+
+
+def traits_text(stack: str, traits: dict) -> str:
+    """``stack NAME with a=b, ...``: what ``--trait`` changed, for the text output."""
+    from meshtrain.planner.cost.trait_overrides import format_value
+
+    return f"stack {stack} with " + ", ".join(f"{name}={format_value(value)}"
+                                              for name, value in traits.items())
 
 
 def profile_from_args(args: argparse.Namespace):
@@ -308,6 +313,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   global_batch=config.train.global_batch)
     title = (f"{args.model} on {args.gpus} x {profile.name} ({args.gpus_per_node} per node), "
              f"seq {config.train.seq_len}, global batch {config.train.global_batch}")
+    if result["traits"]:
+        title += ", " + traits_text(args.stack, result["traits"])
     text = format_plan(result, title)
     if cluster.wan is not None:
         from meshtrain.planner.sites.across_sites import format_site_plan, plan_across_sites

@@ -99,3 +99,12 @@ def test_trait_arguments_round_trip():
     assert sorted(texts) == ["elementwise_traffic=3.5", "tp_comm_overlap=false",
                              "zero_stages=0,1,2"]
     assert apply_traits(MEGATRON_CORE_2024, texts) == changed
+
+
+def test_plan_takes_traits_and_says_so(capsys):
+    argv = ["plan", "--model", "llama3.1-8b", "--hardware", "h100-80g", "--gpus", "16",
+            "--stack", "megatron-core-2024", "--top", "1", "--trait", "tp_comm_overlap=false"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("stack megatron-core-2024 with tp_comm_overlap=false")
+    assert _estimate(argv)["traits"] == {"tp_comm_overlap": False}
