@@ -30,12 +30,18 @@ def row_split(layout: Layout) -> int:
     return layout.tp if layout.ep > 1 else 1
 
 
+def keeps_own_tokens(layout: Layout, sequence_sharded: bool) -> bool:
+    """Whether each tp rank keeps its own sequence shard through an MoE layer: a stack that
+    does so (``sequence_sharded``,
+    :attr:`~meshtrain.planner.cost.runtime.RuntimeTraits.moe_sequence_sharded`) under sequence
+    parallelism."""
+    return sequence_sharded and layout.sequence_parallel
+
+
 def token_split(layout: Layout, sequence_sharded: bool = False) -> int:
     """Over how many tp ranks an MoE layer's tokens and assignments are divided: ``tp`` when
-    each tp rank keeps its own sequence shard through the layer (``sequence_sharded``,
-    :attr:`~meshtrain.planner.cost.runtime.RuntimeTraits.moe_sequence_sharded`, under sequence
-    parallelism), else :func:`row_split`."""
-    if sequence_sharded and layout.sequence_parallel:
+    each tp rank keeps its own tokens (:func:`keeps_own_tokens`), else :func:`row_split`."""
+    if keeps_own_tokens(layout, sequence_sharded):
         return layout.tp
     return row_split(layout)
 

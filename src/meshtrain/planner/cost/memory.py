@@ -53,7 +53,11 @@ from meshtrain.config.layout import Layout
 from meshtrain.config.model_size import attention_params, mlp_params, norm_params
 from meshtrain.config.runtime_facts import INITIAL_PAIRS
 from meshtrain.planner.cost.context_parallel import saved_kv_bytes
-from meshtrain.planner.cost.expert_parallel import expert_reduction_size, row_split
+from meshtrain.planner.cost.expert_parallel import (
+    expert_reduction_size,
+    keeps_own_tokens,
+    row_split,
+)
 from meshtrain.planner.cost.workload import Workload
 
 GB = 1e9
@@ -178,7 +182,7 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         f = model.expert_ffn_dim
         moe = 4.0 * model.moe_experts / h  # the router's fp32 scores
         outputs = 0.0 if moe_gate_in_activation else 2.0 * k  # kept for the gate's backward
-        if moe_sequence_sharded and sp:
+        if keeps_own_tokens(layout, moe_sequence_sharded):
             # Each tp rank routes its own S/tp tokens and nothing is gathered: the whole
             # layer's saved tensors are a tp-th (router, experts' inputs, intermediates and
             # outputs, shared experts).

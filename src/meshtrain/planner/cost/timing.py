@@ -34,7 +34,7 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.context_parallel import layer_comm_time
-from meshtrain.planner.cost.expert_parallel import routed_rows, token_split
+from meshtrain.planner.cost.expert_parallel import keeps_own_tokens, routed_rows, token_split
 from meshtrain.planner.cost.memory import layer_activation_bytes
 from meshtrain.planner.cost.overlap import paired_exposed, pipelined_exposed
 from meshtrain.planner.cost.workload import Workload
@@ -123,7 +123,7 @@ def _linear_shapes(model: ModelConfig, layer: int, tokens: float, layout: Layout
     f = model.expert_ffn_dim
     local = model.moe_experts / layout.ep
     split = token_split(layout, moe_sequence_sharded)
-    own = tokens / split if moe_sequence_sharded and layout.sequence_parallel else tokens
+    own = tokens / split if keeps_own_tokens(layout, moe_sequence_sharded) else tokens
     per_expert = tokens * model.moe_top_k * layout.ep / model.moe_experts / split
     shapes += [(own, model.moe_experts, h, 1), (per_expert, up * f, h, local),
                (per_expert, h, f, local)]
@@ -200,7 +200,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         message = tokens * model.dim * workload.act_bytes
         # Attention and MLP each reduce once forward and once backward; a replicated MoE layer
         # reduces nothing (without sp), with sp it gathers its input forward and backward.
-        sharded = traits.moe_sequence_sharded and lay.sequence_parallel
+        sharded = keeps_own_tokens(lay, traits.moe_sequence_sharded)
         moe_plain = model.is_moe_layer(layer) and (not lay.sequence_parallel or sharded)
         collectives = (2 if moe_plain else 4) + (2 if mode == "full" else 0)
         if lay.sequence_parallel:
