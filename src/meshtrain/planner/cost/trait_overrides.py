@@ -93,7 +93,7 @@ def apply_traits(traits: RuntimeTraits, texts: list[str] | None) -> RuntimeTrait
 
 
 def format_value(value) -> str:
-    """A trait's value as ``--trait`` takes it (``true``, ``0,1``, ``12.0``)."""
+    """A value as ``--trait`` (and ``--set``) take it (``true``, ``0,1``, ``12.0``)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, tuple):

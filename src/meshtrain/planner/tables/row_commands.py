@@ -16,15 +16,9 @@ import shlex
 
 from meshtrain.config import ModelConfig
 from meshtrain.config.loading import REQUIRED_WITHOUT_CONFIG
-from meshtrain.planner.cost.trait_overrides import trait_arguments
+from meshtrain.planner.cost.trait_overrides import format_value, trait_arguments
 from meshtrain.planner.cost.workload import STACKS
 from meshtrain.planner.tables.runs_row import PublishedRow
-
-
-def _text(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
 
 
 def row_arguments(row: PublishedRow) -> list[str]:
@@ -35,7 +29,7 @@ def row_arguments(row: PublishedRow) -> list[str]:
     for field in dataclasses.fields(ModelConfig):
         value = getattr(work.model, field.name)
         if field.name in required or value != getattr(defaults, field.name):
-            args += ["--set", f"model.{field.name}={_text(value)}"]
+            args += ["--set", f"model.{field.name}={format_value(value)}"]
     args += ["--set", f"train.seq_len={work.seq_len}",
              "--set", f"train.global_batch={work.global_batch}",
              "--set", f"train.precision={work.precision}"]
@@ -43,7 +37,7 @@ def row_arguments(row: PublishedRow) -> list[str]:
         value = getattr(row.layout, field.name)
         if field.name == "pp_split" and not value:
             continue
-        args += ["--set", f"parallel.{field.name}={_text(value)}"]
+        args += ["--set", f"parallel.{field.name}={format_value(value)}"]
     for text in trait_arguments(work.traits, STACKS[row.stack]):
         args += ["--trait", text]
     return args
