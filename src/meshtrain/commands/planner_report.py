@@ -52,7 +52,10 @@ def _kernels_line(result: dict) -> str:
     """The kernel efficiency the estimate used and whose it is (stack entry or profile)."""
     kernels = result["kernel_efficiency"]
     attention = "" if kernels["attention"] is None else f", attention {kernels['attention']:.2f}"
-    return f"kernels: GEMM at {kernels['gemm']:.0%} of peak{attention} ({kernels['from']})"
+    fp8 = (f"; linear layers in FP8 at {kernels['fp8_gemm']:.0%} of the FP8 peak (MFU is "
+           "against the bf16 peak)" if result.get("fp8_linear") else "")
+    return (f"kernels: GEMM at {kernels['gemm']:.0%} of peak{attention} ({kernels['from']})"
+            + fp8)
 
 
 def format_plan(plan: dict, title: str) -> str:

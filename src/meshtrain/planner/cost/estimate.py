@@ -73,6 +73,7 @@ from meshtrain.planner.cost.pipeline import interleaved_peak_layers, pipeline_es
 from meshtrain.planner.cost.timing import BlockCost, block_cost, embedding_tp_cost, head_cost
 from meshtrain.planner.cost.workload import (
     Workload,
+    check_fp8,
     check_layout,
     chunk_layer_counts,
     layout_to_json,
@@ -230,6 +231,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     offloaded too, and they share nodes).
     """
     check_layout(workload, layout)
+    check_fp8(workload, cluster.profile.name, cluster.profile.fp8_rate)
     check_offload(workload, layout, offload, replicas)
     model, lay = workload.model, layout
     placement = stage_layers(model, stack_split(workload, lay))
@@ -320,8 +322,9 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     model_flops = per_token * workload.tokens_per_step
     peak = cluster.profile.peak_tflops * 1e12
     # Never promise more than the best published MFU on this accelerator (HardwareProfile.
-    # max_mfu): a faster step is the cost model's optimism, charged as lost efficiency.
-    cap = cluster.profile.max_mfu
+    # max_mfu): a faster step is the cost model's optimism, charged as lost efficiency. The cap
+    # is a bf16 figure: FP8 linear layers are not held to it.
+    cap = 0.0 if workload.traits.fp8_linear else cluster.profile.max_mfu
     floor = model_flops / (lay.world_size * peak * cap) if cap > 0 else 0.0
     mfu_cap = max(floor - step, 0.0)
     step += mfu_cap
@@ -389,6 +392,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "model_tflops_per_gpu": model_flops / step / gpus / 1e12,
         "hardware_tflops_per_gpu": hardware_flops / step / gpus / 1e12,
         "mfu": model_flops / step / gpus / peak,
+        "fp8_linear": workload.traits.fp8_linear,
         "hfu": hardware_flops / step / gpus / peak,
         "bubble_fraction": bubble / step if step else 0.0,
         "pipeline_model": pipe.source,

@@ -145,14 +145,16 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
                            flash: bool, mode: str | None = None,
                            policy: str = "modules", fused_swiglu: bool = False,
                            moe_sequence_sharded: bool = False,
-                           moe_gate_in_activation: bool = False) -> float:
+                           moe_gate_in_activation: bool = False,
+                           fp8_linear: bool = False) -> float:
     """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
     element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them).
     ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``);
     ``fused_swiglu``: the SwiGLU kernel keeps only its input (``RuntimeTraits.fused_swiglu``);
     ``moe_sequence_sharded``: each tp rank keeps its own tokens through an MoE layer
     (``RuntimeTraits.moe_sequence_sharded``); ``moe_gate_in_activation``: the experts' outputs
-    are not kept (``RuntimeTraits.moe_gate_in_activation``)."""
+    are not kept (``RuntimeTraits.moe_gate_in_activation``); ``fp8_linear``: the linear layers
+    keep their inputs in FP8, one byte an element (``RuntimeTraits.fp8_linear``)."""
     mode = mode or layout.activation_checkpointing
     t, h = layout.tp, model.dim
     sp = layout.sequence_parallel
@@ -167,6 +169,12 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
                                                  + 2.0 * model.ffn_dim / h) / t
     replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
     parallel = 4.0 * q_ratio + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
+    if fp8_linear:
+        # Transformer Engine's FP8 layers keep their inputs cast to FP8: the qkv and mlp inputs
+        # (the norms' outputs) at one byte; the output projection an FP8 copy of the attention
+        # output beside the one the fused attention keeps.
+        replicated -= 2.0
+        parallel += q_ratio
     if model.qk_norm:
         parallel += 2.0 * q_ratio + 2.0 * kv_ratio  # q and k before their norms
     if not flash and mode != "selective":
@@ -176,6 +184,8 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
     # product (6); GELU keeps its input and output (4).
     per_hidden = {("swiglu", "none"): 6.0 if fused_swiglu else 8.0,
                   ("swiglu", "selective"): 6.0}.get((model.mlp, mode), 4.0)
+    if fp8_linear:
+        per_hidden -= 1.0  # the down projection's input (the product, or GELU's output) in FP8
     whole = 0.0  # saved by every tp rank in full, with or without sequence parallelism
     if model.is_moe_layer(layer):
         k = model.moe_top_k
@@ -214,7 +224,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
                                    workload.traits.selective_policy,
                                    workload.traits.fused_swiglu,
                                    workload.traits.moe_sequence_sharded,
-                                   workload.traits.moe_gate_in_activation)
+                                   workload.traits.moe_gate_in_activation,
+                                   workload.traits.fp8_linear)
     tokens = workload.seq_len / layout.cp * b
     return units * tokens * workload.model.dim * workload.act_bytes / 2
 
@@ -302,6 +313,12 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
                       for count, n in ((params.dense, shards), (params.expert, expert_shards)))
         if lay.zero == 0 and workload.traits.ddp_bucket_copy and shards > 1:
             buffers += (params.dense + params.expert) * grad_bytes
+    if workload.traits.fp8_linear and lay.zero < 3:
+        # The FP8 copy of each block weight, cast once a step and kept for every micro-batch: one
+        # byte a parameter. A kept transpose beside it (another byte) would put the FP8 train
+        # rows' published layout (Llama 3.1 8B, dgxc-benchmarking) over the device memory, so it
+        # is not counted. Under ZeRO-3 the cast follows each gather and is freed with it.
+        buffers += sum(sum(layer_params(model, layer, lay.tp, lay.ep)) for layer in layers)
     allocated = param_b + grad_b + optim_b + activations + buffers
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers,
                       reserve_fraction * allocated)

@@ -124,6 +124,14 @@ class RuntimeTraits:
     (``megatron/core/fusions/fused_bias_swiglu.py``), NeMo's ``fast-swiglu`` with
     ``bias_activation_fusion``. A block then saves ``6 f/h`` units for its MLP instead of eager
     PyTorch's ``8 f/h`` (gate and up outputs, the SiLU output, their product)."""
+    fp8_linear: bool = False
+    """The blocks' linear layers run their GEMMs in FP8 (Transformer Engine's FP8 recipe, as
+    NeMo's ``fp8: true`` and torchtitan's Float8 run them), at the stack's FP8 efficiency of the
+    profile's FP8 peak (``StackEfficiency.fp8_gemm``); attention, the LM head and every
+    collective stay in the activation dtype. Each rank also keeps an FP8 copy of its block
+    weights and its transpose for the step (2 bytes a parameter, under ``buffers``); the saved
+    activations are counted as in bf16. A run setting (``--trait fp8_linear=true``): no stack
+    preset sets it."""
     fp32_params: bool = False
     """Sharded parameters are held in fp32 and only gathered in the training dtype (FSDP2 with a
     bf16 ``MixedPrecisionPolicy``, as torchtitan runs it): bf16 model states are ``4 + G + 8``

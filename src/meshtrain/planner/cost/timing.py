@@ -85,12 +85,18 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(BlockCost))
 
 
 class GemmClock:
-    """Roofline pricing of GEMMs on one profile, at the efficiency ``kernels`` gives."""
+    """Roofline pricing of GEMMs on one profile, at the efficiency ``kernels`` gives (``fp8``:
+    FP8 GEMMs, at the profile's FP8 peak and the stack's FP8 efficiency, one byte an element)."""
 
-    def __init__(self, cluster: Cluster, dtype_bytes: int, kernels: KernelEfficiency):
+    def __init__(self, cluster: Cluster, dtype_bytes: int, kernels: KernelEfficiency,
+                 fp8: bool = False):
         p = cluster.profile
         peak, hbm = cluster.process_rates()
-        self.rate = peak * 1e12 * kernels.gemm * (1.0 if dtype_bytes == 2 else p.fp32_rate)
+        if fp8:
+            self.rate = peak * 1e12 * p.fp8_rate * kernels.fp8_gemm
+            dtype_bytes = 1
+        else:
+            self.rate = peak * 1e12 * kernels.gemm * (1.0 if dtype_bytes == 2 else p.fp32_rate)
         self.hbm = hbm * 1e9
         self.overhead = p.kernel_overhead_us * 1e-6
         self.dtype_bytes = dtype_bytes
@@ -138,6 +144,9 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     model, lay, traits = workload.model, layout, workload.traits
     kernels = kernel_efficiency(traits.kernel_efficiency, cluster.profile)
     clock = GemmClock(cluster, workload.act_bytes, kernels)
+    # The linear layers' own clock: FP8 GEMMs when the run computes them in FP8.
+    linear = GemmClock(cluster, workload.act_bytes, kernels, fp8=True) if traits.fp8_linear \
+        else clock
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len
     tokens = b * s / lay.cp  # this rank's share of every sequence
     heads = model.n_heads / lay.tp
@@ -147,13 +156,21 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
     shapes = _linear_shapes(model, layer, tokens, lay, traits.moe_sequence_sharded)
     attention_gemms = 0.0  # one pass of the qkv and output projections (the first two shapes)
     for index, (m, n, k, batch) in enumerate(shapes):
-        one = clock.gemm(m, n, k, batch)
-        attention_gemms += one if index < 2 else 0.0
-        cost.forward += one
-        cost.backward_input += one
+        one = linear.gemm(m, n, k, batch)
+        cast_input = cast_grad = 0.0
+        if traits.fp8_linear:
+            # The FP8 operands made on the fly, each with the transpose Hopper's weight-gradient
+            # GEMM takes (one fused cast-transpose: read bf16, write FP8 twice, 4 bytes an
+            # element): the input forward, the output gradient backward. The weights are cast
+            # once a step.
+            cast_input = clock.stream(4.0 * m * k * batch)
+            cast_grad = clock.stream(4.0 * m * n * batch)
+        attention_gemms += one + cast_input if index < 2 else 0.0
+        cost.forward += one + cast_input
+        cost.backward_input += one + cast_grad
         cost.backward_weight += one
         linear_flops += 2.0 * m * n * k * batch
-        linear_time += 3 * one
+        linear_time += 3 * one + cast_input + cast_grad
 
     # QK^T and AV, full square; the rank's queries against the whole sequence's keys
     attention_flops = 4.0 * b * s * s * heads * model.head_dim / lay.cp
@@ -188,7 +205,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         parts = ((qkv, kv / qkv[1]), (wo, 1.0), (up, 0.5 if model.mlp == "swiglu" else 0.0))
         for (m, n, k, batch), share in parts:
             if share:
-                cost.recompute += clock.gemm(m, n * share, k, batch)
+                cost.recompute += linear.gemm(m, n * share, k, batch)
                 cost.recompute_flops += 2.0 * m * n * share * k * batch
         cost.recompute += elementwise
     elif mode == "selective":

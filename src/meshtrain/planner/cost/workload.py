@@ -192,6 +192,16 @@ def check_layout(workload: Workload, layout: Layout) -> None:
         check_context_parallel(workload, lay)
 
 
+def check_fp8(workload: Workload, profile_name: str, fp8_rate: float) -> None:
+    """Raise :class:`ConfigError` when ``workload`` computes its linear layers in FP8
+    (``RuntimeTraits.fp8_linear``) on a profile without FP8 tensor cores (``fp8_rate`` 0)."""
+    if workload.traits.fp8_linear and fp8_rate <= 0:
+        raise ConfigError(f"--trait fp8_linear=true: profile {profile_name} has no FP8 tensor "
+                          "cores (its fp8_rate is 0), so FP8 linear layers cannot be priced on "
+                          "it; valid: an H100-class, H200, B200 or MI300X profile, or "
+                          "fp8_linear=false.")
+
+
 def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:
     """Raise :class:`ConfigError` when ``layout`` uses what the runtime ``stack`` (a
     :data:`STACKS` name, ``workload.traits``) does not offer, naming what it does. Every

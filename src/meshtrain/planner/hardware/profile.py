@@ -77,6 +77,15 @@ class HardwareProfile:
     """fp32 GEMM throughput as a fraction of ``peak_tflops``: true fp32 on the CUDA cores, as
     meshtrain never enables TF32 (A100: 19.5 of 312 TFLOP/s; each profile states its own), 1
     for a calibrated CPU profile, whose ``peak_tflops`` is the measured fp32 rate."""
+    fp8_rate: float = 0.0
+    """Dense FP8 (e4m3) GEMM peak as a multiple of ``peak_tflops``: 2 on the H100 family, B200
+    and MI300X (each data sheet's dense FP8 figure is twice its bf16 one), 0 where the chip has
+    no FP8 tensor cores (A100, CPUs), where an estimate with ``RuntimeTraits.fp8_linear`` is
+    refused."""
+    fp8_matmul_efficiency: float = 0.0
+    """Fraction of the FP8 peak (``peak_tflops * fp8_rate``) a stack's FP8 linear layers reach,
+    the casts to FP8 included: the default for stacks without an FP8 figure of their own for
+    this profile's ``family`` (:mod:`meshtrain.planner.hardware.stack_efficiency`)."""
     comm_overlaps_compute: bool = True
     """Whether a collective can run beside compute without slowing it (GPUs: NCCL on its own
     SMs and copy engines). False on CPUs where every core computes: gloo's reduction and copies

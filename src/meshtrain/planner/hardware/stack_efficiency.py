@@ -45,6 +45,10 @@ class StackEfficiency:
     attention: float | None = None
     """Fused attention throughput relative to the GEMM rate; None: the profile's
     ``attention_efficiency`` (no source gives the stack's own)."""
+    fp8_gemm: float | None = None
+    """Fraction of the FP8 peak (the profile's ``peak_tflops * fp8_rate``) the stack's linear
+    layers reach when a run computes them in FP8 (``RuntimeTraits.fp8_linear``), the casts to
+    FP8 and the scaling bookkeeping included; None: the profile's ``fp8_matmul_efficiency``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,8 @@ class KernelEfficiency:
     family: str
     """The stack entry used (a profile family), or "" when the profile's figures are used."""
     source: str
+    fp8_gemm: float = 0.0
+    """Fraction of the FP8 peak FP8 linear layers reach (0: the profile has no FP8 figure)."""
 
     def to_dict(self, profile: HardwareProfile) -> dict:
         """The JSON form an estimate on ``profile`` reports under ``kernel_efficiency``:
@@ -68,7 +74,7 @@ class KernelEfficiency:
         attention = self.attention
         if attention is None and not profile.attention_by_head_dim:
             attention = profile.attention_efficiency
-        return {"gemm": self.gemm, "attention": attention,
+        return {"gemm": self.gemm, "attention": attention, "fp8_gemm": self.fp8_gemm,
                 "from": f"stack entry {self.family}" if self.family else "hardware profile",
                 "source": self.source}
 
@@ -80,8 +86,11 @@ def kernel_efficiency(entries: tuple[tuple[str, StackEfficiency], ...],
     if profile.family and not profile.measured:
         for family, entry in entries:
             if family == profile.family:
-                return KernelEfficiency(entry.gemm, entry.attention, family, entry.source)
+                fp8 = entry.fp8_gemm if entry.fp8_gemm is not None else \
+                    profile.fp8_matmul_efficiency
+                return KernelEfficiency(entry.gemm, entry.attention, family, entry.source, fp8)
     why = ("measured (calibrated) profile" if profile.measured else
            f"no {profile.family or profile.name} entry for this stack")
     return KernelEfficiency(profile.matmul_efficiency, None, "",
-                            f"profile {profile.name} ({why}): {profile.efficiency_source}")
+                            f"profile {profile.name} ({why}): {profile.efficiency_source}",
+                            profile.fp8_matmul_efficiency)

@@ -41,12 +41,19 @@ def priced(row: PublishedRow, profile=None) -> dict:
     return estimate(row.workload, row.layout, _cluster(row, profile))
 
 
-def with_gemm_efficiency(row: PublishedRow, gemm: float) -> PublishedRow:
-    """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``."""
+def with_gemm_efficiency(row: PublishedRow, gemm: float, field: str = "gemm") -> PublishedRow:
+    """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``
+    (``field``: ``gemm``, or ``fp8_gemm`` for the FP8 efficiency, the bf16 one kept)."""
     family = PROFILES[row.profile].family
     traits = row.workload.traits
+    current = dict(traits.kernel_efficiency).get(family)
     entries = tuple((f, e) for f, e in traits.kernel_efficiency if f != family)
-    trial = StackEfficiency(gemm=gemm, source="trial")
+    if field == "gemm":
+        trial = StackEfficiency(gemm=gemm, source="trial")
+    elif current is None:
+        raise ValueError(f"{row.name}: no {family} entry in its stack to give an FP8 figure to")
+    else:
+        trial = dataclasses.replace(current, fp8_gemm=gemm, source="trial")
     traits = dataclasses.replace(traits, kernel_efficiency=((family, trial), *entries))
     return dataclasses.replace(row, workload=dataclasses.replace(row.workload, traits=traits))
 
@@ -65,20 +72,24 @@ def speed_error(row: PublishedRow, result: dict) -> float:
     return predicted / row.published - 1
 
 
-def _mean_speed_error(rows: list[PublishedRow], gemm: float) -> float:
-    errors = [speed_error(r, priced(with_gemm_efficiency(r, gemm), _uncapped(r))) for r in rows]
+def _mean_speed_error(rows: list[PublishedRow], gemm: float, field: str) -> float:
+    errors = [speed_error(r, priced(with_gemm_efficiency(r, gemm, field), _uncapped(r)))
+              for r in rows]
     return sum(errors) / len(errors)
 
 
-def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4) -> float:
-    """The GEMM efficiency at which ``rows`` (train rows of one stack on one GPU generation,
-    priced without an MFU cap) are on average neither faster nor slower than published (mean
-    :func:`speed_error` zero), by bisection."""
+def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4,
+                        field: str = "gemm") -> float:
+    """The GEMM efficiency (``field``: ``gemm``, or ``fp8_gemm`` for FP8 linear layers) at which
+    ``rows`` (train rows of one stack on one GPU generation, priced without an MFU cap) are on
+    average neither faster nor slower than published (mean :func:`speed_error` zero), by
+    bisection."""
     require_train(rows)
     low, high = 0.3, 1.0
     while high - low > tolerance:
         middle = (low + high) / 2
-        low, high = (middle, high) if _mean_speed_error(rows, middle) < 0 else (low, middle)
+        slow = _mean_speed_error(rows, middle, field) < 0
+        low, high = (middle, high) if slow else (low, middle)
     return (low + high) / 2
 
 
@@ -120,7 +131,8 @@ def fit_groups(rows: list[PublishedRow]) -> dict[str, list[PublishedRow]]:
         if r.split != "train":
             continue
         groups.setdefault(r.fits, []).append(r)
-        if r.metric != "memory_gb_per_gpu":
+        # The MFU caps are bf16 figures: FP8 rows fit only their FP8 efficiency.
+        if r.metric != "memory_gb_per_gpu" and not r.workload.traits.fp8_linear:
             groups.setdefault(f"mfu cap {PROFILES[r.profile].family}", []).append(r)
     return groups
 
@@ -133,6 +145,8 @@ def refit(rows: list[PublishedRow]) -> dict[str, float]:
             out[name] = fit_allocator_reserve(group)
         elif name.startswith("mfu cap"):
             out[name] = fit_mfu_cap(group)
+        elif name.endswith(" fp8"):
+            out[name] = fit_gemm_efficiency(group, field="fp8_gemm")
         else:
             out[name] = fit_gemm_efficiency(group)
     return out

@@ -60,6 +60,9 @@ _H100_EFFICIENCY = (f"{_H100_GEMM} megatron-core-2024's H100 fit (stack_efficien
                     "(dgxc-benchmarking, NeMo 24.09); attention efficiency 0.75 by analogy")
 _ANALOGY = (f"by analogy with the H100's {_H100_GEMM} (megatron-core-2024's H100 fit), "
             "unvalidated: no published run on this GPU is in the validation set")
+_H100_FP8_GEMM = MEGATRON_CORE_2024_H100.fp8_gemm
+"""The FP8 efficiency (of the FP8 peak) of every profile with FP8 tensor cores, for stacks
+without their own: megatron-core-2024's H100 fit, by analogy off the H100 family."""
 _H200_GEMM = round(_H100_GEMM + 0.02, 3)
 _MI300X_GEMM = round(_H100_GEMM - 0.02, 3)
 HOST_ADAMW_FRACTION = 0.4
@@ -146,6 +149,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
             "h100-80g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             hbm_gbps=3350.0,
             matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
@@ -157,6 +161,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
             "h100-96g", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96, hbm_gbps=4000.0,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
@@ -168,6 +173,7 @@ PROFILES: dict[str, HardwareProfile] = {
                    "compute, links and power as h100-80g"),
         HardwareProfile(
             "h100-96g-hbm2e-500w", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_GIB * 96,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             hbm_gbps=2400.0, matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0,
             intra_node_gbps=370.0, inter_node_gbps=50.0, intra_node_latency_us=6.0,
             inter_node_latency_us=12.0, gpu_tdp_w=700.0, max_clock_mhz=1980.0,
@@ -181,6 +187,7 @@ PROFILES: dict[str, HardwareProfile] = {
                    "700 W), 8 per host on NVLink, 400 Gb/s RDMA per GPU; compute as h100-80g"),
         HardwareProfile(
             "h800", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 81559, hbm_gbps=3350.0,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=165.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
@@ -193,6 +200,7 @@ PROFILES: dict[str, HardwareProfile] = {
                    "8x 400 Gb/s InfiniBand per node as the DeepSeek-V3 report describes"),
         HardwareProfile(
             "h200", peak_tflops=989.0, fp32_rate=0.0677, memory_gb=_MIB * 143771, hbm_gbps=4800.0,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             matmul_efficiency=_H200_GEMM, kernel_overhead_us=5.0, intra_node_gbps=370.0,
             inter_node_gbps=45.0, intra_node_latency_us=6.0, inter_node_latency_us=12.0,
             gpu_tdp_w=700.0, max_clock_mhz=1980.0, min_clock_mhz=990.0,
@@ -203,6 +211,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
             "b200", peak_tflops=2250.0, fp32_rate=0.0356, memory_gb=_MIB * 182784, hbm_gbps=7700.0,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             matmul_efficiency=_H100_GEMM, kernel_overhead_us=5.0, intra_node_gbps=720.0,
             inter_node_gbps=45.0, intra_node_latency_us=5.0, inter_node_latency_us=12.0,
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
@@ -212,6 +221,7 @@ PROFILES: dict[str, HardwareProfile] = {
             source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
             "mi300x", peak_tflops=1307.0, fp32_rate=0.125, memory_gb=_GIB * 192, hbm_gbps=5300.0,
+            fp8_rate=2.0, fp8_matmul_efficiency=_H100_FP8_GEMM,
             matmul_efficiency=_MI300X_GEMM, kernel_overhead_us=8.0, intra_node_gbps=300.0,
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,

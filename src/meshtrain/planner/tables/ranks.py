@@ -14,8 +14,8 @@ RANKED_SOURCES = ("Narayanan 2021", "Korthikanti 2022", "torchtitan docs/perform
                   "torchtitan docs/performance.md Table 1",
                   "NVIDIA dgxc-benchmarking (NeMo 24.09)")
 """Sources whose layouts the rank table covers (every row of these but the memory rows, and of
-the dgxc-benchmarking NeMo 24.09 recipes the smallest scale of each; the MoE row is not
-ranked)."""
+the dgxc-benchmarking NeMo 24.09 recipes the smallest scale of each; the MoE row and the FP8
+rows, whose layouts are their bf16 twins', are not ranked)."""
 
 
 def ranked_rows(rows: list[PublishedRow]) -> list[PublishedRow]:
@@ -23,7 +23,8 @@ def ranked_rows(rows: list[PublishedRow]) -> list[PublishedRow]:
     (a throughput row; the dgxc-benchmarking recipes at their smallest scale)."""
     out, seen = [], set()
     for row in rows:
-        if not row.source.startswith(RANKED_SOURCES) or row.metric == "memory_gb_per_gpu":
+        if (not row.source.startswith(RANKED_SOURCES) or row.metric == "memory_gb_per_gpu"
+                or row.workload.traits.fp8_linear):
             continue
         if row.source.startswith("torchtitan docs/performance.md Table 1") and \
                 row.stack != "torchtitan-2024":

@@ -124,6 +124,16 @@ performance tuning guide recommends at scale; the other recipes' own settings ar
 source, and with fp32 gradients no accounting here fits their published layouts in 80 GB), and
 Nemotron-4 340B with the bf16 optimizer state its config sets (``optim.dtype: bf16``)."""
 
+DGXC_NEMO_2409_FP8 = {
+    "Llama 3.1 8B": ("train", ((8, 9.67), (128, 9.82))),
+    "Llama 3.1 70B": ("test", ((64, 11.01), (2048, 11.39))),
+    "Llama 3.1 405B": ("test", ((576, 11.24), (2304, 12.35))),
+}
+"""The same READMEs' FP8 tables (NeMo 24.09, ``DTYPE=fp8``: Transformer Engine FP8 linear
+layers), same layouts and batches as the BF16 rows: (split, ((GPUs, seconds per step), ...)).
+Llama 3.1 8B fits the megatron-core-2024 H100 FP8 efficiency (as its BF16 rows fit the bf16
+one); 70B and 405B only check it."""
+
 DGXC_GRAD_BYTES = 2
 """The gradient bytes the dgxc-benchmarking rows are priced with (see :data:`DGXC_NEMO_2409`)."""
 
@@ -193,18 +203,26 @@ def _dgxc() -> list[PublishedRow]:
          settings) in DGXC_NEMO_2409:
         traits = dataclasses.replace(MEGATRON_CORE_2024, grad_reduce_bytes=DGXC_GRAD_BYTES,
                                      **settings)
-        for gpus, seconds in runs:
-            dp = gpus // (tp * pp * cp)
-            batch = round(per_gpu * gpus)
-            rows.append(row(
-                f"{name} {gpus} H100", "NVIDIA dgxc-benchmarking (NeMo 24.09)", split,
-                "step_time_s", seconds, model, seq, batch,
-                Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=1, sequence_parallel=tp > 1,
-                       pp_schedule="interleaved-1f1b" if chunks > 1 else "1f1b",
-                       virtual_stages=chunks, microbatches=batch // (dp * mb),
-                       activation_checkpointing=ckpt), "h100-80g", "megatron-core-2024",
-                "megatron-core-2024 h100" if split == "train" else "",
-                "bf16 gradient reduction (see DGXC_NEMO_2409)", traits=traits))
+        fp8_split, fp8_runs = DGXC_NEMO_2409_FP8.get(name, ("", ()))
+        precisions = (("", split, runs, traits, "megatron-core-2024 h100"),
+                      (" FP8", fp8_split, fp8_runs,
+                       dataclasses.replace(traits, fp8_linear=True),
+                       "megatron-core-2024 h100 fp8"))
+        for label, row_split, row_runs, row_traits, fits in precisions:
+            for gpus, seconds in row_runs:
+                dp = gpus // (tp * pp * cp)
+                batch = round(per_gpu * gpus)
+                rows.append(row(
+                    f"{name}{label} {gpus} H100", "NVIDIA dgxc-benchmarking (NeMo 24.09)",
+                    row_split, "step_time_s", seconds, model, seq, batch,
+                    Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=1, sequence_parallel=tp > 1,
+                           pp_schedule="interleaved-1f1b" if chunks > 1 else "1f1b",
+                           virtual_stages=chunks, microbatches=batch // (dp * mb),
+                           activation_checkpointing=ckpt), "h100-80g", "megatron-core-2024",
+                    fits if row_split == "train" else "",
+                    "bf16 gradient reduction (see DGXC_NEMO_2409)"
+                    + ("; FP8 linear layers (DGXC_NEMO_2409_FP8)" if label else ""),
+                    traits=row_traits))
     return rows
 
 

@@ -13,12 +13,15 @@ Sources:
   allocator's ``max_memory_reserved``). Table 1 (8 GPUs) and Table 3 (128 GPUs), each "FSDP"
   (the 2024 stack) and "FSDP + torch.compile" (the 2025 stack). Train: Table 1's FSDP memory
   (the allocator reserve) and Table 1's compile throughput (the torchtitan-2025 H100 GEMM
-  efficiency); the rest test. Rows using Float8 are left out (FP8 is not priced).
+  efficiency); the rest test, the "+ Float8" rows among them (FP8 linear layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from meshtrain.config.layout import Layout
+from meshtrain.planner.cost.workload import STACKS
 from meshtrain.planner.tables.runs_row import (
     LLAMA2_13B,
     LLAMA2_70B,
@@ -41,16 +44,20 @@ TORCHTITAN_A100 = (
     ("Llama 2 70B", LLAMA2_70B, 4096, 2, "full", 353),
 )
 
-# (table, GPUs, stack, tokens/s per GPU, memory GiB, throughput split, memory split)
+# (table, GPUs, stack, Float8, tokens/s per GPU, memory GiB, throughput split, memory split)
 TORCHTITAN_H100 = (
-    ("Table 1", 8, "torchtitan-2024", 5762, 82.4, "test", "train"),
-    ("Table 1", 8, "torchtitan-2025", 6667, 77.0, "train", "test"),
-    ("Table 3", 128, "torchtitan-2024", 5605, 67.0, "test", "test"),
-    ("Table 3", 128, "torchtitan-2025", 6514, 62.0, "test", "test"),
+    ("Table 1", 8, "torchtitan-2024", False, 5762, 82.4, "test", "train"),
+    ("Table 1", 8, "torchtitan-2025", False, 6667, 77.0, "train", "test"),
+    ("Table 1", 8, "torchtitan-2025", True, 8532, 76.8, "test", "test"),
+    ("Table 3", 128, "torchtitan-2024", False, 5605, 67.0, "test", "test"),
+    ("Table 3", 128, "torchtitan-2025", False, 6514, 62.0, "test", "test"),
+    ("Table 3", 128, "torchtitan-2025", True, 8380, 61.8, "test", "test"),
 )
 """torchtitan docs/performance.md (December 2024), Llama 3.1 8B with FSDP, local batch 2,
-selective checkpointing on Grand Teton H100: "FSDP" (torchtitan-2024) and "FSDP +
-torch.compile" (torchtitan-2025)."""
+selective checkpointing on Grand Teton H100: "FSDP" (torchtitan-2024), "FSDP + torch.compile"
+(torchtitan-2025) and "FSDP + torch.compile + Float8" (torchtitan-2025 with FP8 linear layers,
+``--trait fp8_linear=true``; torchtitan has no FP8 train row, so the profile's FP8 efficiency,
+megatron-core-2024's fit, prices them: a test of that figure on another stack)."""
 
 
 def _a100() -> list[PublishedRow]:
@@ -66,17 +73,19 @@ def _a100() -> list[PublishedRow]:
 
 def _h100() -> list[PublishedRow]:
     rows = []
-    for table, gpus, stack, per_gpu, gib, tps_split, memory_split in TORCHTITAN_H100:
+    for table, gpus, stack, float8, per_gpu, gib, tps_split, memory_split in TORCHTITAN_H100:
         compiled = " compile" if stack == "torchtitan-2025" else ""
-        name = f"Llama 3.1 8B FSDP {gpus}{compiled}"
+        name = f"Llama 3.1 8B FSDP {gpus}{compiled}{' Float8' if float8 else ''}"
         layout = Layout(dp=gpus, zero=3, activation_checkpointing="selective")
         source = f"torchtitan docs/performance.md {table}"
         common = (LLAMA3_8B, 8192, 2 * gpus, layout, "h100-96g-hbm2e-500w", stack)
+        traits = dataclasses.replace(STACKS[stack], fp8_linear=True) if float8 else None
         rows.append(row(f"{name} memory", source, memory_split, "memory_gb_per_gpu",
                         gib * GIB, *common,
-                        "allocator reserve" if memory_split == "train" else ""))
+                        "allocator reserve" if memory_split == "train" else "", traits=traits))
         rows.append(row(f"{name} TPS", source, tps_split, "tokens_per_s", per_gpu * gpus,
-                        *common, "torchtitan-2025 h100" if tps_split == "train" else ""))
+                        *common, "torchtitan-2025 h100" if tps_split == "train" else "",
+                        traits=traits))
     return rows
 
 

@@ -45,13 +45,16 @@ has no train row, so it falls back to the profile's figure there."""
 
 MEGATRON_CORE_2024_H100 = StackEfficiency(
     gemm=0.639,
+    fp8_gemm=0.571,
     source="megatron-core-2024 on H100: fitted on its train rows (NVIDIA dgxc-benchmarking, NeMo "
-           "24.09 BF16: GPT-3 175B on 128 and 2,048 H100, Llama 3.1 8B on 8 and 128 H100): the "
-           "value at which they are on average neither faster nor slower than published")
+           "24.09 BF16: GPT-3 175B on 128 and 2,048 H100, Llama 3.1 8B on 8 and 128 H100; FP8: "
+           "Llama 3.1 8B on 8 and 128 H100): the values at which they are on average neither "
+           "faster nor slower than published")
 """Megatron-Core (NeMo 24.09, Transformer Engine) on H100 80 GB; its other dgxc-benchmarking
 rows (Llama 3.1 70B and 405B, Nemotron-4 15B and 340B) and the Nemotron-4 340B report's rows
-are test rows. Also ``llama3-2024``'s entry (Meta's runs are test rows) and the H100-family
-profiles' default for stacks without an H100 entry of their own (see
+are test rows, and so are those recipes' FP8 rows but Llama 3.1 8B's (``fp8_gemm``: of the FP8
+peak, Transformer Engine's casts included). Also ``llama3-2024``'s entry (Meta's runs are test
+rows) and the H100-family profiles' default for stacks without an H100 entry of their own (see
 :data:`meshtrain.planner.tables.profiles.PROFILES`)."""
 
 TORCHTITAN_2025_H100 = StackEfficiency(
