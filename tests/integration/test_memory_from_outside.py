@@ -11,6 +11,7 @@ paper says.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -79,11 +80,13 @@ def measured(request, tmp_path_factory) -> dict:
 
 
 def _planner_per_rank(model: list[str], layout: list[str]) -> list[dict]:
-    """``meshtrain estimate``'s per-stage memory for the measured run (the same config)."""
+    """``meshtrain estimate``'s per-stage memory for the measured run (the same config), without
+    a GPU caching allocator's reserve: the CPU run's glibc ``malloc`` is measured as it is."""
     config = load_config(None, model + RUN + layout)
     config.model.vocab_size = config.model.vocab_size or tokenizer_vocab_size("bytes")
+    cpu = dataclasses.replace(PROFILES["h100-80g"], allocator_reserve=0.0)
     result = estimate(Workload.from_config(config), config.parallel.layout(),
-                      Cluster(PROFILES["h100-80g"], 8, 8))
+                      Cluster(cpu, 8, 8))
     return result["per_rank"]
 
 

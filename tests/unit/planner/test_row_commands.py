@@ -70,7 +70,7 @@ def test_a_trait_wins_over_the_config_it_overlaps():
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ("nonsense=1", "unknown trait; valid: checkpointing"),
+    ("nonsense=1", "unknown trait; valid: backward_transient_blocks, checkpointing"),
     ("tp_comm_overlap", "expected NAME=VALUE"),
     ("tp_comm_overlap=maybe", "true or false"),
     ("zero_stages=0,5", "each of 0, 1, 2, 3"),

@@ -290,15 +290,14 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     activations = per_mb * inflight + saved_kv_bytes(workload, lay, len(layers), inflight)
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len / lay.cp
     if kinds:
-        # Backward of a block holds the gradients of what it saved while it runs: one block's
-        # activations more at the peak. Under full recomputation that one block is the block
-        # recomputed, whose activations its backward frees as it makes their gradients: one
-        # block, not two. Measured from outside on the CPU (docs/planner.md, *Activation
-        # memory measured from outside*): without the block the estimate is 16-24 % under the
-        # VmHWM difference of a long and a short sequence; with two under full recomputation,
-        # 54 % over.
-        activations += max(layer_activation_bytes(workload, lay, layer, "none")
-                           for _, layer in kinds)
+        # Backward of a block holds the gradients of what it saved while it runs, beyond what
+        # it saved (RuntimeTraits.backward_transient_blocks of a block). Under full
+        # recomputation the block being recomputed is held whole (its backward frees its
+        # activations as it makes their gradients: one block, not two).
+        share = 1.0 if lay.activation_checkpointing == "full" else \
+            workload.traits.backward_transient_blocks
+        activations += share * max(layer_activation_bytes(workload, lay, layer, "none")
+                                   for _, layer in kinds)
     if last:  # logits and the loss's fp32 buffers, one micro-batch (loss_bytes_per_logit)
         logit = workload.traits.loss_bytes_per_logit + workload.act_bytes - 2  # fp32 logits
         if lay.pp > 1 and lay.pp_schedule == "gpipe":  # every loss's forward, then backwards

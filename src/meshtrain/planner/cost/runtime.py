@@ -124,6 +124,16 @@ class RuntimeTraits:
     (``megatron/core/fusions/fused_bias_swiglu.py``), NeMo's ``fast-swiglu`` with
     ``bias_activation_fusion``. A block then saves ``6 f/h`` units for its MLP instead of eager
     PyTorch's ``8 f/h`` (gate and up outputs, the SiLU output, their product)."""
+    backward_transient_blocks: float = 0.4
+    """What a block's backward holds at its peak beyond the activations it saved (the gradients
+    of its largest intermediates while it makes them), as a fraction of one block's saved
+    activations; full recomputation holds the recomputed block whole instead. meshtrain: 0.4,
+    measured from outside on the CPU, where its norms keep only their input as the fused norms
+    of GPU runtimes do (docs/planner.md, *Activation memory measured from outside*: the VmHWM
+    difference of a long and a short sequence, 0.87-1.08 of the estimate across the cases).
+    The published stacks: 1, the figure their memory rows were fitted with (the allocator
+    reserve was fitted beside it on torchtitan's FSDP row, and no GPU measurement here
+    separates the two)."""
     fp8_linear: bool = False
     """The blocks' linear layers run their GEMMs in FP8 (Transformer Engine's FP8 recipe, as
     NeMo's ``fp8: true`` and torchtitan's Float8 run them), at the stack's FP8 efficiency of the
@@ -190,7 +200,8 @@ MESHTRAIN = RuntimeTraits()
 """meshtrain itself. No kernel-efficiency entries: there is no published meshtrain GPU run to fit
 on, so every GPU profile's own figures apply (and a calibrated profile's measured ones)."""
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
-                              grad_reduce_bytes=4, elementwise_traffic=3.0,
+                              backward_transient_blocks=1.0, grad_reduce_bytes=4,
+                              elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0, zero_stages=(0,),
                               context_parallel=False,
                               pp_schedules=("1f1b", "interleaved-1f1b"),
@@ -231,6 +242,7 @@ ZeRO-1 over data parallelism, reduced after the pipeline, not overlapped. Its A1
 fitted on MT-NLG's smallest run (:data:`meshtrain.planner.tables.stacks.MEGATRON_DEEPSPEED_A100`:
 lower than megatron-2021's for the same kernels, the engine's unpriced cost folded in)."""
 MEGATRON_CORE_2024 = RuntimeTraits(
+    backward_transient_blocks=1.0,
     flash_attention=True, overlap_dp=True, zero_stages=(0, 1), context_parallel=True,
     pp_schedules=("1f1b", "interleaved-1f1b"), sequence_parallel=True,
     checkpointing=("none", "selective", "full"), uniform_pipeline_stages=True,
@@ -264,7 +276,8 @@ stack's H100 fit: nothing is fitted on Meta's runs, which stay test rows. Its pi
 Megatron's (the paper's tunable number of consecutive micro-batches ``N`` priced at ``N = pp``,
 Megatron-Core's default)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
-                                loss_saved_bytes_per_logit=4.0, zero3_split_blocks=False,
+                                backward_transient_blocks=1.0, loss_saved_bytes_per_logit=4.0,
+                                zero3_split_blocks=False,
                                 fp32_params=True, offload=False,
                                 kernel_efficiency=(("a100", TORCHTITAN_2024_A100),))
 """torchtitan (PyTorch-native, FSDP2) as its docs/performance.md was measured: SDPA, FSDP2
