@@ -291,8 +291,8 @@ TORCHTITAN_2025 = dataclasses.replace(
     kernel_efficiency=(("a100", TORCHTITAN_2024_A100), ("h100", TORCHTITAN_2025_H100)))
 """torchtitan as of its December 2024 performance runs (torch and torchtitan of 2024-12-26,
 docs/performance.md): the 2024 stack with ``torch.compile`` on every block (element-wise
-kernels fused), async tensor parallelism (which needs compile), and pipeline schedules; Float8
-is not priced (no row using it is in the validation set). Its H100 GEMM efficiency is fitted on
+kernels fused), async tensor parallelism (which needs compile), and pipeline schedules; its
+Float8 runs are priced with ``fp8_linear`` (a run setting). Its H100 GEMM efficiency is fitted on
 its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN_2025_H100`)."""
 MEGATRON_CORE_2025 = dataclasses.replace(MEGATRON_CORE_2024, moe_sequence_sharded=True,
                                          moe_gate_in_activation=True,

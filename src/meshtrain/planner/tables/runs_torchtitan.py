@@ -13,7 +13,8 @@ Sources:
   allocator's ``max_memory_reserved``). Table 1 (8 GPUs) and Table 3 (128 GPUs), each "FSDP"
   (the 2024 stack) and "FSDP + torch.compile" (the 2025 stack). Train: Table 1's FSDP memory
   (the allocator reserve) and Table 1's compile throughput (the torchtitan-2025 H100 GEMM
-  efficiency); the rest test, the "+ Float8" rows among them (FP8 linear layers).
+  efficiency); the rest test, the "+ Float8" rows among them (FP8 linear layers). Table 4
+  (test): Llama 3.1 70B with FSDP 32 × TP 8, Float8 and compile, with and without AsyncTP.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ selective checkpointing on Grand Teton H100: "FSDP" (torchtitan-2024), "FSDP + t
 megatron-core-2024's fit, prices them: a test of that figure on another stack)."""
 
 
+# (technique, async tensor parallelism, tokens/s per GPU, memory GiB)
+TORCHTITAN_H100_2D = (("2D", False, 829, 71.9), ("2D + AsyncTP", True, 876, 67.6))
+"""torchtitan docs/performance.md (December 2024) Table 4: Llama 3.1 70B on 256 Grand Teton
+H100, FSDP 32 × TP 8, torch.compile and Float8, local batch 16 (global 512), full activation
+checkpointing. Its TP plan shards the norms' sequence (``SequenceParallel``): priced with
+sequence parallelism, one micro-batch of 16 sequences; AsyncTP as tensor-parallel overlap
+(``tp_comm_overlap``). Test rows."""
+
+
 def _a100() -> list[PublishedRow]:
     rows = []
     for name, model, seq, local, mode, per_gpu in TORCHTITAN_A100:
@@ -89,6 +99,23 @@ def _h100() -> list[PublishedRow]:
     return rows
 
 
+def _h100_2d() -> list[PublishedRow]:
+    rows = []
+    layout = Layout(dp=32, tp=8, zero=3, sequence_parallel=True,
+                    activation_checkpointing="full")
+    for technique, async_tp, per_gpu, gib in TORCHTITAN_H100_2D:
+        traits = dataclasses.replace(STACKS["torchtitan-2025"], fp8_linear=True,
+                                     tp_comm_overlap=async_tp)
+        name = f"Llama 3.1 70B FSDP 32 TP 8 Float8{' AsyncTP' if async_tp else ''}"
+        common = (LLAMA3_70B, 8192, 512, layout, "h100-96g-hbm2e-500w", "torchtitan-2025")
+        source = "torchtitan docs/performance.md Table 4"
+        rows.append(row(f"{name} memory", source, "test", "memory_gb_per_gpu", gib * GIB,
+                        *common, traits=traits, note=f"'{technique}'"))
+        rows.append(row(f"{name} TPS", source, "test", "tokens_per_s", per_gpu * 256, *common,
+                        traits=traits, note=f"'{technique}'"))
+    return rows
+
+
 def torchtitan_rows() -> list[PublishedRow]:
     """Every torchtitan row: the A100 tables, then the H100 ones."""
-    return _a100() + _h100()
+    return _a100() + _h100() + _h100_2d()
