@@ -130,18 +130,18 @@ class RuntimeTraits:
     activations; full recomputation holds the recomputed block whole instead. meshtrain: 0.4,
     measured from outside on the CPU, where its norms keep only their input as the fused norms
     of GPU runtimes do (docs/planner.md, *Activation memory measured from outside*: the VmHWM
-    difference of a long and a short sequence, 0.87-1.08 of the estimate across the cases).
-    The published stacks: 1, the figure their memory rows were fitted with (the allocator
-    reserve was fitted beside it on torchtitan's FSDP row, and no GPU measurement here
-    separates the two)."""
+    difference of a long and a short sequence; the estimate is 0.87-1.10 of it across the
+    cases). The published stacks: 1, the figure their memory rows were fitted with (the
+    allocator reserve was fitted beside it on torchtitan's FSDP row, and no GPU measurement
+    here separates the two)."""
     fp8_linear: bool = False
     """The blocks' linear layers run their GEMMs in FP8 (Transformer Engine's FP8 recipe, as
     NeMo's ``fp8: true`` and torchtitan's Float8 run them), at the stack's FP8 efficiency of the
     profile's FP8 peak (``StackEfficiency.fp8_gemm``); attention, the LM head and every
-    collective stay in the activation dtype. Each rank also keeps an FP8 copy of its block
-    weights and its transpose for the step (2 bytes a parameter, under ``buffers``); the saved
-    activations are counted as in bf16. A run setting (``--trait fp8_linear=true``): no stack
-    preset sets it."""
+    collective stay in the activation dtype; each GEMM also pays the casts of its input and of
+    its output gradient to FP8. Memory: the linear layers keep their inputs in FP8, and each rank
+    keeps an FP8 copy of its block weights for the step (1 byte a parameter, under ``buffers``;
+    not under ZeRO-3). A run setting (``--trait fp8_linear=true``): no stack preset sets it."""
     fp32_params: bool = False
     """Sharded parameters are held in fp32 and only gathered in the training dtype (FSDP2 with a
     bf16 ``MixedPrecisionPolicy``, as torchtitan runs it): bf16 model states are ``4 + G + 8``
