@@ -101,11 +101,67 @@ def test_fp8_memory_keeps_one_fp8_weight_copy_and_fp8_layer_inputs(zero, stack):
 
 def test_the_published_fp8_rows_are_priced_with_the_trait():
     rows = [r for r in published_rows() if "FP8" in r.name or "Float8" in r.name]
-    assert len(rows) == 14  # dgxc-benchmarking 6, torchtitan Tables 1, 3 and 4: 8
+    assert len(rows) == 22  # dgxc-benchmarking 6, torchtitan Tables 1, 3 and 4: 8, Bridge 8
     for row in rows:
         assert row.workload.traits.fp8_linear, row.name
         words = shlex.split(row_command(row))
         assert "fp8_linear=true" in words[words.index("--stack"):], row.name
-    train = [r for r in rows if r.split == "train"]
+    bridge = [r for r in rows if r.source == "Megatron-Bridge performance summary"]
+    assert len(bridge) == 8 and all(r.workload.traits.fp8_params for r in bridge)
+    assert all(r.workload.traits.grad_reduce_bytes == 2 for r in bridge)
+    train = [r for r in rows if r.split == "train" and r.fits.endswith(" fp8")]
     assert {r.name for r in train} == {"Llama 3.1 8B FP8 8 H100", "Llama 3.1 8B FP8 128 H100"}
     assert all(r.fits == "megatron-core-2024 h100 fp8" for r in train)
+
+
+def test_fp8_params_hold_the_block_weights_in_one_byte_and_need_fp8_linear(capsys):
+    """``--trait fp8_params=true`` (Megatron's ``fp8_param_gather``): the block weights take one
+    byte a parameter instead of two, with no FP8 copy beside them; alone it is refused."""
+    model = {"dim": 1024, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 4096,
+             "vocab_size": 32000}
+    base = ["--hardware", "h100-80g", "--gpus", "8", "--stack", "megatron-core-2025"]
+    for item in [f"model.{k}={v}" for k, v in model.items()] + [
+            "parallel.dp=4", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.zero=1", "train.seq_len=4096", "train.global_batch=8",
+            "train.precision=bf16"]:
+        base += ["--set", item]
+    (copy,), = [_estimate([*base, *FP8])["per_rank"]]
+    only = _estimate([*base, *FP8, "--trait", "fp8_params=true"])
+    (held,) = only["per_rank"]
+    assert only["fp8_params"]
+    dim, kv = model["dim"], model["dim"] // model["n_heads"] * model["n_kv_heads"]
+    block = (dim * (2 * dim + 2 * kv) + 3 * dim * model["ffn_dim"]) / 2 * model["n_layers"]
+    assert copy["param_bytes"] - held["param_bytes"] == pytest.approx(block, rel=1e-3)
+    assert copy["buffer_bytes"] - held["buffer_bytes"] == pytest.approx(block, rel=1e-3)
+    assert (held["grad_bytes"], held["optim_bytes"]) == (copy["grad_bytes"],
+                                                         copy["optim_bytes"])
+    assert main(["estimate", *base, "--trait", "fp8_params=true"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8_params" in err and "fp8_linear=true" in err
+
+
+def test_fp8_keeps_the_experts_input_rows_in_one_byte():
+    """An MoE layer under FP8 keeps its experts' input rows (top-k copies of each token) in FP8,
+    as the dense layers keep theirs: one byte an element less per row."""
+    from meshtrain.config import ModelConfig
+    from meshtrain.config.layout import Layout
+    from meshtrain.planner.cost.memory import layer_activation_units
+
+    model = ModelConfig(vocab_size=1000, dim=1024, n_layers=2, n_heads=8, n_kv_heads=8,
+                        ffn_dim=4096, moe_experts=16, moe_top_k=4, moe_ffn_dim=512)
+    dense = ModelConfig(vocab_size=1000, dim=1024, n_layers=2, n_heads=8, n_kv_heads=8,
+                        ffn_dim=4096)
+    layout = Layout(dp=2, ep=2)
+
+    def saved(m, fp8):
+        return layer_activation_units(m, 0, 2048, layout, True, "none", fused_swiglu=True,
+                                      fp8_linear=fp8)
+
+    # The dense parts change alike in both models; the MoE layer saves k more units less
+    # (its k input rows at one byte, not two) beyond what its expert intermediates lose.
+    moe_drop, dense_drop = saved(model, False) - saved(model, True), \
+        saved(dense, False) - saved(dense, True)
+    per_hidden_drop = 1.0  # the down projection's input, per expert width
+    expected = (dense_drop - per_hidden_drop * dense.ffn_dim / dense.dim
+                + 4 * per_hidden_drop * 512 / 1024 + 4)
+    assert moe_drop == pytest.approx(expected)

@@ -23,6 +23,7 @@ from meshtrain.planner.tables.published import (
 from meshtrain.planner.tables.stacks import (
     MEGATRON_2021_A100,
     MEGATRON_CORE_2024_H100,
+    MEGATRON_CORE_2025_H100,
     MEGATRON_DEEPSPEED_A100,
     TORCHTITAN_2024_A100,
     TORCHTITAN_2025_H100,
@@ -38,6 +39,7 @@ WRITTEN = {"megatron-2021 a100": MEGATRON_2021_A100.gemm,
            "megatron-deepspeed a100": MEGATRON_DEEPSPEED_A100.gemm,
            "megatron-core-2024 h100": MEGATRON_CORE_2024_H100.gemm,
            "megatron-core-2024 h100 fp8": MEGATRON_CORE_2024_H100.fp8_gemm,
+           "megatron-core-2025 h100 experts": MEGATRON_CORE_2025_H100.expert_overhead_ns,
            "torchtitan-2025 h100": TORCHTITAN_2025_H100.gemm,
            "allocator reserve": ALLOCATOR_RESERVE,
            "mfu cap a100": PUBLISHED_MFU_CAPS["a100"][0],
@@ -74,8 +76,9 @@ def test_fit_groups_hold_train_rows_only():
 
 def test_the_written_constants_are_what_the_train_rows_give():
     fitted = refit(ROWS)
-    for name, value in WRITTEN.items():
-        assert fitted[name] == pytest.approx(value, abs=0.0015), name
+    for name, value in WRITTEN.items():  # written to 3 decimals; the overhead in ns to 0.1
+        tolerance = 0.1 if name.endswith(" experts") else 0.0015
+        assert fitted[name] == pytest.approx(value, abs=tolerance), name
 
 
 def test_test_rows_never_reach_a_constant():

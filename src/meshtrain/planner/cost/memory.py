@@ -192,11 +192,14 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         f = model.expert_ffn_dim
         moe = 4.0 * model.moe_experts / h  # the router's fp32 scores
         outputs = 0.0 if moe_gate_in_activation else 2.0 * k  # kept for the gate's backward
+        # The experts' input rows, kept for their weight gradients (in FP8 when the linear
+        # layers run in FP8, as the dense layers' inputs are).
+        inputs = (1.0 if fp8_linear else 2.0) * k
         if keeps_own_tokens(layout, moe_sequence_sharded):
             # Each tp rank routes its own S/tp tokens and nothing is gathered: the whole
             # layer's saved tensors are a tp-th (router, experts' inputs, intermediates and
             # outputs, shared experts).
-            moe += (k * per_hidden * f / h + 2.0 * k + outputs
+            moe += (k * per_hidden * f / h + inputs + outputs
                     + per_hidden * model.shared_ffn_dim / h)
             return replicated / t + parallel / t + moe / t
         # meshtrain's replicated region: every tp rank routes the whole sequence (gathered
@@ -207,7 +210,7 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         split = row_split(layout)
         whole += k * per_hidden * f / h / split + per_hidden * model.shared_ffn_dim / h
         # The experts' input rows, their gathered outputs, the router's fp32 scores.
-        whole += 2.0 * k / split + outputs + moe
+        whole += inputs / split + outputs + moe
         whole += 2.0 if sp else 0.0  # the gathered input (without sp: ``replicated`` has it)
     else:
         parallel += per_hidden * model.ffn_dim / h
@@ -313,11 +316,17 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
         if lay.zero == 0 and workload.traits.ddp_bucket_copy and shards > 1:
             buffers += (params.dense + params.expert) * grad_bytes
     if workload.traits.fp8_linear and lay.zero < 3:
-        # The FP8 copy of each block weight, cast once a step and kept for every micro-batch: one
-        # byte a parameter. A kept transpose beside it (another byte) would put the FP8 train
-        # rows' published layout (Llama 3.1 8B, dgxc-benchmarking) over the device memory, so it
-        # is not counted. Under ZeRO-3 the cast follows each gather and is freed with it.
-        buffers += sum(sum(layer_params(model, layer, lay.tp, lay.ep)) for layer in layers)
+        block = sum(sum(layer_params(model, layer, lay.tp, lay.ep)) for layer in layers)
+        if workload.traits.fp8_params:
+            # The block weights live in FP8 alone (fp8_param_gather): one byte a parameter.
+            param_b -= (workload.act_bytes - 1) * block
+        else:
+            # The FP8 copy of each block weight, cast once a step and kept for every
+            # micro-batch: one byte a parameter. A kept transpose beside it (another byte) would
+            # put the FP8 train rows' published layout (Llama 3.1 8B, dgxc-benchmarking) over
+            # the device memory, so it is not counted. Under ZeRO-3 the cast follows each
+            # gather and is freed with it.
+            buffers += block
     allocated = param_b + grad_b + optim_b + activations + buffers
     return RankMemory(stage, param_b, grad_b, optim_b, activations, buffers,
                       reserve_fraction * allocated)

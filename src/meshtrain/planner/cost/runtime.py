@@ -18,6 +18,7 @@ from meshtrain.planner.hardware.stack_efficiency import StackEfficiency
 from meshtrain.planner.tables.stacks import (
     MEGATRON_2021_A100,
     MEGATRON_CORE_2024_H100,
+    MEGATRON_CORE_2025_H100,
     MEGATRON_DEEPSPEED_A100,
     TORCHTITAN_2024_A100,
     TORCHTITAN_2025_H100,
@@ -142,6 +143,12 @@ class RuntimeTraits:
     its output gradient to FP8. Memory: the linear layers keep their inputs in FP8, and each rank
     keeps an FP8 copy of its block weights for the step (1 byte a parameter, under ``buffers``;
     not under ZeRO-3). A run setting (``--trait fp8_linear=true``): no stack preset sets it."""
+    fp8_params: bool = False
+    """With ``fp8_linear``: the block weights are held in FP8 only (Megatron-Core's
+    ``fp8_param_gather``, which Megatron-Bridge's FP8 recipes set; Transformer Engine's
+    ``fp8_model_init``): one byte a parameter instead of the activation dtype's, and no FP8 copy
+    beside them; the fp32 master weights stay in the optimizer state. Under ZeRO-3 it changes
+    nothing priced. A run setting (``--trait fp8_params=true``)."""
     fp32_params: bool = False
     """Sharded parameters are held in fp32 and only gathered in the training dtype (FSDP2 with a
     bf16 ``MixedPrecisionPolicy``, as torchtitan runs it): bf16 model states are ``4 + G + 8``
@@ -296,17 +303,20 @@ Float8 runs are priced with ``fp8_linear`` (a run setting). Its H100 GEMM effici
 its 8-GPU Table 1 compile row (:data:`meshtrain.planner.tables.stacks.TORCHTITAN_2025_H100`)."""
 MEGATRON_CORE_2025 = dataclasses.replace(MEGATRON_CORE_2024, moe_sequence_sharded=True,
                                          moe_gate_in_activation=True,
-                                         uniform_pipeline_stages=False)
-"""Megatron-Core as Megatron-Bridge's 2025 MoE recipes run it (``scripts/performance``): the
-2024 stack, with uneven pipeline stages (``pipeline_model_parallel_layout``, the embedding and
-the loss counted as layers), the MoE layer of expert tensor parallelism 1 (each tp rank's own tokens
-dispatched by all-to-all over an expert group spanning the tp ranks, nothing gathered over tp)
-and the router's gate weights applied inside the experts' SwiGLU (``weighted_bias_swiglu``).
-Its recipes differ on overlapping the expert all-to-alls with another micro-batch's compute
-(``moe_a2a_overlap``: on for Qwen3-235B on H100, off for Qwen3-30B): the stack prices them
-exposed, and a run that overlaps them sets ``ep_comm_overlap`` (the Qwen3-235B row,
-:mod:`meshtrain.planner.tables.runs_moe`). No fit rows of its own: it keeps the 2024 stack's
-H100 kernel efficiency."""
+                                         uniform_pipeline_stages=False, grad_reduce_bytes=2,
+                                         kernel_efficiency=(("h100", MEGATRON_CORE_2025_H100),))
+"""Megatron-Core as Megatron-Bridge's 2025 performance recipes run it (``scripts/performance``):
+the 2024 stack, with bf16 gradient reduction (each model's common settings set
+``grad_reduce_in_fp32 = False``), uneven pipeline stages (``pipeline_model_parallel_layout``,
+the embedding and the loss counted as layers), the MoE layer of expert tensor parallelism 1
+(each tp rank's own tokens dispatched by all-to-all over an expert group spanning the tp ranks,
+nothing gathered over tp) and the router's gate weights applied inside the experts' SwiGLU
+(``weighted_bias_swiglu``). Its recipes differ on overlapping the expert all-to-alls with
+another micro-batch's compute (``moe_a2a_overlap``: on for Qwen3-235B on H100, off for
+Qwen3-30B): the stack prices them exposed, and a run that overlaps them sets
+``ep_comm_overlap`` (the Qwen3-235B rows). Its H100 entry keeps the 2024 stack's GEMM figures
+and adds the per-expert overhead fitted on its Qwen3-30B-A3B train row
+(:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2025_H100`)."""
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,

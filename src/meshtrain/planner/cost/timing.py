@@ -172,6 +172,17 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         linear_flops += 2.0 * m * n * k * batch
         linear_time += 3 * one + cast_input + cast_grad
 
+    if model.is_moe_layer(layer) and kernels.expert_overhead_s:
+        # The stack's per-expert work beyond the GEMMs' roofline: for each token the rank
+        # routes, for each local expert (StackEfficiency.expert_overhead_ns), spread over the
+        # forward and the two backward passes alike.
+        routed = tokens / token_split(lay, traits.moe_sequence_sharded) \
+            if keeps_own_tokens(lay, traits.moe_sequence_sharded) else tokens
+        per_pass = routed * model.moe_experts / lay.ep * kernels.expert_overhead_s / 3
+        cost.forward += per_pass
+        cost.backward_input += per_pass
+        cost.backward_weight += per_pass
+
     # QK^T and AV, full square; the rank's queries against the whole sequence's keys
     attention_flops = 4.0 * b * s * s * heads * model.head_dim / lay.cp
     if traits.flash_attention:

@@ -194,12 +194,17 @@ def check_layout(workload: Workload, layout: Layout) -> None:
 
 def check_fp8(workload: Workload, profile_name: str, fp8_rate: float) -> None:
     """Raise :class:`ConfigError` when ``workload`` computes its linear layers in FP8
-    (``RuntimeTraits.fp8_linear``) on a profile without FP8 tensor cores (``fp8_rate`` 0)."""
+    (``RuntimeTraits.fp8_linear``) on a profile without FP8 tensor cores (``fp8_rate`` 0), or
+    holds its weights in FP8 (``fp8_params``) without FP8 linear layers."""
     if workload.traits.fp8_linear and fp8_rate <= 0:
         raise ConfigError(f"--trait fp8_linear=true: profile {profile_name} has no FP8 tensor "
                           "cores (its fp8_rate is 0), so FP8 linear layers cannot be priced on "
                           "it; valid: an H100-class, H200, B200 or MI300X profile, or "
                           "fp8_linear=false.")
+    if workload.traits.fp8_params and not workload.traits.fp8_linear:
+        raise ConfigError("--trait fp8_params=true holds the block weights in FP8, which only "
+                          "a run with FP8 linear layers does; valid: add --trait "
+                          "fp8_linear=true, or fp8_params=false.")
 
 
 def check_stack_offers(workload: Workload, layout: Layout, stack: str) -> None:

@@ -49,6 +49,12 @@ class StackEfficiency:
     """Fraction of the FP8 peak (the profile's ``peak_tflops * fp8_rate``) the stack's linear
     layers reach when a run computes them in FP8 (``RuntimeTraits.fp8_linear``), the casts to
     FP8 and the scaling bookkeeping included; None: the profile's ``fp8_matmul_efficiency``."""
+    expert_overhead_ns: float = 0.0
+    """Nanoseconds a rank spends per token it routes, per local expert, per MoE layer, beyond
+    what the experts' GEMMs take at the GEMM rate (forward and backward together): the work a
+    runtime does expert by expert over the tokens (permutation and un-permutation chunk by
+    expert, a grouped GEMM run as one GEMM per expert, FP8 casts per expert, the dropless
+    dispatcher's bookkeeping). 0: none priced."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,9 @@ class KernelEfficiency:
     source: str
     fp8_gemm: float = 0.0
     """Fraction of the FP8 peak FP8 linear layers reach (0: the profile has no FP8 figure)."""
+    expert_overhead_s: float = 0.0
+    """Seconds per routed token per local expert per MoE layer (``StackEfficiency.
+    expert_overhead_ns``); 0 without a stack entry."""
 
     def to_dict(self, profile: HardwareProfile) -> dict:
         """The JSON form an estimate on ``profile`` reports under ``kernel_efficiency``:
@@ -75,6 +84,7 @@ class KernelEfficiency:
         if attention is None and not profile.attention_by_head_dim:
             attention = profile.attention_efficiency
         return {"gemm": self.gemm, "attention": attention, "fp8_gemm": self.fp8_gemm,
+                "expert_overhead_ns": round(self.expert_overhead_s * 1e9, 3),
                 "from": f"stack entry {self.family}" if self.family else "hardware profile",
                 "source": self.source}
 
@@ -88,7 +98,8 @@ def kernel_efficiency(entries: tuple[tuple[str, StackEfficiency], ...],
             if family == profile.family:
                 fp8 = entry.fp8_gemm if entry.fp8_gemm is not None else \
                     profile.fp8_matmul_efficiency
-                return KernelEfficiency(entry.gemm, entry.attention, family, entry.source, fp8)
+                return KernelEfficiency(entry.gemm, entry.attention, family, entry.source, fp8,
+                                        entry.expert_overhead_ns * 1e-9)
     why = ("measured (calibrated) profile" if profile.measured else
            f"no {profile.family or profile.name} entry for this stack")
     return KernelEfficiency(profile.matmul_efficiency, None, "",

@@ -43,7 +43,8 @@ def priced(row: PublishedRow, profile=None) -> dict:
 
 def with_gemm_efficiency(row: PublishedRow, gemm: float, field: str = "gemm") -> PublishedRow:
     """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``
-    (``field``: ``gemm``, or ``fp8_gemm`` for the FP8 efficiency, the bf16 one kept)."""
+    (``field``: ``gemm``, or another :class:`StackEfficiency` field of the stack's entry, the
+    rest kept: ``fp8_gemm`` for the FP8 efficiency, ``expert_overhead_ns``)."""
     family = PROFILES[row.profile].family
     traits = row.workload.traits
     current = dict(traits.kernel_efficiency).get(family)
@@ -51,9 +52,9 @@ def with_gemm_efficiency(row: PublishedRow, gemm: float, field: str = "gemm") ->
     if field == "gemm":
         trial = StackEfficiency(gemm=gemm, source="trial")
     elif current is None:
-        raise ValueError(f"{row.name}: no {family} entry in its stack to give an FP8 figure to")
+        raise ValueError(f"{row.name}: no {family} entry in its stack to give {field} to")
     else:
-        trial = dataclasses.replace(current, fp8_gemm=gemm, source="trial")
+        trial = dataclasses.replace(current, **{field: gemm}, source="trial")
     traits = dataclasses.replace(traits, kernel_efficiency=((family, trial), *entries))
     return dataclasses.replace(row, workload=dataclasses.replace(row.workload, traits=traits))
 
@@ -90,6 +91,20 @@ def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4,
         middle = (low + high) / 2
         slow = _mean_speed_error(rows, middle, field) < 0
         low, high = (middle, high) if slow else (low, middle)
+    return (low + high) / 2
+
+
+def fit_expert_overhead(rows: list[PublishedRow], tolerance: float = 0.05) -> float:
+    """The per-expert overhead (``StackEfficiency.expert_overhead_ns``: nanoseconds per routed
+    token per local expert per MoE layer) at which ``rows`` (train rows of MoE runs of one stack
+    on one GPU generation) are on average neither faster nor slower than published, by
+    bisection between 0 and 10 µs."""
+    require_train(rows)
+    low, high = 0.0, 10000.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        slow = _mean_speed_error(rows, middle, "expert_overhead_ns") < 0
+        low, high = (low, middle) if slow else (middle, high)
     return (low + high) / 2
 
 
@@ -147,6 +162,8 @@ def refit(rows: list[PublishedRow]) -> dict[str, float]:
             out[name] = fit_mfu_cap(group)
         elif name.endswith(" fp8"):
             out[name] = fit_gemm_efficiency(group, field="fp8_gemm")
+        elif name.endswith(" experts"):
+            out[name] = fit_expert_overhead(group)
         else:
             out[name] = fit_gemm_efficiency(group)
     return out

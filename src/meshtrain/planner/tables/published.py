@@ -3,7 +3,9 @@ were fitted on (**train**) and the rows that only measure its accuracy (**test**
 
 The rows live in :mod:`meshtrain.planner.tables.runs_megatron` (Megatron-LM 2021/2022,
 Megatron-DeepSpeed, Megatron-Core), :mod:`meshtrain.planner.tables.runs_llama3` (Meta's Llama 3
-405B runs) and :mod:`meshtrain.planner.tables.runs_torchtitan`; each
+405B runs), :mod:`meshtrain.planner.tables.runs_moe` (Qwen3-235B-A22B),
+:mod:`meshtrain.planner.tables.runs_bridge` (Megatron-Bridge's H100 FP8 rows) and
+:mod:`meshtrain.planner.tables.runs_torchtitan`; each
 names its source, layout and which figure it is, and every train row names the constant it
 feeds (:mod:`meshtrain.planner.tables.fitting`, whose routines take train rows only).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from meshtrain.planner.cost.fit_advice import COMPONENTS
 from meshtrain.planner.cost.memory import GB
 from meshtrain.planner.tables.fitting import fit_groups, priced, refit, speed_error
+from meshtrain.planner.tables.runs_bridge import bridge_rows
 from meshtrain.planner.tables.runs_llama3 import llama3_rows
 from meshtrain.planner.tables.runs_megatron import megatron_rows
 from meshtrain.planner.tables.runs_moe import moe_rows
@@ -28,7 +31,7 @@ from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
 
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set, train and test."""
-    return megatron_rows() + llama3_rows() + moe_rows() + torchtitan_rows()
+    return megatron_rows() + llama3_rows() + moe_rows() + bridge_rows() + torchtitan_rows()
 
 
 def evaluate(row: PublishedRow) -> dict:

@@ -28,7 +28,10 @@ def row_arguments(row: PublishedRow) -> list[str]:
     args = ["--hardware", row.profile, "--gpus", str(row.gpus), "--stack", row.stack]
     for field in dataclasses.fields(ModelConfig):
         value = getattr(work.model, field.name)
-        if field.name in required or value != getattr(defaults, field.name):
+        if isinstance(value, dict):  # a table: one --set per key (model.rope_scaling.factor=8)
+            args += [item for key, entry in value.items()
+                     for item in ("--set", f"model.{field.name}.{key}={format_value(entry)}")]
+        elif field.name in required or value != getattr(defaults, field.name):
             args += ["--set", f"model.{field.name}={format_value(value)}"]
     args += ["--set", f"train.seq_len={work.seq_len}",
              "--set", f"train.global_batch={work.global_batch}",

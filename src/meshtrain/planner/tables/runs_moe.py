@@ -33,11 +33,11 @@ QWEN3_SPLIT = ",".join(["2"] + ["3"] * 30 + ["2"])
 """Layers per chunk, in pipeline order (8 ranks × 4 chunks): the embedding and the loss each
 take a layer's place."""
 
-BRIDGE_H100_QWEN3 = dataclasses.replace(MEGATRON_CORE_2025, grad_reduce_bytes=2,
-                                        tp_comm_overlap=False, ep_comm_overlap=True)
-"""``megatron-core-2025`` as the H100 recipe configures it: bf16 gradient reduction, no
-tensor-parallel communication overlap, the expert all-to-alls overlapped with another
-micro-batch's compute (``moe_a2a_overlap``)."""
+BRIDGE_H100_QWEN3 = dataclasses.replace(MEGATRON_CORE_2025, tp_comm_overlap=False,
+                                        ep_comm_overlap=True)
+"""``megatron-core-2025`` as the H100 recipe configures it: no tensor-parallel communication
+overlap, the expert all-to-alls overlapped with another micro-batch's compute
+(``moe_a2a_overlap``); bf16 gradient reduction as the stack has it."""
 
 
 def moe_rows() -> list[PublishedRow]:
