@@ -29,7 +29,7 @@ train: setup
 		--max-new-tokens 160 --temperature 0.7
 
 test: setup
-	$(PY) -m pytest -q -m 'not slow' tests
+	$(PY) -m pytest -q -m 'not slow' --durations=25 tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
