@@ -74,9 +74,11 @@ MEGATRON_CORE_2025_H100 = StackEfficiency(
            "run on 16 H100 (NeMo 26.02, FP8, pp 2 x ep 8, 5,113 tokens/s per GPU; the train row): "
            "the value that prices it at its published throughput")
 """Megatron-Core as Megatron-Bridge's 2025-2026 performance recipes run it on H100 80 GB. Its
-MoE layers pay, per local expert, per MoE layer and micro-batch, a fixed time beyond the
-experts' GEMMs (``expert_overhead_us``): priced without it, its Qwen3 MoE rows ran 1.2-2.9 x
-slower than the roofline of their GEMMs and all-to-alls, most for the fine-grained 30B-A3B with
-16 experts per rank. The mechanism is not separated (per-expert GEMM launches and FP8 casts,
-the dropless dispatcher's host synchronisation); one constant per local expert is the simplest
-form that prices the two model sizes' gap, and the other Qwen3 rows check it."""
+MoE layers pay, for each token a rank routes and each local expert, a time beyond the experts'
+GEMMs (``expert_overhead_ns``): priced without it, its Qwen3 MoE rows ran 1.2-3.0 x slower than
+the roofline of their GEMMs, attention and all-to-alls, most for the fine-grained 30B-A3B with
+16 experts per rank. The mechanism is not separated (work done expert by expert: permutation,
+per-expert GEMMs and FP8 casts, the dropless dispatcher's bookkeeping). Of the two simplest
+forms (per routed token and local expert, or per local expert and micro-batch) the Qwen3 rows
+imply this one consistently across both model sizes and micro-batch sizes (docs/planner.md,
+*Per-expert overhead*); only the train row sets its value, and the other Qwen3 rows check it."""
