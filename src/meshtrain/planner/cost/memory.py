@@ -289,7 +289,8 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
     moe = model.moe_layer_count(layers)
     kinds = [(n, layer) for n, layer in ((len(layers) - moe, 0), (moe, model.first_moe_layer))
              if n]
-    per_mb = sum(n * layer_activation_bytes(workload, lay, layer) for n, layer in kinds)
+    saved = {layer: layer_activation_bytes(workload, lay, layer) for _, layer in kinds}
+    per_mb = sum(n * saved[layer] for n, layer in kinds)
     activations = per_mb * inflight + saved_kv_bytes(workload, lay, len(layers), inflight)
     b, s = lay.micro_batch_size(workload.global_batch), workload.seq_len / lay.cp
     if kinds:
@@ -299,8 +300,9 @@ def rank_memory(workload: Workload, layout: Layout, stage: int, layers: list[int
         # activations as it makes their gradients: one block, not two).
         share = 1.0 if lay.activation_checkpointing == "full" else \
             workload.traits.backward_transient_blocks
-        activations += share * max(layer_activation_bytes(workload, lay, layer, "none")
-                                   for _, layer in kinds)
+        whole = saved if lay.activation_checkpointing == "none" else {
+            layer: layer_activation_bytes(workload, lay, layer, "none") for _, layer in kinds}
+        activations += share * max(whole.values())
     if last:  # logits and the loss's fp32 buffers, one micro-batch (loss_bytes_per_logit)
         logit = workload.traits.loss_bytes_per_logit + workload.act_bytes - 2  # fp32 logits
         if lay.pp > 1 and lay.pp_schedule == "gpipe":  # every loss's forward, then backwards
