@@ -54,8 +54,11 @@ def _kernels_line(result: dict) -> str:
     attention = "" if kernels["attention"] is None else f", attention {kernels['attention']:.2f}"
     fp8 = (f"; linear layers in FP8 at {kernels['fp8_gemm']:.0%} of the FP8 peak (MFU is "
            "against the bf16 peak)" if result.get("fp8_linear") else "")
+    experts = (f"; MoE layers {kernels['expert_overhead_ns']:.0f} ns a routed token per local "
+               "expert beyond their GEMMs" if kernels.get("expert_overhead_ns")
+               and result["active_params"] < result["params"] else "")
     return (f"kernels: GEMM at {kernels['gemm']:.0%} of peak{attention} ({kernels['from']})"
-            + fp8)
+            + fp8 + experts)
 
 
 def format_plan(plan: dict, title: str) -> str:

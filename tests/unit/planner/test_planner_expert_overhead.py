@@ -66,3 +66,15 @@ def test_it_is_fitted_on_one_train_row_and_checked_on_the_other_qwen3_rows():
                if r.stack == "megatron-core-2025" and r.workload.model.moe_experts
                and r.split == "test"]
     assert len(checked) == 4
+
+
+def test_the_estimate_text_names_it_for_an_moe_model_only(capsys):
+    from meshtrain.cli import main
+
+    base = ["estimate", "--hardware", "h100-80g", "--gpus", "16", "--stack",
+            "megatron-core-2025", "--set", "parallel.dp=16", "--set", "parallel.zero=1"]
+    assert main([*base, "--model", "qwen3-30b-a3b", "--set", "parallel.ep=8",
+                 "--set", "parallel.microbatches=64"]) == 0
+    assert "MoE layers 165 ns a routed token per local expert" in capsys.readouterr().out
+    assert main([*base, "--model", "llama3-8b"]) == 0
+    assert "routed token" not in capsys.readouterr().out
