@@ -101,7 +101,7 @@ def test_fp8_memory_keeps_one_fp8_weight_copy_and_fp8_layer_inputs(zero, stack):
 
 def test_the_published_fp8_rows_are_priced_with_the_trait():
     rows = [r for r in published_rows() if "FP8" in r.name or "Float8" in r.name]
-    assert len(rows) == 22  # dgxc-benchmarking 6, torchtitan Tables 1, 3 and 4: 8, Bridge 8
+    assert len(rows) == 34  # dgxc 6, torchtitan Tables 1, 3 and 4: 8, Bridge 8, NeMo 12
     for row in rows:
         assert row.workload.traits.fp8_linear, row.name
         words = shlex.split(row_command(row))

@@ -4,8 +4,10 @@ were fitted on (**train**) and the rows that only measure its accuracy (**test**
 The rows live in :mod:`meshtrain.planner.tables.runs_megatron` (Megatron-LM 2021/2022,
 Megatron-DeepSpeed, Megatron-Core), :mod:`meshtrain.planner.tables.runs_llama3` (Meta's Llama 3
 405B runs), :mod:`meshtrain.planner.tables.runs_moe` (Qwen3-235B-A22B),
-:mod:`meshtrain.planner.tables.runs_bridge` (Megatron-Bridge's H100 FP8 rows) and
-:mod:`meshtrain.planner.tables.runs_torchtitan`; each
+:mod:`meshtrain.planner.tables.runs_bridge` (Megatron-Bridge's H100 FP8 rows),
+:mod:`meshtrain.planner.tables.runs_nemo` (NeMo 24.12's H100 FP8 rows),
+:mod:`meshtrain.planner.tables.runs_torchtitan` and :mod:`meshtrain.planner.tables.runs_olmo`
+(OLMo-core's H100 rows); each
 names its source, layout and which figure it is, and every train row names the constant it
 feeds (:mod:`meshtrain.planner.tables.fitting`, whose routines take train rows only).
 
@@ -25,13 +27,16 @@ from meshtrain.planner.tables.runs_bridge import bridge_rows
 from meshtrain.planner.tables.runs_llama3 import llama3_rows
 from meshtrain.planner.tables.runs_megatron import megatron_rows
 from meshtrain.planner.tables.runs_moe import moe_rows
+from meshtrain.planner.tables.runs_nemo import nemo_rows
+from meshtrain.planner.tables.runs_olmo import olmo_rows
 from meshtrain.planner.tables.runs_row import PublishedRow
 from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
 
 
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set, train and test."""
-    return megatron_rows() + llama3_rows() + moe_rows() + bridge_rows() + torchtitan_rows()
+    return (megatron_rows() + nemo_rows() + llama3_rows() + moe_rows() + bridge_rows()
+            + torchtitan_rows() + olmo_rows())
 
 
 def evaluate(row: PublishedRow) -> dict:
