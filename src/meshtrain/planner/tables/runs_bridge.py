@@ -20,8 +20,9 @@ to balance and dropless. What the rows and the recipes give:
   (25.11) and 12 virtual stages, micro-batch 1, global batch 1,024 (26.02). Whether these runs
   overlapped the all-to-alls is not stated (the stack prices them exposed).
 
-Priced with ``megatron-core-2025`` plus ``fp8_linear`` and ``fp8_params``. All are test rows:
-nothing is fitted on them.
+Priced with ``megatron-core-2025`` plus ``fp8_linear`` and ``fp8_params``. Qwen3-30B-A3B at
+26.02 is the train row of the stack's per-expert overhead (:data:`EXPERTS_TRAIN_ROW`); the other
+seven are test rows.
 """
 
 from __future__ import annotations
