@@ -25,7 +25,7 @@ from meshtrain.planner.tables.fitting import (
     fit_groups,
     priced,
     speed_error,
-    with_gemm_efficiency,
+    with_stack_efficiency,
 )
 from meshtrain.planner.tables.presets import preset_config
 from meshtrain.planner.tables.profiles import PROFILES
@@ -127,7 +127,7 @@ def test_every_profile_and_stack_entry_states_its_source():
 
 
 def _mean_speed_error(rows, gemm):
-    return sum(speed_error(r, priced(with_gemm_efficiency(r, gemm),
+    return sum(speed_error(r, priced(with_stack_efficiency(r, gemm),
                                      dataclasses.replace(PROFILES[r.profile], max_mfu=0.0)))
                for r in rows) / len(rows)
 

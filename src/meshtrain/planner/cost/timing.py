@@ -176,8 +176,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         # The stack's per-expert work beyond the GEMMs' roofline: for each token the rank
         # routes, for each local expert (StackEfficiency.expert_overhead_ns), spread over the
         # forward and the two backward passes alike.
-        routed = tokens / token_split(lay, traits.moe_sequence_sharded) \
-            if keeps_own_tokens(lay, traits.moe_sequence_sharded) else tokens
+        routed = routed_rows(workload, lay) / model.moe_top_k  # tokens, not assignments
         per_pass = routed * model.moe_experts / lay.ep * kernels.expert_overhead_s / 3
         cost.forward += per_pass
         cost.backward_input += per_pass

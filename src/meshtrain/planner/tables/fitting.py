@@ -42,20 +42,20 @@ def priced(row: PublishedRow, profile=None) -> dict:
     return estimate(row.workload, row.layout, _cluster(row, profile))
 
 
-def with_gemm_efficiency(row: PublishedRow, gemm: float, field: str = "gemm") -> PublishedRow:
-    """``row`` priced with its stack's GEMM efficiency on the row's GPU set to ``gemm``
-    (``field``: ``gemm``, or another :class:`StackEfficiency` field of the stack's entry, the
-    rest kept: ``fp8_gemm`` for the FP8 efficiency, ``expert_overhead_ns``)."""
+def with_stack_efficiency(row: PublishedRow, value: float, field: str = "gemm") -> PublishedRow:
+    """``row`` priced with one figure of its stack's entry for the row's GPU set to ``value``
+    (``field``: ``gemm``, a fresh entry; or another :class:`StackEfficiency` field, the rest of
+    the entry kept: ``fp8_gemm`` for the FP8 efficiency, ``expert_overhead_ns``)."""
     family = PROFILES[row.profile].family
     traits = row.workload.traits
     current = dict(traits.kernel_efficiency).get(family)
     entries = tuple((f, e) for f, e in traits.kernel_efficiency if f != family)
     if field == "gemm":
-        trial = StackEfficiency(gemm=gemm, source="trial")
+        trial = StackEfficiency(gemm=value, source="trial")
     elif current is None:
         raise ValueError(f"{row.name}: no {family} entry in its stack to give {field} to")
     else:
-        trial = dataclasses.replace(current, **{field: gemm}, source="trial")
+        trial = dataclasses.replace(current, **{field: value}, source="trial")
     traits = dataclasses.replace(traits, kernel_efficiency=((family, trial), *entries))
     return dataclasses.replace(row, workload=dataclasses.replace(row.workload, traits=traits))
 
@@ -74,10 +74,26 @@ def speed_error(row: PublishedRow, result: dict) -> float:
     return predicted / row.published - 1
 
 
-def _mean_speed_error(rows: list[PublishedRow], gemm: float, field: str) -> float:
-    errors = [speed_error(r, priced(with_gemm_efficiency(r, gemm, field), _uncapped(r)))
+def _mean_speed_error(rows: list[PublishedRow], value: float, field: str) -> float:
+    errors = [speed_error(r, priced(with_stack_efficiency(r, value, field), _uncapped(r)))
               for r in rows]
     return sum(errors) / len(errors)
+
+
+def _bisect(rows: list[PublishedRow], field: str, low: float, high: float, tolerance: float,
+            slower_upward: bool = False) -> float:
+    """The value of ``field`` in ``[low, high]`` at which ``rows`` are on average neither faster
+    nor slower than published (``slower_upward``: a larger value prices the rows slower, as an
+    overhead does; else faster, as an efficiency does)."""
+    require_train(rows)
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        too_slow = _mean_speed_error(rows, middle, field) < 0
+        if too_slow != slower_upward:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4,
@@ -86,13 +102,7 @@ def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4,
     ``rows`` (train rows of one stack on one GPU generation, priced without an MFU cap) are on
     average neither faster nor slower than published (mean :func:`speed_error` zero), by
     bisection."""
-    require_train(rows)
-    low, high = 0.3, 1.0
-    while high - low > tolerance:
-        middle = (low + high) / 2
-        slow = _mean_speed_error(rows, middle, field) < 0
-        low, high = (middle, high) if slow else (low, middle)
-    return (low + high) / 2
+    return _bisect(rows, field, 0.3, 1.0, tolerance)
 
 
 def fit_expert_overhead(rows: list[PublishedRow], tolerance: float = 0.05) -> float:
@@ -100,13 +110,7 @@ def fit_expert_overhead(rows: list[PublishedRow], tolerance: float = 0.05) -> fl
     token per local expert per MoE layer) at which ``rows`` (train rows of MoE runs of one stack
     on one GPU generation) are on average neither faster nor slower than published, by
     bisection between 0 and 10 µs."""
-    require_train(rows)
-    low, high = 0.0, 10000.0
-    while high - low > tolerance:
-        middle = (low + high) / 2
-        slow = _mean_speed_error(rows, middle, "expert_overhead_ns") < 0
-        low, high = (low, middle) if slow else (middle, high)
-    return (low + high) / 2
+    return _bisect(rows, "expert_overhead_ns", 0.0, 10000.0, tolerance, slower_upward=True)
 
 
 def fit_allocator_reserve(rows: list[PublishedRow]) -> float:
