@@ -34,7 +34,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.runtime import MEGATRON_CORE_2025
 from meshtrain.planner.tables.presets import PRESETS
 from meshtrain.planner.tables.runs_moe import BRIDGE_H100_QWEN3, QWEN3_235B_A22B, QWEN3_SPLIT
-from meshtrain.planner.tables.runs_row import LLAMA3_70B, PublishedRow, row
+from meshtrain.planner.tables.runs_row import LLAMA3_70B, PublishedRow, megatron_layout, row
 
 SOURCE = "Megatron-Bridge performance summary"
 
@@ -67,12 +67,9 @@ def bridge_rows() -> list[PublishedRow]:
     """The DGX-H100 rows of NeMo 25.11 and 26.02 that meshtrain's layouts express."""
     rows = []
     for release, batch, tokens in (("25.11", 128, 1602), ("26.02", 256, 1621)):
-        dp = 2
         rows.append(_per_gpu(
             f"Llama 3 70B FP8 64 H100 ({release})", tokens, LLAMA3_70B, 8192, batch,
-            Layout(dp=dp, tp=4, pp=8, zero=1, sequence_parallel=True,
-                   pp_schedule="interleaved-1f1b", virtual_stages=5, microbatches=batch // dp,
-                   activation_checkpointing="none"), BRIDGE_FP8))
+            megatron_layout(64, 4, 8, 1, 5, batch, 1), BRIDGE_FP8))
     for release, batch, tokens in (("25.11", 512, 292), ("26.02", 1536, 311)):
         dp = 8
         rows.append(_per_gpu(

@@ -34,7 +34,14 @@ import dataclasses
 from meshtrain.config import ModelConfig
 from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.workload import MEGATRON_CORE_2024
-from meshtrain.planner.tables.runs_row import LLAMA3_8B, LLAMA3_70B, PublishedRow, gpt, row
+from meshtrain.planner.tables.runs_row import (
+    LLAMA3_8B,
+    LLAMA3_70B,
+    PublishedRow,
+    gpt,
+    megatron_layout,
+    row,
+)
 
 # (params B, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU)
 NARAYANAN_TABLE_1 = (
@@ -210,15 +217,12 @@ def _dgxc() -> list[PublishedRow]:
                        "megatron-core-2024 h100 fp8"))
         for label, row_split, row_runs, row_traits, fits in precisions:
             for gpus, seconds in row_runs:
-                dp = gpus // (tp * pp * cp)
                 batch = round(per_gpu * gpus)
                 rows.append(row(
                     f"{name}{label} {gpus} H100", "NVIDIA dgxc-benchmarking (NeMo 24.09)",
                     row_split, "step_time_s", seconds, model, seq, batch,
-                    Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=1, sequence_parallel=tp > 1,
-                           pp_schedule="interleaved-1f1b" if chunks > 1 else "1f1b",
-                           virtual_stages=chunks, microbatches=batch // (dp * mb),
-                           activation_checkpointing=ckpt), "h100-80g", "megatron-core-2024",
+                    megatron_layout(gpus, tp, pp, cp, chunks, batch, mb, ckpt),
+                    "h100-80g", "megatron-core-2024",
                     fits if row_split == "train" else "",
                     "bf16 gradient reduction (see DGXC_NEMO_2409)"
                     + ("; FP8 linear layers (DGXC_NEMO_2409_FP8)" if label else ""),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.config import ModelConfig
-from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.runtime import MEGATRON_CORE_2024
 from meshtrain.planner.tables.presets import PRESETS
 from meshtrain.planner.tables.runs_megatron import GPT3_175B_NEMO, NEMOTRON4_340B
@@ -29,6 +28,7 @@ from meshtrain.planner.tables.runs_row import (
     LLAMA3_70B,
     PublishedRow,
     gpt,
+    megatron_layout,
     row,
 )
 
@@ -72,11 +72,7 @@ def nemo_rows() -> list[PublishedRow]:
     rows = []
     for (name, model, seq, gpus, batch, micro, tp, pp, cp, chunks,
          tokens) in NEMO_2412_H100_FP8:
-        dp = gpus // (tp * pp * cp)
-        layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=1, sequence_parallel=tp > 1,
-                        pp_schedule="interleaved-1f1b" if chunks > 1 else "1f1b",
-                        virtual_stages=chunks, microbatches=batch // dp // micro,
-                        activation_checkpointing="none")
+        layout = megatron_layout(gpus, tp, pp, cp, chunks, batch, micro)
         rows.append(row(f"{name} FP8 {gpus} H100 (NeMo 24.12)", SOURCE, "test", "tokens_per_s",
                         tokens * gpus, model, seq, batch, layout, "h100-80g",
                         "megatron-core-2024", traits=NEMO2_FP8))

@@ -66,6 +66,18 @@ def row(name: str, source: str, split: str, metric: str, published: float, model
                         stack, fits, note)
 
 
+def megatron_layout(gpus: int, tp: int, pp: int, cp: int, chunks: int, global_batch: int,
+                    micro: int, checkpointing: str = "none") -> Layout:
+    """A Megatron-Core run's layout as NeMo's and Megatron-Bridge's tables state one: the
+    distributed optimizer (ZeRO-1), sequence parallelism wherever tp > 1, interleaved 1F1B with
+    ``chunks`` virtual stages (plain 1F1B with one), ``micro`` sequences a micro-batch."""
+    dp = gpus // (tp * pp * cp)
+    return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=1, sequence_parallel=tp > 1,
+                  pp_schedule="interleaved-1f1b" if chunks > 1 else "1f1b",
+                  virtual_stages=chunks, microbatches=global_batch // (dp * micro),
+                  activation_checkpointing=checkpointing)
+
+
 def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200, **extra) -> ModelConfig:
     """A GPT-style model (GELU MLP of 4 × hidden, multi-head attention)."""
     return ModelConfig(vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads,
