@@ -9,6 +9,7 @@ communication for ZeRO-3 (whose backward interleaves two kinds of collectives on
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -20,11 +21,12 @@ from meshtrain.planner.cost.overlap import OVERLAP_AXES, bucketed_exposed, zero3
 from meshtrain.planner.cost.workload import (
     MEGATRON_2021,
     MEGATRON_2021_TORCH_DDP,
+    MEGATRON_CORE_2024,
     MESHTRAIN,
     Workload,
 )
 from meshtrain.planner.hardware.profile import Cluster
-from meshtrain.planner.tables.profiles import PROFILES
+from meshtrain.planner.tables.profiles import OVERLAP_CONTENTION, PROFILES
 from meshtrain.replan.auto import BUILTIN_CPU
 
 
@@ -93,13 +95,17 @@ def test_zero3_prefetch_matches_the_simulated_schedule_within_one_unit(ratio, un
         simulated, abs=(gather + reduce) / units + 1e-12)
 
 
-def _llama_8b_fsdp(profile: str, traits=MESHTRAIN, zero: int = 3, microbatches: int = 1):
+def _llama_8b_fsdp(profile: str, traits=MESHTRAIN, zero: int = 3, microbatches: int = 1,
+                   contention: float | None = None):
     model = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                         ffn_dim=14336, mlp="swiglu")
     layout = Layout(dp=8, zero=zero, microbatches=microbatches,
                     activation_checkpointing="selective")
+    hardware = PROFILES[profile]
+    if contention is not None:
+        hardware = dataclasses.replace(hardware, overlap_contention=contention)
     return estimate(Workload(model, 8192, 16 * microbatches, "bf16", traits), layout,
-                    Cluster(PROFILES[profile], 8, 8))
+                    Cluster(hardware, 8, 8))
 
 
 def test_overlap_table_adds_up_and_only_dp_overlaps():
@@ -119,9 +125,34 @@ def test_overlap_table_adds_up_and_only_dp_overlaps():
 
 
 def test_fsdp_prefetch_hides_most_of_the_traffic_on_gpus_but_not_the_first_gather():
-    dp = _llama_8b_fsdp("h100-80g")["overlap"]["dp"]
+    dp = _llama_8b_fsdp("h100-80g", contention=0.0)["overlap"]["dp"]
     assert dp["overlapped_s"] > 0.8 * dp["total_s"]
     assert dp["exposed_s"] > 0  # the first unit's gather and the last reduce-scatter
+
+
+def test_hidden_traffic_still_costs_the_profiles_contention_of_its_time():
+    free = _llama_8b_fsdp("h100-80g", contention=0.0)
+    charged = _llama_8b_fsdp("h100-80g")
+    contention = PROFILES["h100-80g"].overlap_contention
+    assert contention == OVERLAP_CONTENTION > 0
+    hidden = free["overlap"]["dp"]["overlapped_s"]
+    assert charged["overlap"]["dp"]["exposed_s"] == pytest.approx(
+        free["overlap"]["dp"]["exposed_s"] + contention * hidden)
+    assert charged["step_time_s"] == pytest.approx(free["step_time_s"] + contention * hidden)
+    # Tensor-parallel traffic pipelined with the GEMMs (Transformer Engine's overlap) likewise.
+    model = ModelConfig(vocab_size=51200, dim=4096, n_layers=4, n_heads=32, ffn_dim=16384,
+                        mlp="gelu")
+    layout = Layout(tp=8, sequence_parallel=True)
+    tp = {}
+    for value in (0.0, contention):
+        hardware = dataclasses.replace(PROFILES["h100-80g"], overlap_contention=value)
+        tp[value] = estimate(Workload(model, 2048, 8, "bf16", MEGATRON_CORE_2024), layout,
+                             Cluster(hardware, 8, 8))["overlap"]["tp"]
+    assert tp[0.0]["overlapped_s"] > 0
+    assert tp[contention]["exposed_s"] == pytest.approx(
+        tp[0.0]["exposed_s"] + contention * tp[0.0]["overlapped_s"])
+    # A CPU hides nothing, so there is nothing to charge.
+    assert BUILTIN_CPU.overlap_contention == 0.0
 
 
 def test_stacks_and_cpus_that_do_not_overlap_expose_everything():

@@ -12,7 +12,12 @@ import pytest
 
 from meshtrain.planner.tables import fitting
 from meshtrain.planner.tables.fitting import NotATrainRow, fit_groups, refit, require_train
-from meshtrain.planner.tables.profiles import ALLOCATOR_RESERVE, PROFILES, PUBLISHED_MFU_CAPS
+from meshtrain.planner.tables.profiles import (
+    ALLOCATOR_RESERVE,
+    OVERLAP_CONTENTION,
+    PROFILES,
+    PUBLISHED_MFU_CAPS,
+)
 from meshtrain.planner.tables.published import (
     evaluate,
     headline,
@@ -42,6 +47,7 @@ WRITTEN = {"megatron-2021 a100": MEGATRON_2021_A100.gemm,
            "megatron-core-2025 h100 experts": MEGATRON_CORE_2025_H100.expert_overhead_ns,
            "torchtitan-2025 h100": TORCHTITAN_2025_H100.gemm,
            "allocator reserve": ALLOCATOR_RESERVE,
+           "overlap contention": OVERLAP_CONTENTION,
            "mfu cap a100": PUBLISHED_MFU_CAPS["a100"][0],
            "mfu cap h100": PUBLISHED_MFU_CAPS["h100"][0]}
 """Every fitted constant the code uses, by its fit_groups name."""
@@ -76,8 +82,11 @@ def test_fit_groups_hold_train_rows_only():
 
 def test_the_written_constants_are_what_the_train_rows_give():
     fitted = refit(ROWS)
-    for name, value in WRITTEN.items():  # written to 3 decimals; the overhead in ns to 0.1
-        tolerance = 0.1 if name.endswith(" experts") else 0.0015
+    # Written to 3 decimals; the overhead in ns to 0.1; the contention to 2 (the train rows'
+    # spread is flat around it: 1.53 % RMS from 0.4 to 0.55).
+    tolerances = {"overlap contention": 0.005}
+    for name, value in WRITTEN.items():
+        tolerance = tolerances.get(name, 0.1 if name.endswith(" experts") else 0.0015)
         assert fitted[name] == pytest.approx(value, abs=tolerance), name
 
 

@@ -165,16 +165,21 @@ def test_a_stack_without_zero_1_searches_its_pipelines_at_zero_2():
 
 
 def test_plan_finds_a_pipeline_that_only_zero_3_makes_fit():
-    # Llama 3 70B on 32 A100s: every pipelined layout without checkpointing needs sharded
-    # weights, and one of them is the fastest of all.
+    # Llama 3 70B on 64 A100 40 GB: the fastest layouts are pipelines that fit only with their
+    # gradients (ZeRO-2) or also their weights (ZeRO-3) sharded, ahead of every layout that
+    # fits without sharding the weights under a pipeline.
     result = plan(Workload.from_config(preset_config("llama3-70b")),
-                  Cluster(PROFILES["a100-80g"], 32, 8), top=1)
+                  Cluster(PROFILES["a100-40g"], 64, 8), top=3)
     best = result.candidates[0]
-    assert best["pp"] > 1 and best["zero"] == 3
-    assert best["why"].endswith("ZeRO-3 as this pipeline does not fit at ZeRO-1")
+    assert best["pp"] > 1 and best["zero"] == 2
+    assert best["why"].endswith("ZeRO-2 as this pipeline does not fit at ZeRO-1")
+    sharded = [c for c in result.candidates if c["pp"] > 1 and c["zero"] == 3]
+    assert sharded and all(c["why"].endswith("ZeRO-3 as this pipeline does not fit at ZeRO-1")
+                           for c in sharded)
     unsharded = [r for r in result.priced if r["fits"]
                  and (r["layout"]["pp"] == 1 or r["layout"]["zero"] < 2)]
-    assert best["tokens_per_s"] > max(r["tokens_per_s"] for r in unsharded)
+    assert min(c["tokens_per_s"] for c in result.candidates) > max(
+        r["tokens_per_s"] for r in unsharded)
     assert result.searched == len(result.priced)
 
 

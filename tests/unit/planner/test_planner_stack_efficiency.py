@@ -75,14 +75,15 @@ def test_a_stacks_attention_entry_replaces_the_profiles():
 
 def test_published_stacks_carry_their_a100_fits():
     a100 = PROFILES["a100-80g"]
-    assert kernel_efficiency(MEGATRON_2021.kernel_efficiency, a100).gemm == 0.70
-    assert kernel_efficiency(TORCHTITAN_2024.kernel_efficiency, a100).gemm == 0.74
+    assert kernel_efficiency(MEGATRON_2021.kernel_efficiency, a100).gemm == MEGATRON_2021_A100.gemm
+    assert (kernel_efficiency(TORCHTITAN_2024.kernel_efficiency, a100).gemm
+            == TORCHTITAN_2024_A100.gemm)
     # Korthikanti et al. 2022 ran the same code on the same cluster: the 2021 fit carries over.
     assert MEGATRON_2022.kernel_efficiency == MEGATRON_2021.kernel_efficiency
     assert STACKS["megatron-2021-torch-ddp"].kernel_efficiency == MEGATRON_2021.kernel_efficiency
     # Megatron-DeepSpeed has its own, lower A100 entry, fitted on one MT-NLG run.
     deepspeed = kernel_efficiency(STACKS["megatron-deepspeed"].kernel_efficiency, a100)
-    assert deepspeed.gemm == MEGATRON_DEEPSPEED_A100.gemm < 0.70
+    assert deepspeed.gemm == MEGATRON_DEEPSPEED_A100.gemm < MEGATRON_2021_A100.gemm
 
 
 @pytest.mark.parametrize("stack,profile", [("meshtrain", "a100-80g"), ("meshtrain", "h100-80g"),
@@ -101,7 +102,8 @@ def test_h100_family_entries_apply_to_every_profile_with_h100_compute():
     stack = _stack(0.5, family="h100")
     for name in ("h100-80g", "h100-96g", "h100-96g-hbm2e-500w", "h800", "h200"):
         assert kernel_efficiency(stack.kernel_efficiency, PROFILES[name]).gemm == 0.5
-    assert kernel_efficiency(stack.kernel_efficiency, PROFILES["a100-80g"]).gemm == 0.70
+    assert (kernel_efficiency(stack.kernel_efficiency, PROFILES["a100-80g"]).gemm
+            == MEGATRON_2021_A100.gemm)
 
 
 def test_a_calibrated_profile_keeps_its_measured_figures():
@@ -153,8 +155,9 @@ def test_cli_estimate_takes_a_stack_and_reports_its_kernel_efficiency(meshtrain)
     out = {stack: json.loads(meshtrain(*args, "--json", "--stack", stack).stdout)
            for stack in ("torchtitan-2024", "meshtrain")}
     titan, ours = out["torchtitan-2024"]["kernel_efficiency"], out["meshtrain"]["kernel_efficiency"]
-    assert titan["gemm"] == 0.74 and titan["from"] == "stack entry a100"
+    assert titan["gemm"] == TORCHTITAN_2024_A100.gemm and titan["from"] == "stack entry a100"
     assert "torchtitan" in titan["source"]
-    assert ours["gemm"] == 0.70 and ours["from"] == "hardware profile"
+    assert ours["gemm"] == MEGATRON_2021_A100.gemm and ours["from"] == "hardware profile"
     text = meshtrain(*args, "--stack", "torchtitan-2024").stdout
-    assert "kernels: GEMM at 74% of peak, attention 0.75 (stack entry a100)" in text
+    assert (f"kernels: GEMM at {TORCHTITAN_2024_A100.gemm:.0%} of peak, attention 0.75 "
+            "(stack entry a100)") in text

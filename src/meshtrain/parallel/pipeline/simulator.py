@@ -104,12 +104,27 @@ def peak_inflight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+PlanStep = tuple[int, Action, tuple, tuple]
+"""One action of an :func:`execution_plan`: ``(rank, action, its dependencies' keys, the key it
+produces)``."""
+
+
+def execution_plan(schedule: Schedule) -> tuple[PlanStep, ...]:
+    """``schedule``'s actions in an order every rank's list allows, each with the keys it waits
+    for and the key it produces: what :func:`simulate` walks, independent of the times (so one
+    plan serves every timing of the same schedule). Raises on deadlock."""
+    return tuple((rank, act, tuple(dependencies(schedule, rank, act)), produced_key(act))
+                 for rank, act in execution_order(schedule))
+
+
 def simulate(schedule: Schedule,
              times: StageTimes | Sequence[StageTimes] = StageTimes(),
-             durations: Mapping[tuple[int, Action], float] | None = None) -> SimulationResult:
+             durations: Mapping[tuple[int, Action], float] | None = None,
+             plan: tuple[PlanStep, ...] | None = None) -> SimulationResult:
     """Time ``schedule``; ``times`` is one :class:`StageTimes` for all stages or one per stage.
     ``durations`` overrides the cost of single compute actions, keyed by ``(rank, action)``
-    (e.g. actions slowed by an energy schedule).
+    (e.g. actions slowed by an energy schedule); ``plan``: the schedule's
+    :func:`execution_plan`, when the caller keeps it to time the same schedule again.
 
     Raises :class:`~.checker.ScheduleError` if the lists deadlock. Run
     :func:`~.checker.check_schedule` first for the full static checks.
@@ -119,8 +134,7 @@ def simulate(schedule: Schedule,
     busy = [0.0] * schedule.pp
     ready: dict[tuple[str, int, int], float] = {}
     events: list[Event] = []
-    for rank, act in execution_order(schedule):
-        deps = dependencies(schedule, rank, act)
+    for rank, act, deps, produced in plan or execution_plan(schedule):
         start = free[rank]
         if act.kind.is_recv:
             (dep,) = deps
@@ -133,7 +147,7 @@ def simulate(schedule: Schedule,
             end = start + cost
             busy[rank] += cost
             free[rank] = end
-        ready[produced_key(act)] = end
+        ready[produced] = end
         events.append((rank, act, start, end))
     makespan = max(free) if free else 0.0
     total = schedule.pp * makespan

@@ -65,6 +65,7 @@ from meshtrain.planner.cost.offload import (
 )
 from meshtrain.planner.cost.overlap import (
     bucketed_exposed,
+    contended,
     overlap_entry,
     prefetched_exposed,
     zero3_exposed,
@@ -157,6 +158,7 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
                        expert_reduction_stride(lay, sharded)))
     m = lay.microbatches
     overlap = traits.overlap_dp and cluster.profile.comm_overlaps_compute
+    contention = cluster.profile.overlap_contention
     if root and size > 1:  # gathered when the step starts, reduced when it ends
         held = (cluster.collective_time("all_gather", root * workload.act_bytes, size, stride,
                                         "dp")
@@ -200,10 +202,11 @@ def _dp_time(workload: Workload, layout: Layout, cluster: Cluster, dense: float,
             hidden, tail = m * (2 * gather + scatter), 0.0
             hidden_exposed = m * zero3_exposed(gather, scatter, forward, backward, units)
         if tail and overlap and traits.param_gather_overlap:  # behind the next forward
-            tail_exposed = prefetched_exposed(tail, forward, buckets)
+            tail_exposed = contended(prefetched_exposed(tail, forward, buckets), tail,
+                                     contention)
         total += hidden + tail
         exposed += (tail if tail_exposed is None else tail_exposed) + (
-            hidden_exposed if overlap else hidden)
+            contended(hidden_exposed, hidden, contention) if overlap else hidden)
     return total, exposed
 
 
@@ -259,7 +262,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     if (workload.traits.pp_comm_overlap and lay.pp_schedule == "interleaved-1f1b"
             and cluster.profile.comm_overlaps_compute):
         # Posted a chunk ahead (overlap_p2p_comm): exposed only beyond one chunk's forward.
-        one_send = max(one_send - c.forward / lay.chunks_per_rank, 0.0)
+        one_send = contended(max(one_send - c.forward / lay.chunks_per_rank, 0.0), one_send,
+                             cluster.profile.overlap_contention)
     pp_comm = sends * one_send
 
     cp_f = c.cp_comm * forward_share(lay)

@@ -40,6 +40,11 @@ What overlaps where, per stack (:class:`~meshtrain.planner.cost.workload.Runtime
 
 On a profile whose communication cannot run beside compute (CPUs: ``comm_overlaps_compute =
 False``) nothing is hidden: the cores that would compute run gloo's reductions.
+
+Hidden is not free on a GPU either: a collective that runs beside compute takes SMs (NCCL's
+kernels) and memory bandwidth from the kernels it overlaps, so they run slower while it does.
+:func:`contended` charges the step a fraction ``HardwareProfile.overlap_contention`` of every
+hidden second; what each estimate reports as ``exposed_s`` includes that charge.
 """
 
 from __future__ import annotations
@@ -96,6 +101,13 @@ def paired_exposed(each: float, slots: tuple[float, ...]) -> float:
     (an MoE block's four all-to-alls under Megatron-Core's expert-parallel overlap, which pairs
     one micro-batch's forward with another's backward as DeepSeek-V3's DualPipe does)."""
     return sum(max(each - slot, 0.0) for slot in slots)
+
+
+def contended(exposed: float, comm: float, contention: float) -> float:
+    """Seconds ``comm`` costs the step when ``exposed`` of it waits in the open and the rest runs
+    beside compute, slowing it by ``contention`` of its own time (``HardwareProfile.
+    overlap_contention``)."""
+    return exposed + contention * max(comm - exposed, 0.0)
 
 
 def overlap_entry(total: float, exposed: float) -> dict:

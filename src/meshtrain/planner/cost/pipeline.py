@@ -94,18 +94,30 @@ def _closed_form_bubble_time(schedule: str, pp: int, v: int, f: float, b: float,
     return (pp - 1) * (f + b + w)
 
 
+@functools.lru_cache(maxsize=64)
+def _built(schedule: str, pp: int, m: int, v: int):
+    """The runtime's schedule and its execution plan, built once per shape: a search prices
+    the same schedule at many timings."""
+    from meshtrain.parallel.pipeline import build_schedule
+    from meshtrain.parallel.pipeline.simulator import execution_plan
+
+    sched = build_schedule(schedule, pp, m, v)
+    return sched, execution_plan(sched)
+
+
 def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
               w: float) -> PipelineEstimate | None:
     """The real schedule through the runtime's simulator, or ``None`` when unavailable."""
     if pp * m * max(v, 1) * 3 > SIMULATE_MAX_ACTIONS:
         return None
     try:
-        from meshtrain.parallel.pipeline import StageTimes, build_schedule, simulate
+        from meshtrain.parallel.pipeline import StageTimes, simulate
     except ImportError:
         return None
     try:
-        sched = build_schedule(schedule, pp, m, v)
-        result = simulate(sched, times=StageTimes(f=f / v, b=b / v, w=w / v, comm=0.0))
+        sched, plan = _built(schedule, pp, m, v)
+        result = simulate(sched, times=StageTimes(f=f / v, b=b / v, w=w / v, comm=0.0),
+                          plan=plan)
     except Exception:  # noqa: BLE001 - a schedule the runtime refuses falls back to the formula
         return None
     unit = f + b + w

@@ -36,7 +36,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.context_parallel import layer_comm_time
 from meshtrain.planner.cost.expert_parallel import keeps_own_tokens, routed_rows, token_split
 from meshtrain.planner.cost.memory import layer_activation_bytes
-from meshtrain.planner.cost.overlap import paired_exposed, pipelined_exposed
+from meshtrain.planner.cost.overlap import contended, paired_exposed, pipelined_exposed
 from meshtrain.planner.cost.workload import Workload
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.hardware.stack_efficiency import KernelEfficiency, kernel_efficiency
@@ -251,6 +251,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         stride = 1 if lay.cp == 1 else lay.cp
         cost.ep_comm = all_to_alls * cluster.collective_time("all_to_all", routed, lay.ep,
                                                             stride, "ep")
+    contention = cluster.profile.overlap_contention
     if traits.ep_comm_overlap and cost.ep_comm:
         # Each all-to-all runs beside one compute module of another micro-batch: the backward
         # combine beside the attention forward, the forward dispatch beside the experts'
@@ -260,15 +261,18 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
         slots = (attention_gemms + attention_fwd, 2 * experts, experts,
                  2 * attention_gemms + attention_bwd)
         each = cost.ep_comm / all_to_alls
-        exposed = paired_exposed(each, slots) + each * (all_to_alls - len(slots))
+        exposed = contended(paired_exposed(each, slots) + each * (all_to_alls - len(slots)),
+                            cost.ep_comm, contention)
         cost.ep_hidden, cost.ep_comm = cost.ep_comm - exposed, exposed
     cost.cp_comm = layer_comm_time(workload, lay, cluster)
     if traits.tp_comm_overlap and cost.tp_comm:
-        exposed = pipelined_exposed(cost.tp_comm, linear_time, lay.tp)
+        exposed = contended(pipelined_exposed(cost.tp_comm, linear_time, lay.tp), cost.tp_comm,
+                            contention)
         cost.tp_hidden, cost.tp_comm = cost.tp_comm - exposed, exposed
     if traits.cp_comm_overlap and cost.cp_comm:
         attention = attention_fwd + attention_bwd + (attention_fwd if mode != "none" else 0.0)
-        exposed = pipelined_exposed(cost.cp_comm, attention, lay.cp)
+        exposed = contended(pipelined_exposed(cost.cp_comm, attention, lay.cp), cost.cp_comm,
+                            contention)
         cost.cp_hidden, cost.cp_comm = cost.cp_comm - exposed, exposed
     return cost
 

@@ -90,6 +90,13 @@ class HardwareProfile:
     """Whether a collective can run beside compute without slowing it (GPUs: NCCL on its own
     SMs and copy engines). False on CPUs where every core computes: gloo's reduction and copies
     then take the same cores, so overlapped communication is still paid in full."""
+    overlap_contention: float = 0.0
+    """Fraction of the time of a collective hidden behind compute that the step still pays:
+    NCCL's kernels take SMs and memory bandwidth from the kernels they run beside, so those run
+    slower while it does (:func:`meshtrain.planner.cost.overlap.contended`). Named GPU profiles
+    carry the figure fitted on the published train rows (:data:`meshtrain.planner.tables.
+    profiles.OVERLAP_CONTENTION`); 0 where nothing is hidden (``comm_overlaps_compute =
+    False``)."""
     solo_tflops: float = 0.0
     """Calibrated CPU profiles: the GEMM rate of one process computing alone, where
     ``peak_tflops`` is what each of ``calibrated_processes`` gets while all compute at once (on

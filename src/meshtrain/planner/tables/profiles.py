@@ -37,6 +37,16 @@ Llama 3.1 8B with FSDP on 8 H100: 82.4 GiB, the allocator's ``max_memory_reserve
 the predicted reserve matches what that row reserved beyond the predicted tensors, never below
 0. Every named GPU profile carries it (``HardwareProfile.allocator_reserve``)."""
 
+OVERLAP_CONTENTION = 0.47
+"""Fraction of the time of a collective hidden behind compute that the compute still loses to
+it on a GPU (``HardwareProfile.overlap_contention``): fitted by :func:`meshtrain.planner.tables.
+fitting.fit_overlap_contention` on every train row of a speed constant, as the value at which
+their errors are smallest once each stack's constants are fitted again at it. Only rows whose
+runs hide communication move with it: of the train rows, megatron-core-2024's on H100 (the
+distributed optimizer's reduce-scatter and all-gather, Transformer Engine's tp overlap), at 8
+to 2,048 GPUs. Every named GPU profile carries it: NCCL (and RCCL) run their collectives as
+kernels on the GPU's own SMs on every generation."""
+
 _MIB = 2**20 / 1e9
 _GIB = 2**30 / 1e9
 # Memory is the capacity the driver reports, in 10^9 bytes: a "80 GB" GPU is 80 GiB-class
@@ -133,6 +143,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_DGX_A100_320_HOST,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
@@ -145,6 +156,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=800.0, max_mfu=PUBLISHED_MFU_CAPS["a100"][0],
             family="a100", efficiency_source=_A100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_DGX_A100_HOST,
             source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s, 6.5 kW)"),
         HardwareProfile(
@@ -157,6 +169,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_DGX_H100_HOST,
             source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s, 10.2 kW)"),
         HardwareProfile(
@@ -168,6 +181,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_H100_ANALOGY_HOST,
             source="H100 with 96 GB HBM3 (six stacks; the GH200 datasheet's H100: 96 GB, 4 TB/s); "
                    "compute, links and power as h100-80g"),
@@ -181,6 +195,7 @@ PROFILES: dict[str, HardwareProfile] = {
             max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_H100_ANALOGY_HOST,
             source="Grand Teton H100 as torchtitan's docs/performance.md describes it: SXM H100 "
                    "with 96 GB HBM2e at 2.4 TB/s, run at the default 500 W power limit (of "
@@ -194,6 +209,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=_H100_EFFICIENCY,
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_H100_ANALOGY_HOST,
             source="H800 SXM: H100 SXM compute and memory with NVLink cut to 400 GB/s (of 900), "
                    "so the node's all-reduce bus bandwidth is h100-80g's x 400/900; "
@@ -207,6 +223,7 @@ PROFILES: dict[str, HardwareProfile] = {
             power_w=1275.0, max_mfu=PUBLISHED_MFU_CAPS["h100"][0],
             family="h100", efficiency_source=f"{_H200_GEMM} {_ANALOGY}, a little above for its HBM",
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_DGX_H100_HOST,
             source="NVIDIA H200 SXM datasheet; HGX H200 (8x NDR 400 Gb/s)"),
         HardwareProfile(
@@ -217,6 +234,7 @@ PROFILES: dict[str, HardwareProfile] = {
             gpu_tdp_w=1000.0, max_clock_mhz=1965.0, min_clock_mhz=990.0,
             power_w=1790.0, family="b200", efficiency_source=f"{_H100_GEMM} {_ANALOGY}",
             allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             **_DGX_B200_HOST,
             source="NVIDIA DGX B200 datasheet (8x 400 Gb/s, 14.3 kW)"),
         HardwareProfile(
@@ -226,6 +244,7 @@ PROFILES: dict[str, HardwareProfile] = {
             inter_node_gbps=45.0, intra_node_latency_us=10.0, inter_node_latency_us=15.0,
             gpu_tdp_w=750.0, max_clock_mhz=2100.0, min_clock_mhz=1050.0,
             power_w=1300.0, family="mi300x", allocator_reserve=ALLOCATOR_RESERVE,
+            overlap_contention=OVERLAP_CONTENTION,
             efficiency_source=f"{_MI300X_GEMM} {_ANALOGY}, a little below for a less mature stack",
             **_MI300X_HOST,
             source="AMD Instinct MI300X datasheet (8x 400 Gb/s)"),
