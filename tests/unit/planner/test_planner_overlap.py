@@ -139,6 +139,7 @@ def test_hidden_traffic_still_costs_the_profiles_contention_of_its_time():
     assert charged["overlap"]["dp"]["exposed_s"] == pytest.approx(
         free["overlap"]["dp"]["exposed_s"] + contention * hidden)
     assert charged["step_time_s"] == pytest.approx(free["step_time_s"] + contention * hidden)
+    assert (charged["overlap_contention"], free["overlap_contention"]) == (contention, 0.0)
     # Tensor-parallel traffic pipelined with the GEMMs (Transformer Engine's overlap) likewise.
     model = ModelConfig(vocab_size=51200, dim=4096, n_layers=4, n_heads=32, ffn_dim=16384,
                         mlp="gelu")
@@ -153,6 +154,8 @@ def test_hidden_traffic_still_costs_the_profiles_contention_of_its_time():
         tp[0.0]["exposed_s"] + contention * tp[0.0]["overlapped_s"])
     # A CPU hides nothing, so there is nothing to charge.
     assert BUILTIN_CPU.overlap_contention == 0.0
+    cpu = estimate(Workload(model, 2048, 8), Layout(dp=2), Cluster(BUILTIN_CPU, 2, 2))
+    assert cpu["overlap_contention"] == 0.0 and cpu["overlap"]["dp"]["overlapped_s"] == 0.0
 
 
 def test_stacks_and_cpus_that_do_not_overlap_expose_everything():

@@ -404,6 +404,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
         "breakdown": breakdown,
         "step_sync_by_axis_s": sync_by_axis,
         "overlap": overlap,
+        "overlap_contention": (cluster.profile.overlap_contention
+                               if cluster.profile.comm_overlaps_compute else 0.0),
         "bound": _bound(breakdown),
         "stage_times_s": stage_times,
         "kernel_efficiency": kernel_efficiency(workload.traits.kernel_efficiency,
