@@ -73,6 +73,20 @@ def test_fitting_routines_refuse_any_test_row(routine):
             routine(rows)
 
 
+def test_the_contention_fit_refuses_any_test_row_and_finds_the_smallest_spread():
+    groups = fitting.speed_groups(ROWS)
+    test = {"megatron-core-2024 h100": [r for r in TEST_ROWS if r.stack == "megatron-core-2024"
+                                        and r.metric != "memory_gb_per_gpu"][:2]}
+    with pytest.raises(NotATrainRow):
+        fitting.fit_overlap_contention(test)
+    # The written value is where the train rows' spread is least: a step either way widens it.
+    spread = {c: fitting.contention_spread(groups, c)
+              for c in (0.0, OVERLAP_CONTENTION - 0.1, OVERLAP_CONTENTION,
+                        OVERLAP_CONTENTION + 0.1, 1.0)}
+    assert spread[OVERLAP_CONTENTION] == min(spread.values())
+    assert spread[0.0] > 1.2 * spread[OVERLAP_CONTENTION]
+
+
 def test_fit_groups_hold_train_rows_only():
     groups = fit_groups(ROWS)
     assert set(groups) == set(WRITTEN)

@@ -85,8 +85,8 @@ def _speed_errors(rows: list[PublishedRow], value: float, field: str,
                                   _uncapped(r, contention))) for r in rows]
 
 
-def _bisect(rows: list[PublishedRow], field: str, low: float, high: float, tolerance: float,
-            slower_upward: bool = False, contention: float | None = None) -> float:
+def _crossing(rows: list[PublishedRow], field: str, low: float, high: float, tolerance: float,
+              slower_upward: bool = False, contention: float | None = None) -> float:
     """The value of ``field`` in ``[low, high]`` at which ``rows`` are on average neither faster
     nor slower than published (``slower_upward``: a larger value prices the rows slower, as an
     overhead does; else faster, as an efficiency does), to within ``tolerance``; an end of the
@@ -130,24 +130,20 @@ def fit_gemm_efficiency(rows: list[PublishedRow], tolerance: float = 5e-4,
                         field: str = "gemm", contention: float | None = None) -> float:
     """The GEMM efficiency (``field``: ``gemm``, or ``fp8_gemm`` for FP8 linear layers) at which
     ``rows`` (train rows of one stack on one GPU generation, priced without an MFU cap) are on
-    average neither faster nor slower than published (mean :func:`speed_error` zero), by
-    bisection; ``contention``: price them with that ``overlap_contention`` instead of their
-    profiles'."""
-    return _bisect(rows, field, 0.3, 1.0, tolerance, contention=contention)
+    average neither faster nor slower than published (mean :func:`speed_error` zero), by a
+    bracketing search (:func:`_crossing`); ``contention``: price them with that
+    ``overlap_contention`` instead of their profiles'."""
+    return _crossing(rows, field, 0.3, 1.0, tolerance, contention=contention)
 
 
 def fit_expert_overhead(rows: list[PublishedRow], tolerance: float = 0.05,
                         contention: float | None = None) -> float:
     """The per-expert overhead (``StackEfficiency.expert_overhead_ns``: nanoseconds per routed
     token per local expert per MoE layer) at which ``rows`` (train rows of MoE runs of one stack
-    on one GPU generation) are on average neither faster nor slower than published, by
-    bisection between 0 and 10 µs."""
-    return _bisect(rows, "expert_overhead_ns", 0.0, 10000.0, tolerance, slower_upward=True,
-                   contention=contention)
-
-
-_SPEED_FITS = {"gemm": fit_gemm_efficiency, "fp8_gemm": fit_gemm_efficiency,
-               "expert_overhead_ns": fit_expert_overhead}
+    on one GPU generation) are on average neither faster nor slower than published, by a
+    bracketing search between 0 and 10 µs."""
+    return _crossing(rows, "expert_overhead_ns", 0.0, 10000.0, tolerance, slower_upward=True,
+                     contention=contention)
 
 
 def _speed_field(group: str) -> str:
@@ -155,6 +151,13 @@ def _speed_field(group: str) -> str:
     if group.endswith(" fp8"):
         return "fp8_gemm"
     return "expert_overhead_ns" if group.endswith(" experts") else "gemm"
+
+
+def _fit_speed(rows: list[PublishedRow], field: str, contention: float | None = None) -> float:
+    """``field`` fitted on ``rows`` (:func:`fit_expert_overhead` or :func:`fit_gemm_efficiency`)."""
+    if field == "expert_overhead_ns":
+        return fit_expert_overhead(rows, contention=contention)
+    return fit_gemm_efficiency(rows, field=field, contention=contention)
 
 
 def contention_spread(groups: dict[str, list[PublishedRow]], contention: float) -> float:
@@ -168,9 +171,7 @@ def contention_spread(groups: dict[str, list[PublishedRow]], contention: float) 
         if len(rows) < 2:  # fitted exactly at any contention: it cannot tell one from another
             continue
         field = _speed_field(name)
-        fit = _SPEED_FITS[field]
-        kwargs = {"field": field} if fit is fit_gemm_efficiency else {}
-        value = fit(rows, contention=contention, **kwargs)
+        value = _fit_speed(rows, field, contention)
         errors += _speed_errors(rows, value, field, contention)
     return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
 
@@ -265,10 +266,6 @@ def refit(rows: list[PublishedRow]) -> dict[str, float]:
             out[name] = fit_allocator_reserve(group)
         elif name.startswith("mfu cap"):
             out[name] = fit_mfu_cap(group)
-        elif name.endswith(" fp8"):
-            out[name] = fit_gemm_efficiency(group, field="fp8_gemm")
-        elif name.endswith(" experts"):
-            out[name] = fit_expert_overhead(group)
         else:
-            out[name] = fit_gemm_efficiency(group)
+            out[name] = _fit_speed(group, _speed_field(name))
     return out
