@@ -27,7 +27,7 @@ TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_
 ONE_QUICK_RUN = ["--steps", "2", "--warmup", "0", "--repeats", "1", "--json"]
 
 SIDES = ("meshtrain", "peer")
-PAIR_SUITES = ("dp", "zero3", "tp", "pp")
+PAIR_SUITES = ("dp", "dp-hf", "zero3", "tp", "pp")
 """The two-process meshtrain-vs-peer suites, run together in one ``meshtrain bench`` call."""
 
 

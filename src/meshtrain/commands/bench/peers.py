@@ -10,6 +10,8 @@ first-step losses of both sides agree, which the bench reports as a sanity check
 
 - :func:`hf_llama_worker`: one process, ``transformers``' ``LlamaForCausalLM`` (SDPA attention).
 - :func:`ddp_worker`: N processes, ``DistributedDataParallel`` around the meshtrain model.
+- :func:`ddp_hf_llama_worker`: N processes, ``DistributedDataParallel`` around
+  ``LlamaForCausalLM`` (the ``dp-hf`` suite).
 
 The model-parallel peers (FSDP2, DTensor TP, ``torch.distributed.pipelining``) are in
 :mod:`meshtrain.commands.bench.parallel_peers`.
@@ -207,20 +209,36 @@ def ddp_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     """The ``dp`` suite's peer: ``DistributedDataParallel`` around the meshtrain model, with
     ``gradient_as_bucket_view=True`` (PyTorch's advice for speed and memory: gradients are views
     into the reduction buckets, not copied into them)."""
+    from meshtrain.model import build_model
+
+    def build(config):
+        return build_model(config.model, seed=config.train.seed)
+
+    return _ddp_run(config_dict, warmup, steps, build, lambda mod, inputs: mod(inputs))
+
+
+def ddp_hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
+    """The ``dp-hf`` suite's peer: ``DistributedDataParallel`` (as :func:`ddp_worker`) around
+    ``transformers``' ``LlamaForCausalLM`` holding the same initial weights: what a DDP user who
+    trains the Hugging Face model runs."""
+    import transformers  # noqa: F401 - imported before the memory baseline, like torch
+
+    return _ddp_run(config_dict, warmup, steps, build_hf_llama, hf_logits)
+
+
+def _ddp_run(config_dict: dict, warmup: int, steps: int, build, logits_of) -> dict:
+    """One rank of DDP (``gradient_as_bucket_view``, the suite's bucket size) around
+    ``build(config)``, trained in the plain loop of :func:`make_step`."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    from meshtrain.model import build_model
 
     config = load_bench_config(config_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
     preload_tokens(config)
     data = train_data(config, rank, world)
     base = peak_memory_bytes(torch.device("cpu"))
-    model = DistributedDataParallel(build_model(config.model, seed=config.train.seed),
-                                    bucket_cap_mb=config.parallel.dp_bucket_mb,
+    model = DistributedDataParallel(build(config), bucket_cap_mb=config.parallel.dp_bucket_mb,
                                     gradient_as_bucket_view=True)
-    step = make_step(model, lambda mod, inputs: mod(inputs), data, config.train,
-                     loss_scale=world)
+    step = make_step(model, logits_of, data, config.train, loss_scale=world)
     tokens = config.train.global_batch * config.train.seq_len
     return timed_run(step, warmup, steps, tokens, base)

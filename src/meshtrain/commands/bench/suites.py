@@ -34,7 +34,7 @@ from meshtrain.commands.bench.parallel_peers import (
     fsdp2_worker,
     pipelining_worker,
 )
-from meshtrain.commands.bench.peers import ddp_worker, hf_llama_worker
+from meshtrain.commands.bench.peers import ddp_hf_llama_worker, ddp_worker, hf_llama_worker
 from meshtrain.commands.bench.scaling import check_scaling, run_scaling
 from meshtrain.commands.bench.workers import meshtrain_worker
 from meshtrain.config import Config, ConfigError
@@ -55,14 +55,25 @@ def _only_dp(config: Config, dp: int) -> None:
 def configure_single(config: Config) -> None:
     """One process; the peer is a Hugging Face Llama, which has SwiGLU MLPs only."""
     _only_dp(config, 1)
+    _require_swiglu(config, "single")
+
+
+def _require_swiglu(config: Config, suite: str) -> None:
+    """Refuse a model whose MLP ``LlamaForCausalLM`` cannot hold."""
     if config.model.mlp != "swiglu":
-        raise ConfigError(f'model.mlp = "{config.model.mlp}": the single suite\'s peer '
+        raise ConfigError(f'model.mlp = "{config.model.mlp}": the {suite} suite\'s peer '
                           '(LlamaForCausalLM) has SwiGLU MLPs only; valid: model.mlp = "swiglu".')
 
 
 def configure_dp(config: Config) -> None:
     """Data parallelism over every process of the suite."""
     _only_dp(config, 0)
+
+
+def configure_dp_hf(config: Config) -> None:
+    """Data parallelism over every process; the peer is a Hugging Face Llama (SwiGLU only)."""
+    _only_dp(config, 0)
+    _require_swiglu(config, "dp-hf")
 
 
 def configure_zero3(config: Config) -> None:
@@ -115,6 +126,15 @@ register_suite(Suite(
     peer="torch DistributedDataParallel + torch.optim.AdamW(fused=True)",
     description="2 processes: meshtrain dp=2 vs DDP around the same meshtrain model",
     configure=configure_dp, meshtrain_worker=meshtrain_worker, peer_worker=ddp_worker))
+
+register_suite(Suite(
+    name="dp-hf", world_size=2,
+    peer="torch DistributedDataParallel around transformers LlamaForCausalLM (sdpa) + "
+         "torch.optim.AdamW(fused=True)",
+    description="2 processes: meshtrain dp=2 vs DDP around the Hugging Face Llama a DDP user "
+                "trains (same initial weights)",
+    configure=configure_dp_hf, meshtrain_worker=meshtrain_worker,
+    peer_worker=ddp_hf_llama_worker, requires=("transformers",)))
 
 register_suite(Suite(
     name="zero3", world_size=2,
