@@ -4,9 +4,8 @@ Each routine here takes published rows and refuses any that is not marked ``trai
 (:func:`require_train`), so a test row's numbers can never reach a constant. The constants the
 code uses are written in :mod:`meshtrain.planner.tables.stacks` (GEMM efficiencies, the
 per-expert overhead) and :mod:`meshtrain.planner.tables.profiles` (the allocator reserve, the MFU
-caps);
-``python -m meshtrain.planner.tables.published --fit`` prints what these routines give, and the
-tests check that the written constants are what they give.
+caps, the overlap contention); ``python -m meshtrain.planner.tables.published --fit`` prints
+what these routines give, and the tests check that the written constants are what they give.
 """
 
 from __future__ import annotations
