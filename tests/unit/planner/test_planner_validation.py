@@ -194,9 +194,16 @@ def test_megatron_core_layouts_rank_in_plans_top_10(row):
     assert _rank_among_searched(row) <= 10
 
 
-def test_megatron_core_layouts_are_within_6_percent_of_the_fastest():
+def test_megatron_core_layouts_are_within_5_percent_of_the_fastest():
     behind = {row.name: _ranked(row)["behind"] for row in _CORE_ROWS}
-    assert len(behind) == 6 and all(b <= 0.06 for b in behind.values()), behind
+    assert len(behind) == 6
+    ranked_in = {name: b for name, b in behind.items()
+                 if name not in MEGATRON_CORE_OUTSIDE_TOP_10}
+    assert all(b <= 0.05 for b in ranked_in.values()), ranked_in
+    # The one below 10th (Known limits) is 5.4 % behind: within the cost model's error, and
+    # still outside 5 % (fixing it means taking it off the list).
+    outside = {name: behind[name] for name in MEGATRON_CORE_OUTSIDE_TOP_10}
+    assert all(0.05 < b <= 0.06 for b in outside.values()), outside
 
 
 def test_torchtitan_h100_layout_ranks_in_plans_top_10():
