@@ -111,15 +111,7 @@ def test_test_rows_never_reach_a_constant():
     assert refit(doubled) == refit(ROWS)
 
 
-JUDGED_NOT_TO_FIT = {"Llama 3 405B 8192 H100 (8K)"}
-"""Published layouts the memory model still rejects (docs/planner.md, *Known limits*, says by
-how much and where the accounting for that runtime may hold too much)."""
-
-
-@pytest.mark.parametrize("result", [
-    pytest.param(r, id=r["name"], marks=pytest.mark.xfail(
-        strict=True, reason="judged not to fit although it ran (docs/planner.md, Known limits)"))
-    if r["name"] in JUDGED_NOT_TO_FIT else pytest.param(r, id=r["name"]) for r in RESULTS])
+@pytest.mark.parametrize("result", RESULTS, ids=[r["name"] for r in RESULTS])
 def test_no_published_layout_is_judged_not_to_fit(result):
     assert result["fits"], (result["name"], round(result["memory_gb_per_gpu"], 1))
 

@@ -142,7 +142,7 @@ def test_pipelined_layouts_are_priced_with_the_least_zero_sharding_that_fits():
     assert zeros(dataclasses.replace(none, cp=1, dp=4, microbatches=128)) == [(1, False)]
     # Meta's FSDP (llama3-2024) has no ZeRO-1: its pipelines start at ZeRO-2 and grow to 3.
     meta = dataclasses.replace(work, traits=LLAMA3_2024)
-    assert zeros(dataclasses.replace(none, zero=2), meta) == [(2, False), (3, True)]
+    assert zeros(dataclasses.replace(none, tp=2, cp=4, zero=2), meta) == [(2, False), (3, True)]
     assert zeros(dataclasses.replace(full, zero=2), meta) == [(2, True)]
 
 

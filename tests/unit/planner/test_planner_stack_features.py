@@ -161,6 +161,34 @@ def test_meta_runtime_shards_gradients_and_reduces_them_every_micro_batch():
     assert core["breakdown"]["dp_comm_total_s"] < meta["breakdown"]["dp_comm_total_s"] / 3
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (8, True)])
+def test_memory_efficient_norms_keep_neither_norm_input_and_cost_no_time(tp, sp):
+    # A norm that keeps its output (which the next matmul keeps anyway) frees each block of its
+    # two norm inputs: two bf16 tensors of the rank's tokens × dim (a tp-th of the tokens under
+    # sequence parallelism). Time is not priced differently.
+    layout = Layout(dp=1, tp=tp, pp=2, sequence_parallel=sp, microbatches=4)
+    plain = layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "none", fused_swiglu=True)
+    lean = layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "none", fused_swiglu=True,
+                                  memory_efficient_norm=True)
+    assert plain - lean == pytest.approx(4.0 / (tp if sp else 1))
+    fp8 = dict(fused_swiglu=True, fp8_linear=True)
+    assert layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "none", **fp8,
+                                  memory_efficient_norm=True) == \
+        layer_activation_units(LLAMA_8B, 0, 8192, layout, True, "none", **fp8)
+    cluster = Cluster(H100, 2 * tp, 8)
+    base = estimate(_work(MEGATRON_CORE_2024), layout, cluster)
+    norms = estimate(_work(dataclasses.replace(MEGATRON_CORE_2024, memory_efficient_norm=True)),
+                     layout, cluster)
+    assert norms["step_time_s"] == base["step_time_s"]
+    tokens = 8192 / (tp if sp else 1)
+    for b, n in zip(base["per_rank"], norms["per_rank"], strict=True):
+        saved = b["activation_bytes"] - n["activation_bytes"]
+        # Two norm inputs for every block and micro-batch held (each rank holds 16 blocks for
+        # at least one micro-batch), and for the block in backward.
+        blocks = saved / (2 * tokens * LLAMA_8B.dim * 2)
+        assert blocks >= 16 and blocks == pytest.approx(round(blocks), abs=1e-6)
+
+
 QWEN3_30B_A3B = preset_config("qwen3-30b-a3b").model
 
 

@@ -146,7 +146,8 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
                            policy: str = "modules", fused_swiglu: bool = False,
                            moe_sequence_sharded: bool = False,
                            moe_gate_in_activation: bool = False,
-                           fp8_linear: bool = False) -> float:
+                           fp8_linear: bool = False,
+                           memory_efficient_norm: bool = False) -> float:
     """Bytes one block saves for one sequence, in units of ``s * h`` bytes at 2 bytes per
     element (Korthikanti et al.'s unit: their GPT layer is ``34 + 5 a s / h`` of them).
     ``policy``: what selective recomputation keeps (``RuntimeTraits.selective_policy``);
@@ -154,7 +155,9 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
     ``moe_sequence_sharded``: each tp rank keeps its own tokens through an MoE layer
     (``RuntimeTraits.moe_sequence_sharded``); ``moe_gate_in_activation``: the experts' outputs
     are not kept (``RuntimeTraits.moe_gate_in_activation``); ``fp8_linear``: the linear layers
-    keep their inputs in FP8, one byte an element (``RuntimeTraits.fp8_linear``)."""
+    keep their inputs in FP8, one byte an element (``RuntimeTraits.fp8_linear``);
+    ``memory_efficient_norm``: each norm keeps its output, which the matmul after it keeps
+    anyway, instead of its input (``RuntimeTraits.memory_efficient_norm``)."""
     mode = mode or layout.activation_checkpointing
     t, h = layout.tp, model.dim
     sp = layout.sequence_parallel
@@ -168,6 +171,11 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
         return (2.0 + 2.0) / (t if sp else 1) + (4.0 * q_ratio + 2.0 * kv_ratio
                                                  + 2.0 * model.ffn_dim / h) / t
     replicated = 8.0  # attention-norm input, qkv input, ffn-norm input, mlp input
+    if memory_efficient_norm and not fp8_linear:
+        # The norms' inputs are not kept: each norm's backward reads the output the next
+        # matmul keeps. (Under FP8 the matmuls keep an FP8 copy, so the norm's own bf16 output
+        # would be held beside it: nothing is saved.)
+        replicated -= 4.0
     parallel = 4.0 * q_ratio + 4.0 * kv_ratio  # q, k, v, attention output (= wo input)
     if fp8_linear:
         # Transformer Engine's FP8 layers keep their inputs cast to FP8: the qkv and mlp inputs
@@ -218,9 +226,12 @@ def layer_activation_units(model: ModelConfig, layer: int, seq_len: int, layout:
 
 
 def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
-                           mode: str | None = None) -> float:
+                           mode: str | None = None, as_run: bool = True) -> float:
     """Bytes one block saves for backward for one micro-batch on one rank (its ``S / cp``
-    tokens; the gathered K/V of context parallelism are counted apart)."""
+    tokens; the gathered K/V of context parallelism are counted apart). ``as_run=False``: as a
+    runtime whose norms keep their inputs would save them, whatever the stack's
+    ``memory_efficient_norm`` (the measure of the element-wise traffic, which the choice does not
+    change)."""
     b = layout.micro_batch_size(workload.global_batch)
     units = layer_activation_units(workload.model, layer, workload.seq_len, layout,
                                    workload.traits.flash_attention, mode,
@@ -228,7 +239,8 @@ def layer_activation_bytes(workload: Workload, layout: Layout, layer: int,
                                    workload.traits.fused_swiglu,
                                    workload.traits.moe_sequence_sharded,
                                    workload.traits.moe_gate_in_activation,
-                                   workload.traits.fp8_linear)
+                                   workload.traits.fp8_linear,
+                                   as_run and workload.traits.memory_efficient_norm)
     tokens = workload.seq_len / layout.cp * b
     return units * tokens * workload.model.dim * workload.act_bytes / 2
 

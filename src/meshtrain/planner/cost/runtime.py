@@ -149,6 +149,15 @@ class RuntimeTraits:
     ``fp8_model_init``): one byte a parameter instead of the activation dtype's, and no FP8 copy
     beside them; the fp32 master weights stay in the optimizer state. Under ZeRO-3 it changes
     nothing priced. A run setting (``--trait fp8_params=true``)."""
+    memory_efficient_norm: bool = False
+    """Each RMSNorm keeps its output for backward instead of its input (the normalised input
+    is the output over the norm's weight): apex's ``FusedRMSNorm(memory_efficient=True)``,
+    Megatron-LM's ``--memory-efficient-layer-norm``. The output is what the next matmul keeps
+    for its weight gradient anyway, so a block keeps neither norm's input: ``4 / tp`` units
+    (sequence parallel; ``4`` without) less a block and micro-batch. Under ``fp8_linear`` it saves
+    nothing (the matmuls keep an FP8 copy beside the norm's output). False: a norm keeps its
+    input (meshtrain, PyTorch, Transformer Engine's fused norm-and-linear). Time is priced the
+    same either way."""
     fp32_params: bool = False
     """Sharded parameters are held in fp32 and only gathered in the training dtype (FSDP2 with a
     bf16 ``MixedPrecisionPolicy``, as torchtitan runs it): bf16 model states are ``4 + G + 8``
@@ -267,7 +276,7 @@ stage, selective (core attention) or full recompute; its H100 GEMM efficiency is
 train rows (:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2024_H100`)."""
 LLAMA3_2024 = dataclasses.replace(
     MEGATRON_CORE_2024, zero_stages=(0, 2, 3), uniform_pipeline_stages=False,
-    cp_comm_overlap=False, zero3_split_blocks=False)
+    cp_comm_overlap=False, zero3_split_blocks=False, memory_efficient_norm=True)
 """Meta's training runtime as Llama Team 2024 ("The Llama 3 Herd of Models", arXiv:2407.21783,
 3.3.2) describes it for Llama 3 405B on H100: FSDP that shards the optimizer state and the
 gradients but keeps the weights gathered from forward through backward (ZeRO-2; with a
@@ -276,12 +285,16 @@ paper's "FP32 gradient accumulation ... and reduce-scatter gradients in FP32"); 
 pipeline whose first and last stages hold one layer fewer (the first chunk only the embedding,
 the last only the head: unequal stages), with asynchronous sends; context parallelism that
 all-gathers K and V before attention (not a ring, so not hidden behind it); tensor
-parallelism. What the paper does not state (sequence parallelism, fused kernels and SwiGLU,
-flash attention, tensor-parallel communication overlap, the optimizer's traffic, the kernels'
-efficiency) is priced as ``megatron-core-2024``, the H100 stack of the same year, with that
-stack's H100 fit: nothing is fitted on Meta's runs, which stay test rows. Its pipeline order is
-Megatron's (the paper's tunable number of consecutive micro-batches ``N`` priced at ``N = pp``,
-Megatron-Core's default)."""
+parallelism; the input and output tensors of every pipeline stage freed as soon as no later
+computation needs them. With one layer a chunk a stage's input is its block's input, which the
+block's first norm would keep for backward if it kept its input: freeing it saves memory only
+if the norms keep their outputs instead, so the blocks are priced with ``memory_efficient_norm``
+(both norms of a block alike). What the paper does not state (sequence parallelism, fused
+kernels and SwiGLU, flash attention, tensor-parallel communication overlap, the optimizer's
+traffic, the kernels' efficiency) is priced as ``megatron-core-2024``, the H100 stack of the
+same year, with that stack's H100 fit: nothing is fitted on Meta's runs, which stay test rows.
+Its pipeline order is Megatron's (the paper's tunable number of consecutive micro-batches
+``N`` priced at ``N = pp``, Megatron-Core's default)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
                                 backward_transient_blocks=1.0, loss_saved_bytes_per_logit=4.0,
                                 zero3_split_blocks=False,

@@ -197,7 +197,7 @@ def block_cost(workload: Workload, layout: Layout, cluster: Cluster, layer: int)
                          + clock.stream(3 * scores, kernels=2))
         attention_bwd = (4 * clock.gemm(queries, s, model.head_dim, b * heads)
                          + clock.stream(4 * scores, kernels=2))
-    saved = layer_activation_bytes(workload, lay, layer, "none")
+    saved = layer_activation_bytes(workload, lay, layer, "none", as_run=False)
     elementwise = clock.stream(traits.elementwise_traffic * saved, kernels=8)
     cost.forward += attention_fwd + elementwise
     cost.backward_input += attention_bwd + 2 * elementwise
