@@ -24,6 +24,9 @@ def test_pp2_every_schedule():
     cases += [tiny_config(*base, f"parallel.pp_schedule={name}", "parallel.virtual_stages=2",
                           nproc=2) for name in ("interleaved-1f1b", "zb-v")]
     cases.append(tiny_config(*base, "parallel.pp_split=1,3", nproc=2))  # uneven, explicit
+    # Stages without blocks: the first chunk only the embedding, the last only the head.
+    cases.append(tiny_config(*base, "parallel.pp_schedule=interleaved-1f1b",
+                             "parallel.virtual_stages=2", "parallel.pp_split=0,2,2,0", nproc=2))
     results = _parity(2, cases)
     assert all(r[0]["comm_bytes"]["pp"] > 0 for r in results)
 

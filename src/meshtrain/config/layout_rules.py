@@ -226,7 +226,10 @@ def check_pipeline_stages(stages: int, n_layers: int) -> None:
     """Refuse more pipeline stages (pp × virtual stages) than layers."""
     if not pipeline_stages_fit(stages, n_layers):
         raise ConfigError(f"model.n_layers = {n_layers} is fewer than the {stages} pipeline "
-                          f"stages (pp × virtual_stages); use pp × virtual_stages <= {n_layers}.")
+                          f"stages (pp × virtual_stages); use pp × virtual_stages <= {n_layers}, "
+                          f"or give parallel.pp_split: {stages} layer counts adding up to "
+                          f"{n_layers}, where a 0 is a stage without blocks (e.g. the first "
+                          "holding only the embedding, the last only the head).")
 
 
 def interleaving_fits(pp: int, microbatches: int) -> bool:

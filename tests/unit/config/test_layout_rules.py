@@ -149,7 +149,8 @@ def test_pipeline_stages_need_a_layer_each():
     assert rules.pipeline_stages_fit(4, 4) and not rules.pipeline_stages_fit(5, 4)
     rules.check_pipeline_stages(4, 4)
     with pytest.raises(ConfigError, match="model.n_layers = 2 is fewer than the 4 pipeline "
-                                          "stages.*use pp × virtual_stages <= 2"):
+                                          "stages.*use pp × virtual_stages <= 2, or give "
+                                          "parallel.pp_split: 4 layer counts adding up to 2"):
         rules.check_pipeline_stages(4, 2)
 
 
