@@ -250,3 +250,28 @@ def test_without_ep_sequence_sharded_tp_ranks_split_the_experts_work_and_reduce_
         whole, half = (block_cost(work, lay, cluster, 0).flops for lay in (one, two))
         assert (half == pytest.approx(whole / 2)) is halves
     assert expert_reduction_size(two, True) == 8 and expert_reduction_size(two) == 4
+
+
+def test_automodel_holds_bf16_parameters_where_torchtitan_holds_fp32():
+    # NeMo AutoModel's Qwen3-30B-A3B run (8 H100, ep 8, FSDP 8, micro-batches of 4 x 4,096
+    # tokens, full checkpointing, bf16 Adam moments, the loss on bf16 logits) ran; priced as
+    # torchtitan runs (fp32 sharded parameters, fp32 moments, the eager fp32 loss) it could not
+    # have. The parameters themselves: 2 bytes against 4 (a dp-th or ep-th on each rank).
+    from meshtrain.planner.cost.runtime import AUTOMODEL_2026
+    from meshtrain.planner.tables.runs_automodel import QWEN3_TRAITS
+
+    model = preset_config("qwen3-30b-a3b").model
+    layout = Layout(dp=8, ep=8, zero=3, microbatches=16, activation_checkpointing="full")
+    cluster = Cluster(H100, 8, 8)
+
+    def priced(traits):
+        return estimate(Workload(model, 4096, 512, "bf16", traits), layout, cluster)
+
+    titan, stack, run = priced(TORCHTITAN_2025), priced(AUTOMODEL_2026), priced(QWEN3_TRAITS)
+    assert not titan["fits"] and run["fits"]
+    for t, a in zip(titan["per_rank"], stack["per_rank"], strict=True):
+        assert a["param_bytes"] == pytest.approx(t["param_bytes"] / 2, rel=1e-6)
+        assert a["optim_bytes"] == pytest.approx(t["optim_bytes"], rel=1e-6)  # fp32 moments
+    for a, r in zip(stack["per_rank"], run["per_rank"], strict=True):
+        assert r["optim_bytes"] == pytest.approx(a["optim_bytes"] / 2, rel=1e-6)  # bf16 moments
+    assert run["step_time_s"] == pytest.approx(titan["step_time_s"], rel=0.1)

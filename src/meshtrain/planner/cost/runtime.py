@@ -330,10 +330,26 @@ Qwen3-30B): the stack prices them exposed, and a run that overlaps them sets
 ``ep_comm_overlap`` (the Qwen3-235B rows). Its H100 entry keeps the 2024 stack's GEMM figures
 and adds the per-expert overhead fitted on its Qwen3-30B-A3B train row
 (:data:`meshtrain.planner.tables.stacks.MEGATRON_CORE_2025_H100`)."""
+AUTOMODEL_2026 = dataclasses.replace(
+    TORCHTITAN_2025, fp32_params=False, optimizer_state_bytes=8.0, moe_gate_in_activation=True,
+    tp_comm_overlap=False)
+"""NeMo AutoModel (PyTorch-native: FSDP2, Transformer Engine layers, DeepEP) as its 2026
+performance summary's benchmark recipes run it (``examples/llm_benchmark``): FSDP2 over
+parameters held in bf16 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` around a
+model built in bf16, so no fp32 master copy), Transformer Engine's ``FusedAdam`` with its
+default fp32 moments (8 bytes a parameter; a run whose ``torch.optim.Adam`` keeps bf16 moments
+sets ``optimizer_state_bytes=4``), ``MaskedCrossEntropy`` on the whole logits upcast to fp32
+(torchtitan's eager loss; without the upcast about half: ``loss_bytes_per_logit=6``), fused
+element-wise kernels (TE norms and rotary, or ``torch.compile``), the experts a grouped GEMM with
+the gate weights inside their SwiGLU, dispatched by DeepEP and not overlapped. Asynchronous
+tensor parallelism is off in its recipes. Everything else, and its kernels' H100 efficiency, is
+``torchtitan-2025``'s (the PyTorch-native FSDP2 stack it shares its kernels with): no row of its
+own is fitted, and its published rows are test rows. No per-expert overhead is priced."""
 STACKS = {"meshtrain": MESHTRAIN, "megatron-2021": MEGATRON_2021,
           "megatron-2021-torch-ddp": MEGATRON_2021_TORCH_DDP, "megatron-2022": MEGATRON_2022,
           "megatron-deepspeed": MEGATRON_DEEPSPEED, "megatron-core-2024": MEGATRON_CORE_2024,
           "megatron-core-2025": MEGATRON_CORE_2025, "llama3-2024": LLAMA3_2024,
-          "torchtitan-2024": TORCHTITAN_2024, "torchtitan-2025": TORCHTITAN_2025}
+          "torchtitan-2024": TORCHTITAN_2024, "torchtitan-2025": TORCHTITAN_2025,
+          "automodel-2026": AUTOMODEL_2026}
 """Software stacks the cost model can price, by name."""
 

@@ -6,8 +6,9 @@ Megatron-DeepSpeed, Megatron-Core), :mod:`meshtrain.planner.tables.runs_llama3` 
 405B runs), :mod:`meshtrain.planner.tables.runs_moe` (Qwen3-235B-A22B),
 :mod:`meshtrain.planner.tables.runs_bridge` (Megatron-Bridge's H100 FP8 rows),
 :mod:`meshtrain.planner.tables.runs_nemo` (NeMo 24.12's H100 FP8 rows),
-:mod:`meshtrain.planner.tables.runs_torchtitan` and :mod:`meshtrain.planner.tables.runs_olmo`
-(OLMo-core's H100 rows); each
+:mod:`meshtrain.planner.tables.runs_torchtitan`, :mod:`meshtrain.planner.tables.runs_olmo`
+(OLMo-core's H100 rows) and :mod:`meshtrain.planner.tables.runs_automodel` (NeMo AutoModel's
+H100 rows); each
 names its source, layout and which figure it is, and every train row names the constant it
 feeds (:mod:`meshtrain.planner.tables.fitting`, whose routines take train rows only).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from meshtrain.planner.cost.fit_advice import COMPONENTS
 from meshtrain.planner.cost.memory import GB
 from meshtrain.planner.tables.fitting import fit_groups, priced, refit, speed_error
+from meshtrain.planner.tables.runs_automodel import automodel_rows
 from meshtrain.planner.tables.runs_bridge import bridge_rows
 from meshtrain.planner.tables.runs_llama3 import llama3_rows
 from meshtrain.planner.tables.runs_megatron import megatron_rows
@@ -36,7 +38,7 @@ from meshtrain.planner.tables.runs_torchtitan import torchtitan_rows
 def published_rows() -> list[PublishedRow]:
     """Every row of the validation set, train and test."""
     return (megatron_rows() + nemo_rows() + llama3_rows() + moe_rows() + bridge_rows()
-            + torchtitan_rows() + olmo_rows())
+            + torchtitan_rows() + olmo_rows() + automodel_rows())
 
 
 def evaluate(row: PublishedRow) -> dict:
