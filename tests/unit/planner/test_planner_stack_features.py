@@ -11,6 +11,7 @@ from meshtrain.config.layout import Layout
 from meshtrain.planner.cost.estimate import estimate
 from meshtrain.planner.cost.memory import layer_activation_units
 from meshtrain.planner.cost.overlap import pipelined_exposed
+from meshtrain.planner.cost.runtime import AUTOMODEL_2026
 from meshtrain.planner.cost.workload import (
     LLAMA3_2024,
     MEGATRON_2022,
@@ -25,6 +26,7 @@ from meshtrain.planner.cost.workload import (
 from meshtrain.planner.hardware.profile import Cluster
 from meshtrain.planner.tables.presets import preset_config
 from meshtrain.planner.tables.profiles import ALLOCATOR_RESERVE, PROFILES
+from meshtrain.planner.tables.runs_automodel import QWEN3_TRAITS
 
 LLAMA_8B = preset_config("llama3-8b").model
 H100 = PROFILES["h100-80g"]
@@ -257,9 +259,6 @@ def test_automodel_holds_bf16_parameters_where_torchtitan_holds_fp32():
     # tokens, full checkpointing, bf16 Adam moments, the loss on bf16 logits) ran; priced as
     # torchtitan runs (fp32 sharded parameters, fp32 moments, the eager fp32 loss) it could not
     # have. The parameters themselves: 2 bytes against 4 (a dp-th or ep-th on each rank).
-    from meshtrain.planner.cost.runtime import AUTOMODEL_2026
-    from meshtrain.planner.tables.runs_automodel import QWEN3_TRAITS
-
     model = preset_config("qwen3-30b-a3b").model
     layout = Layout(dp=8, ep=8, zero=3, microbatches=16, activation_checkpointing="full")
     cluster = Cluster(H100, 8, 8)
