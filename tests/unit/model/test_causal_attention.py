@@ -49,3 +49,32 @@ def test_outside_the_split_range_it_is_the_single_call(seq, dtype):
     q, k, v = _inputs(seq, 4, 2, dtype=dtype)
     assert not splits_queries(q)
     assert torch.equal(causal_attention(q, k, v), _reference(q, k, v))
+
+
+def _saved_bytes_of_attention_and_output_projection(attention, q, k, v, weight):
+    """Bytes of the distinct storages autograd keeps for backward through ``attention`` and the
+    output projection that reads its result (as ``Attention`` does)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attention(q, k, v)
+        batch, heads, seq, head_dim = out.shape
+        F.linear(out.transpose(1, 2).reshape(batch, seq, heads * head_dim), weight)
+    return sum(storages.values())
+
+
+def test_the_output_projection_and_the_backward_keep_one_copy_of_the_output():
+    # The blocks write into one tensor that the backward and the projection both keep; one
+    # output more (the blocks' own outputs beside their joined copy) is what the plain
+    # per-block calls keep.
+    q, k, v = _inputs(256, 4, 2)
+    weight = torch.randn(64, 64, requires_grad=True)
+    kept = _saved_bytes_of_attention_and_output_projection(causal_attention, q, k, v, weight)
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v, weight))
+    output = q.numel() * q.element_size()
+    logsumexp = q[..., 0].numel() * q.element_size()
+    assert kept <= inputs + output + logsumexp + 4096
