@@ -76,15 +76,59 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x`` [B, S, H, D] by the tables ``cos``/``sin`` [S, D] (half-split layout), or
     [B, S, D] when every sequence has its own positions (document masking).
 
-    ``rotate_half(x) = cat(-x[half:], x[:half])`` equals ``roll(x, half)`` with the first half
-    negated, so the sign moves onto the small ``sin`` table: one ``roll`` of ``x`` instead of two
-    slices, a negation and a ``cat`` (a quarter less time for RoPE on CPU, bitwise the same).
+    With ``x = [x0, x1]`` split at ``D / 2``: ``[x0 cos0 - x1 sin0, x1 cos1 + x0 sin1]``, the
+    Hugging Face ``x * cos + rotate_half(x) * sin``. :class:`_Rotation` writes each half of the
+    result with one product and one fused multiply-add, and its backward (the transposed
+    rotation) the same way: two passes over ``x`` each way, where the autograd form takes four
+    (two products, the ``rotate_half`` copy and the sum). That runs for fp32 (and fp64) on a
+    CPU, where it was measured (docs/performance.md); elsewhere, and under ``torch.compile``
+    (which fuses the plain form itself), the plain form runs.
     """
+    if (x.device.type == "cpu" and x.dtype == cos.dtype
+            and x.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling()):
+        return _Rotation.apply(x, cos, sin)
     half = x.shape[-1] // 2
     signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     if cos.dim() == 2:
         cos, signed_sin = cos[None], signed_sin[None]
     return x * cos[:, :, None, :] + torch.roll(x, half, dims=-1) * signed_sin[:, :, None, :]
+
+
+def _halves(t: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return t[..., :half], t[..., half:]
+
+
+class _Rotation(torch.autograd.Function):
+    """RoPE's rotation of ``x`` [B, S, H, D] by constant tables, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if cos.dim() == 2:
+            cos, sin = cos[None], sin[None]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B or 1, S, 1, D]: over the heads
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, transpose=True), None, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            transpose: bool) -> torch.Tensor:
+    """``[x0 c0 - x1 s0, x1 c1 + x0 s1]``, or with ``transpose`` its transpose
+    ``[x0 c0 + x1 s1, x1 c1 - x0 s0]``, into a new tensor shaped like ``x``."""
+    half = x.shape[-1] // 2
+    x0, x1 = _halves(x, half)
+    (c0, c1), (s0, s1) = _halves(cos, half), _halves(sin, half)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out0, out1 = _halves(out, half)
+    torch.mul(x0, c0, out=out0)
+    out0.addcmul_(x1, s1 if transpose else s0, value=1 if transpose else -1)
+    torch.mul(x1, c1, out=out1)
+    out1.addcmul_(x0, s0 if transpose else s1, value=-1 if transpose else 1)
+    return out
 
 
 class AttentionCore(nn.Module):

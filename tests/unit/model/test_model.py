@@ -150,6 +150,40 @@ def test_rope_is_a_relative_rotation() -> None:
     torch.testing.assert_close(rq[2] @ rk[2], q[0, 0, 0] @ k[0, 0, 0])
 
 
+def _rotate_half_reference(x, cos, sin):
+    """Hugging Face Llama's form: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_rope_equals_the_rotate_half_form_in_value_and_gradient(per_sequence) -> None:
+    # Tables whose halves differ (the real ones repeat), so a swapped half or sign shows; float64
+    # so gradcheck's finite differences are exact enough to check the hand-written backward.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    shape = (2, 5, 8) if per_sequence else (5, 8)
+    cos = torch.randn(shape, dtype=torch.float64, generator=gen)
+    sin = torch.randn(shape, dtype=torch.float64, generator=gen)
+    torch.testing.assert_close(apply_rope(x, cos, sin), _rotate_half_reference(x, cos, sin))
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, cos, sin), (x,))
+    grad = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    got, = torch.autograd.grad(apply_rope(x, cos, sin), x, grad)
+    want, = torch.autograd.grad(_rotate_half_reference(x, cos, sin), x, grad)
+    torch.testing.assert_close(got, want)
+
+
+def test_rope_in_fp32_on_a_cpu_runs_the_hand_written_rotation() -> None:
+    cos, sin = rope_cos_sin(16, 8, 10000.0, torch.device("cpu"), torch.float32)
+    x = torch.randn(2, 16, 3, 8, requires_grad=True)
+    out = apply_rope(x, cos, sin)
+    assert type(out.grad_fn).__name__ == "_RotationBackward"
+    torch.testing.assert_close(out, _rotate_half_reference(x, cos, sin))
+
+
 def test_init_rules() -> None:
     config = dataclasses.replace(TINY, dim=64, ffn_dim=256, vocab_size=512, n_layers=8)
     std = lambda name, shape: init_tensor(name, shape, 0, config).std().item()  # noqa: E731
