@@ -9,11 +9,13 @@ where it overlaps itself. The result is the same attention (within fp32 rounding
 sums run over fewer masked zeros).
 
 The blocks run as one autograd function (:class:`_QueryBlocks`) that calls the CPU flash
-kernel and its backward directly, so that nothing is written twice: the blocks' outputs go
-straight into one ``[B, S, H, D]`` tensor (the layout the output projection reads, so the
-caller's reshape is free, and the one copy both the projection and the backward keep), the
-query gradient is assembled block by block in the same layout, and the key and value gradients
-of the longest block are the buffers the shorter blocks add into. Left to autograd, every block's
+kernel and its backward directly (the ATen operators ``scaled_dot_product_attention``
+dispatches to on a CPU, with an additive float mask, which is what they take), so that nothing
+is written twice: the blocks' outputs go straight into one ``[B, S, H, D]`` tensor (the layout
+the output projection reads, so the caller's reshape is free, and the one copy both the
+projection and the backward keep), the query gradient is assembled block by block in the same
+layout, and the key and value gradients of the longest block are the buffers the shorter
+blocks add into. Left to autograd, every block's
 slice of ``q``, ``k`` and ``v`` would get a zero-filled full-size gradient that the engine then
 sums, and each block's output would be kept beside its joined copy.
 

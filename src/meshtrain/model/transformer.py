@@ -78,8 +78,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     With ``x = [x0, x1]`` split at ``D / 2``: ``[x0 cos0 - x1 sin0, x1 cos1 + x0 sin1]``, the
     Hugging Face ``x * cos + rotate_half(x) * sin``. :class:`_Rotation` writes each half of the
-    result with one product and one fused multiply-add, and its backward (the transposed
-    rotation) the same way: two passes over ``x`` each way, where the autograd form takes four
+    result with one product and one ``addcmul``, and its backward (the transposed rotation) the
+    same way: two passes over ``x`` each way, where the autograd form takes four
     (two products, the ``rotate_half`` copy and the sum). That runs for fp32 (and fp64) on a
     CPU, where it was measured (docs/performance.md); elsewhere, and under ``torch.compile``
     (which fuses the plain form itself), the plain form runs.
