@@ -11,6 +11,11 @@ walking the autograd graph again. The result reaches the parameter through
 ``torch.autograd.backward(param, grad)`` on the leaf, so ``.grad`` accumulation and every
 post-accumulate hook (data-parallel bucket reduction, ZeRO) fire exactly as for a plain backward.
 
+Inside a :func:`plain_matmuls` block the linear layers run as plain ``F.linear``, with no Python
+autograd step (the expert matmuls keep their function, which they run everywhere). A schedule
+that splits only some backwards (1F1B splits those whose input gradient the previous stage waits
+for in its cool-down) runs the other micro-batches' forwards that way, at a plain layer's cost.
+
 Parameters outside these matmuls (norm weights, the MoE router, embeddings, biases of modules
 not routed here) get their gradients during ``I``; they are cheap elementwise or lookup grads.
 A weight that is not a leaf (e.g. a row selection of a replicated parameter) is also handled
@@ -27,6 +32,7 @@ import torch
 from meshtrain.model.grouped_gemm import grouped_input_grad, grouped_matmul, grouped_weight_grad
 
 _ACTIVE: list[WeightGradQueue] = []
+_PLAIN: list[bool] = []  # non-empty inside plain_matmuls()
 
 
 class WeightGradQueue:
@@ -74,6 +80,18 @@ def deferring(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
         _ACTIVE.pop()
 
 
+@contextlib.contextmanager
+def plain_matmuls() -> Iterator[None]:
+    """Inside this block, :func:`linear` runs plain ``F.linear`` (its backward cannot be
+    deferred): the forward of a micro-batch whose backward runs whole (``B``), under a schedule
+    that defers the weight gradients of other micro-batches."""
+    _PLAIN.append(True)
+    try:
+        yield
+    finally:
+        _PLAIN.pop()
+
+
 def _deferral(weight: torch.Tensor) -> WeightGradQueue | None:
     if _ACTIVE and weight.is_leaf and weight.requires_grad:
         return _ACTIVE[-1]
@@ -116,7 +134,8 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose weight (and bias) gradient can be deferred (see module docstring)."""
-    if not torch.is_grad_enabled() or not weight.requires_grad or not weight.is_leaf:
+    if (_PLAIN or not torch.is_grad_enabled() or not weight.requires_grad
+            or not weight.is_leaf):
         return torch.nn.functional.linear(x, weight, bias)
     if bias is not None and not bias.is_leaf:
         return torch.nn.functional.linear(x, weight, bias)

@@ -47,7 +47,25 @@ def test_moe_split_matches_plain_backward():
     assert any("experts.w1" in n for n in deferred)
 
 
-def test_only_zero_bubble_schedules_make_the_stages_deferrable():
+def test_plain_matmuls_runs_linear_without_the_deferrable_function():
+    import torch
+
+    from meshtrain.model.weight_grad import WeightGradQueue, deferring, linear, plain_matmuls
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    assert type(linear(x, w).grad_fn).__name__ == "_LinearBackward"
+    with plain_matmuls():
+        y = linear(x, w)
+        assert type(linear(x, w).grad_fn).__name__ != "_LinearBackward"
+    assert type(linear(x, w).grad_fn).__name__ == "_LinearBackward"  # left when the block ends
+    queue = WeightGradQueue()
+    with deferring(queue):  # a plain forward's weight gradient cannot be deferred: it flows
+        y.sum().backward()
+    assert not queue.entries and torch.allclose(w.grad, torch.ones(3, 5).t() @ x.detach())
+
+
+def test_schedules_with_w_passes_make_the_stages_deferrable():
     import torch
 
     from meshtrain.config import ModelConfig
@@ -60,8 +78,11 @@ def test_only_zero_bubble_schedules_make_the_stages_deferrable():
     deferring = {name: build_schedule(name, 2, 4, 2 if name in ("zb-v", "interleaved-1f1b")
                                       else 1).defers_weight_grads
                  for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")}
-    assert deferring == {"gpipe": False, "1f1b": False, "interleaved-1f1b": False,
+    # 1F1B splits its cool-down backwards on every rank but the first (early gradient sends)
+    assert deferring == {"gpipe": False, "1f1b": True, "interleaved-1f1b": False,
                          "zb-h1": True, "zb-v": True}
+    assert not build_schedule("1f1b", 2, 4, early_grad_sends=False).defers_weight_grads
+    assert not build_schedule("1f1b", 1, 4).defers_weight_grads
     config = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
     for defer in (False, True):
         model = build_model(config)

@@ -11,6 +11,7 @@ from meshtrain.parallel.pipeline import (
     Action,
     ActionKind,
     ScheduleError,
+    StageTimes,
     build_schedule,
     check_schedule,
     simulate,
@@ -45,7 +46,10 @@ def test_every_schedule_checks_and_simulates(case):
     split = name.startswith("zb")
     for rank in range(pp):
         kinds = {a.kind for a in schedule.compute_actions(rank)}
-        assert kinds == ({K.F, K.I, K.W} if split else {K.F, K.B})
+        if name == "1f1b" and rank > 0:  # its cool-down backwards split (early gradient sends)
+            assert {K.F, K.I, K.W} <= kinds <= {K.F, K.B, K.I, K.W}
+        else:
+            assert kinds == ({K.F, K.I, K.W} if split else {K.F, K.B})
         for action in schedule.actions[rank]:  # every action works on a chunk of its rank
             assert schedule.stage_to_rank[action.stage] == rank
     if pp == 1:
@@ -68,10 +72,13 @@ def test_action_strings_and_communication_placement():
     assert str(Action(K.F, 3, 1)) == "F3@s1"
     assert str(Action(K.SEND_ACT, 3, 1, 2)) == "SEND_ACT3@s1->2"
     assert str(Action(K.RECV_GRAD, 3, 1, 2)) == "RECV_GRAD3@s1<-2"
-    schedule = build_schedule("1f1b", 2, 2)
+    schedule = build_schedule("1f1b", 2, 2, early_grad_sends=False)
     assert [str(a) for a in schedule.actions[1]] == [
         "RECV_ACT0@s1<-0", "F0@s1", "RECV_ACT1@s1<-0", "B0@s1", "SEND_GRAD0@s1->0",
         "F1@s1", "B1@s1", "SEND_GRAD1@s1->0"]
+    # with early gradient sends the last backward's input gradient leaves before its W
+    assert [str(a) for a in build_schedule("1f1b", 2, 2).actions[1]][-4:] == [
+        "F1@s1", "I1@s1", "SEND_GRAD1@s1->0", "W1@s1"]
     # a message is received in the exchange of the round it is sent in, even if its consumer
     # (F1 above) comes later; sends are posted right after the compute that produced their data
     acts = schedule.actions[0]
@@ -87,6 +94,37 @@ def test_1f1b_order_and_peak_memory():
         assert simulate(build_schedule("zb-h1", pp, m)).peak_inflight == \
             [pp - r for r in range(pp)]
         assert simulate(build_schedule("gpipe", pp, m)).peak_inflight == [m] * pp
+
+
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (3, 2), (4, 8), (4, 9), (8, 16)])
+def test_1f1b_splits_the_backwards_the_previous_rank_waits_for(pp, m):
+    """Early gradient sends: the same F/B order as the paper's 1F1B with every backward from
+    a rank's last steady one on (its cool-down) split into I, the send, W, on every rank but
+    the first; the makespan drops by (p-1)·w where w <= f, never rises, and the peak
+    activations stay 1F1B's."""
+    plain = build_schedule("1f1b", pp, m, early_grad_sends=False)
+    early = build_schedule("1f1b", pp, m)
+    check_schedule(early)
+    for rank in range(pp):
+        whole = [str(a) for a in plain.compute_actions(rank)]
+        merged = [str(a).replace("I", "B") for a in early.compute_actions(rank)
+                  if a.kind is not K.W]
+        assert merged == whole  # the same order of forwards and backwards
+        split = [a.microbatch for a in early.compute_actions(rank) if a.kind is K.I]
+        warmup = min(pp - rank - 1, m)
+        assert split == ([] if rank == 0 else list(range(max(m - warmup - 1, 0), m)))
+        acts = early.actions[rank]
+        for k in split:  # the gradient is sent between the I and the W
+            i, w = acts.index(Action(K.I, k, rank)), acts.index(Action(K.W, k, rank))
+            assert w > i + 1 and all(a.kind.is_send for a in acts[i + 1:w])
+    assert simulate(early).peak_inflight == simulate(plain).peak_inflight
+    for f, b, w in [(1, 1, 1), (1, 2, 1), (2, 1.5, 0.5), (1, 1, 2)]:
+        times = StageTimes(f=f, b=b, w=w)
+        faster, slower = simulate(early, times).makespan, simulate(plain, times).makespan
+        assert slower == pytest.approx((m + pp - 1) * (f + b + w))
+        if w <= f:
+            assert faster == pytest.approx(m * (f + b + w) + (pp - 1) * (f + b))
+        assert faster <= slower + 1e-9
 
 
 def test_zb_v_memory_is_bounded_by_1f1b_peak():
@@ -125,7 +163,7 @@ def _replace(schedule, rank, actions):
 
 
 def test_dropped_backward_is_rejected():
-    schedule = build_schedule("1f1b", 2, 3)
+    schedule = build_schedule("1f1b", 2, 3, early_grad_sends=False)
     acts = [a for a in schedule.actions[1] if a != Action(K.B, 2, 1)]
     with pytest.raises(ScheduleError,
                        match=r"rank 1: micro-batch 2 on stage 1 is never backwarded"):

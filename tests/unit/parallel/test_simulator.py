@@ -24,9 +24,13 @@ SIZES = [(2, 2), (2, 5), (3, 4), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16)]
 def test_closed_forms_with_unit_times(pp, m):
     unit = StageTimes(f=1.0, b=1.0, w=1.0)
     one_f_one_b = (pp - 1) / (m + pp - 1)
-    for name in ("gpipe", "1f1b"):
-        assert simulate(build_schedule(name, pp, m), unit).bubble_fraction == \
-            pytest.approx(one_f_one_b, abs=1e-3)
+    for name, early in (("gpipe", True), ("1f1b", False)):
+        assert simulate(build_schedule(name, pp, m, early_grad_sends=early),
+                        unit).bubble_fraction == pytest.approx(one_f_one_b, abs=1e-3)
+    # 1F1B's early gradient sends take one W off each of the p - 1 cool-down hand-overs
+    early = simulate(build_schedule("1f1b", pp, m), unit).bubble_fraction
+    assert early == pytest.approx(2 * (pp - 1) / (3 * m + 2 * (pp - 1)), abs=1e-3)
+    assert early < one_f_one_b
     zb_h1 = simulate(build_schedule("zb-h1", pp, m), unit).bubble_fraction
     assert zb_h1 == pytest.approx((pp - 1) / (3 * m + pp - 1), abs=1e-3)
     for v in (2, 3) if m % pp == 0 else ():  # Megatron's interleaving needs p | m
@@ -58,7 +62,7 @@ def test_closed_forms_with_uneven_kinds(times):
 
 
 def test_event_timing_per_stage_times_and_comm():
-    schedule = build_schedule("1f1b", 2, 1)
+    schedule = build_schedule("1f1b", 2, 1, early_grad_sends=False)
     times = [StageTimes(f=1, b=2, w=3, comm=0.5), StageTimes(f=4, b=5, w=6, comm=0.25)]
     result = simulate(schedule, times)
     spans = {str(a): (s, e) for _, a, s, e in result.events}

@@ -71,7 +71,7 @@ def test_1f1b_pp2_two_microbatches_by_hand():
     # rank 0: F0 0-1, F1 1-2, B0 4-6, B1 7-9; rank 1: F0 1-2, B0 2-4, F1 4-5, B1 5-7 (B = 2).
     # Off the critical path: rank 0's F1 (may end by 4: twice as long, 990 MHz) and B0 (may
     # end by 7: 1.5 times, 1320 MHz). Baseline: 12 busy units at 700 W + 6 idle at 210 W.
-    schedule = build_schedule("1f1b", 2, 2)
+    schedule = build_schedule("1f1b", 2, 2, early_grad_sends=False)  # the paper's order
     result = energy_schedule(schedule, StageTimes(1, 1, 1), H100, max_slowdown=0.0)
     assert result.baseline_makespan == pytest.approx(9.0)
     assert result.makespan == pytest.approx(9.0)
@@ -90,10 +90,23 @@ def test_1f1b_pp2_two_microbatches_by_hand():
 def test_no_slack_no_saving(name, pp, m):
     # No pipeline (pp 1: no bubble at all), or one micro-batch (every action on one chain:
     # the bubble is idle time no action can use), balanced: nothing may be slowed.
-    result = energy_schedule(build_schedule(name, pp, m), StageTimes(1, 1, 1), H100, 0.01)
+    # (1F1B in the paper's order: with early gradient sends the split W's of ranks > 0 are off
+    # the chain, test_early_gradient_sends_leave_slack_to_the_w_passes)
+    result = energy_schedule(build_schedule(name, pp, m, early_grad_sends=False),
+                             StageTimes(1, 1, 1), H100, 0.01)
     assert result.saving == 0.0
     assert result.makespan == result.baseline_makespan
     assert all(c == 1980 for c in result.clocks)
+
+
+def test_early_gradient_sends_leave_slack_to_the_w_passes():
+    """One micro-batch through 4 stages: each rank > 0 sends its input gradient before its W,
+    so the W runs beside the earlier ranks' backwards, at a lower clock, at no cost in time."""
+    result = energy_schedule(build_schedule("1f1b", 4, 1), StageTimes(1, 1, 1), H100, 0.01)
+    assert result.makespan == pytest.approx(result.baseline_makespan)
+    slowed = {str(a) for (_, a), c in zip(result.graph.nodes, result.clocks, strict=True)
+              if c < 1980}
+    assert slowed == {"W0@s1", "W0@s2", "W0@s3"} and result.saving > 0
 
 
 def test_imbalanced_1f1b_saves_without_slowing_the_critical_path():

@@ -64,9 +64,20 @@ def test_activation_accounting_checkpointing_and_sequence_parallel():
 
 
 def test_pipeline_closed_forms_and_inflight():
+    paper = pipeline_estimate("1f1b", 4, 8, 1, 1.0, 1.0, 1.0, use_simulator=False,
+                              early_grad_sends=False)  # Megatron-LM, torchtitan
+    assert paper.bubble_fraction == pytest.approx(3 / (8 + 3))
+    assert paper.peak_inflight == [4, 3, 2, 1]
     one = pipeline_estimate("1f1b", 4, 8, 1, 1.0, 1.0, 1.0, use_simulator=False)
-    assert one.bubble_fraction == pytest.approx(3 / (8 + 3))
+    assert one.bubble_fraction == pytest.approx(3 * 2 / (3 * 8 + 3 * 2))  # a W off each hand-over
     assert one.peak_inflight == [4, 3, 2, 1]
+    for early in (True, False):  # the closed forms are the runtime's simulated schedules
+        for f, b, w in [(1.0, 1.0, 1.0), (1.5, 1.0, 0.5), (1.0, 2.0, 0.8)]:
+            closed, simulated = (pipeline_estimate("1f1b", 4, 8, 1, f, b, w, use_simulator=sim,
+                                                   early_grad_sends=early)
+                                 for sim in (False, True))
+            assert simulated.source == "simulator"
+            assert closed.bubble_fraction == pytest.approx(simulated.bubble_fraction)
     inter = pipeline_estimate("interleaved-1f1b", 4, 8, 2, 1.0, 1.0, 1.0, use_simulator=False)
     assert inter.bubble_fraction == pytest.approx(3 / (2 * 8 + 3))
     assert inter.peak_inflight[0] == pytest.approx(4 * (1 + 3 / 8))  # Korthikanti 4.2.3

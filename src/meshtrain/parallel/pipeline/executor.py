@@ -22,6 +22,10 @@ deferred (:mod:`meshtrain.model.weight_grad`): input gradients flow, every matmu
 ``(input, grad_output)`` on this micro-batch's queue, and the graph is freed. ``W`` then computes
 those weight gradients from the stash alone (no graph walk, no tp/ep collective). Norm weights,
 the MoE router and embeddings get their (cheap) gradients during ``I``. See docs/pipeline.md.
+Where a rank's list splits some backwards and runs others whole (1F1B's early gradient sends),
+the forwards of the whole ones run their linear layers plain
+(:func:`~meshtrain.model.weight_grad.plain_matmuls`), without the deferrable layers' Python
+autograd step.
 
 Auxiliary losses (the MoE balance loss): ``aux_loss_fn(chunk)``, when set, is called right after
 each stage forward and returns that micro-batch's extra loss terms of the stage's own layers (or
@@ -33,11 +37,12 @@ non-last stage's MoE layers get their balance gradient without sending anything 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
-from meshtrain.model.weight_grad import WeightGradQueue, deferring
+from meshtrain.model.weight_grad import WeightGradQueue, deferring, plain_matmuls
 from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.pipeline.message_order import Message, exchanges, message_of
 from meshtrain.parallel.pipeline.p2p import Exchanger
@@ -72,6 +77,12 @@ class PipelineExecutor:
         GPU clock there)."""
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._w_queues: dict[tuple[int, int], WeightGradQueue] = {}
+        # (micro-batch, stage) pairs whose backward runs whole on a rank that also splits some:
+        # their forwards need no deferrable matmuls
+        self._whole = set()
+        if schedule.defers_weight_grads:
+            self._whole = {(a.microbatch, a.stage) for a in schedule.actions[pp_rank]
+                           if a.kind is ActionKind.B}
 
     def _tag(self, kind: str, microbatch: int, stage: int) -> int:
         return (stage * self.schedule.microbatches + microbatch) * 2 + (kind == "grad")
@@ -169,7 +180,9 @@ class PipelineExecutor:
         else:  # the previous stage is on this rank: hand over in memory
             x = outputs[(mb, s - 1)].detach().requires_grad_()
             inputs[(mb, s)] = x
-        out = chunk(x, None if self.layout_fn is None else self.layout_fn(tokens.to(self.device)))
+        layout = None if self.layout_fn is None else self.layout_fn(tokens.to(self.device))
+        with plain_matmuls() if (mb, s) in self._whole else contextlib.nullcontext():
+            out = chunk(x, layout)
         aux = self.aux_loss_fn(chunk) if self.aux_loss_fn is not None else None
         if aux is not None:
             self.aux_total += aux.detach()
@@ -204,7 +217,9 @@ class PipelineExecutor:
         roots, grads = self._roots(mb, s, outputs, grads_out, grads_in)
         x = inputs.pop((mb, s), None)
         if full:
-            torch.autograd.backward(roots, grads)
+            # plain here too where the forward was: activation checkpointing recomputes it now
+            with plain_matmuls() if (mb, s) in self._whole else contextlib.nullcontext():
+                torch.autograd.backward(roots, grads)
         else:
             with deferring(self._w_queues.setdefault((mb, s), WeightGradQueue())):
                 torch.autograd.backward(roots, grads)

@@ -160,17 +160,26 @@ def closed_form_bubble(name: str, pp: int, microbatches: int, virtual_stages: in
                        times: StageTimes = StageTimes()) -> float | None:
     """The papers' bubble fraction for uniform stage ``times``, or ``None`` where none applies.
 
-    GPipe and 1F1B: ``(p-1)/(m+p-1)``; interleaved 1F1B: ``(p-1)/(v·m+p-1)`` (Narayanan et al.
-    2021); ZB-H1 (for ``m >= p`` and ``w <= min(f, b)``): idle ``(p-1)(f+b-w)`` per rank over
-    the makespan, i.e. ``(p-1)/(3m+p-1)`` when ``f = b = w`` (Qi et al. 2024). Only without
-    communication latency. ZB-V has no closed form here; for ``f = b = w`` its lower bound is
+    GPipe: ``(p-1)/(m+p-1)``. 1F1B with its early gradient sends (for ``w <= f``): idle
+    ``(p-1)(f+b)`` per rank over the makespan ``m(f+b+w) + (p-1)(f+b)``, i.e. ``(p-1)/(m+p-1)``
+    with ``w = 0`` and ``2(p-1)/(3m+2(p-1))`` when ``f = b = w``. Interleaved 1F1B:
+    ``(p-1)/(v·m+p-1)`` (Narayanan et al. 2021). ZB-H1 (for ``m >= p`` and
+    ``w <= min(f, b)``): idle ``(p-1)(f+b-w)`` per rank over the makespan, i.e.
+    ``(p-1)/(3m+p-1)`` when ``f = b = w`` (Qi et al. 2024). Only without communication
+    latency. ZB-V has no closed form here; for ``f = b = w`` its lower bound is
     ``(p-1)/(6m+p-1)``.
     """
     p, m, v = pp, microbatches, virtual_stages
     if times.comm != 0:
         return None
-    if name in ("gpipe", "1f1b"):
+    if name == "gpipe":
         return (p - 1) / (m + p - 1)
+    if name == "1f1b":
+        if times.w > times.f:
+            return None
+        idle = (p - 1) * (times.f + times.b)
+        total = m * (times.f + times.b + times.w) + idle
+        return idle / total if total > 0 else None
     if name == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1)
     if name == "zb-h1" and m >= p and times.w <= min(times.f, times.b):

@@ -280,7 +280,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster,
     bi = c.backward_input + c.recompute + comm_b
     w = c.backward_weight
     pipe = pipeline_estimate(lay.pp_schedule, lay.pp, lay.microbatches, lay.virtual_stages, f,
-                             bi, w, use_simulator)
+                             bi, w, use_simulator, workload.traits.pp_early_grad_sends)
     unit = f + bi + w
     pipelined = pipe.makespan_units * unit if lay.pp > 1 else lay.microbatches * unit
     bubble = (pipelined - lay.microbatches * unit) * _fill_drain_speedup(lay, cluster)

@@ -9,10 +9,15 @@ schedule                      bubble time (per rank)                            
 ============================  ====================================================  ==========
 gpipe                         (p-1)(f+b+w)                                          m
 1f1b                          (p-1)(f+b+w)  (Narayanan et al. 2021, 2.2)           p - rank
+1f1b, early gradient sends    (p-1)(f+b+w-min(w,f))  (exact for w <= f)             p - rank
 interleaved-1f1b (v chunks)   (p-1)(f+b+w)/v                                        see below
 zb-h1                         (p-1)(f+b-w)  (Qi et al. 2024, "Zero Bubble PP")      p - rank
 zb-v                          (p-1)(f+b-2w), at least 0                             p - rank
 ============================  ====================================================  ==========
+
+The second 1F1B line is meshtrain's runtime (``early_grad_sends``: the cool-down backwards of
+every rank but the first run as input gradient, send, weight gradient); a runtime whose trait
+``pp_early_grad_sends`` is off (the published stacks) gets the first.
 
 ``f``, ``b``, ``w`` are one micro-batch's forward, backward-for-inputs and backward-for-weights
 times on one stage (``b + w`` is the whole backward). The interleaved schedule keeps
@@ -84,29 +89,31 @@ def interleaved_peak_layers(pp: int, m: int, v: int, rank: int,
 
 
 def _closed_form_bubble_time(schedule: str, pp: int, v: int, f: float, b: float,
-                             w: float) -> float:
+                             w: float, early_grad_sends: bool) -> float:
     if schedule == "interleaved-1f1b":
         return (pp - 1) * (f + b + w) / max(v, 1)
     if schedule == "zb-h1":
         return (pp - 1) * max(f + b - w, 0.0)
     if schedule == "zb-v":
         return (pp - 1) * max(f + b - 2 * w, 0.0)
+    if schedule == "1f1b" and early_grad_sends:
+        return (pp - 1) * (f + b + w - min(w, f))
     return (pp - 1) * (f + b + w)
 
 
 @functools.lru_cache(maxsize=64)
-def _built(schedule: str, pp: int, m: int, v: int):
+def _built(schedule: str, pp: int, m: int, v: int, early_grad_sends: bool):
     """The runtime's schedule and its execution plan, built once per shape: a search prices
     the same schedule at many timings."""
     from meshtrain.parallel.pipeline import build_schedule
     from meshtrain.parallel.pipeline.simulator import execution_plan
 
-    sched = build_schedule(schedule, pp, m, v)
+    sched = build_schedule(schedule, pp, m, v, early_grad_sends)
     return sched, execution_plan(sched)
 
 
 def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
-              w: float) -> PipelineEstimate | None:
+              w: float, early_grad_sends: bool) -> PipelineEstimate | None:
     """The real schedule through the runtime's simulator, or ``None`` when unavailable."""
     if pp * m * max(v, 1) * 3 > SIMULATE_MAX_ACTIONS:
         return None
@@ -115,7 +122,7 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
     except ImportError:
         return None
     try:
-        sched, plan = _built(schedule, pp, m, v)
+        sched, plan = _built(schedule, pp, m, v, early_grad_sends)
         result = simulate(sched, times=StageTimes(f=f / v, b=b / v, w=w / v, comm=0.0),
                           plan=plan)
     except Exception:  # noqa: BLE001 - a schedule the runtime refuses falls back to the formula
@@ -127,19 +134,22 @@ def _simulate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
 
 
 def pipeline_estimate(schedule: str, pp: int, m: int, v: int, f: float, b: float,
-                      w: float, use_simulator: bool = True) -> PipelineEstimate:
+                      w: float, use_simulator: bool = True,
+                      early_grad_sends: bool = True) -> PipelineEstimate:
     """Bubble and peak in-flight activations of ``schedule`` with ``pp`` stages, ``m``
-    micro-batches and ``v`` virtual stages per rank (``f, b, w`` per stage, see module doc)."""
+    micro-batches and ``v`` virtual stages per rank (``f, b, w`` per stage, see module doc);
+    ``early_grad_sends``: 1F1B as meshtrain runs it (the runtime trait
+    ``pp_early_grad_sends``)."""
     v = v if schedule in ("interleaved-1f1b",) else (2 if schedule == "zb-v" else 1)
     unit = f + b + w
     if pp <= 1 or unit <= 0:
         return PipelineEstimate(0.0, float(m), [1.0] * max(pp, 1), "closed-form")
     if use_simulator:
-        simulated = _simulate(schedule, pp, m, v, f, b, w)
+        simulated = _simulate(schedule, pp, m, v, f, b, w, early_grad_sends)
         if simulated is not None:
             return simulated
     busy = m * unit
-    bubble = _closed_form_bubble_time(schedule, pp, v, f, b, w)
+    bubble = _closed_form_bubble_time(schedule, pp, v, f, b, w, early_grad_sends)
     return PipelineEstimate(bubble / (busy + bubble), (busy + bubble) / unit,
                             _closed_form_inflight(schedule, pp, m, v), "closed-form")
 

@@ -206,6 +206,12 @@ class RuntimeTraits:
     with another's backward): each of an MoE block's four all-to-alls runs beside one compute
     module of the other micro-batch (attention or experts, forward or backward) and only what
     outlasts that module is exposed (:func:`meshtrain.planner.cost.overlap.paired_exposed`)."""
+    pp_early_grad_sends: bool = True
+    """Under 1F1B every rank but the first runs the backwards its predecessor waits for in the
+    cool-down as input gradient, send, then weight gradient (meshtrain's
+    :mod:`meshtrain.parallel.pipeline.schedules`), which takes one weight-gradient pass off
+    each of the ``pp - 1`` hand-overs; False: the paper's whole backwards (Megatron-LM,
+    torchtitan's ``Schedule1F1B``)."""
     offload: bool = True
     """The runtime keeps a ZeRO shard in host memory or NVMe files as meshtrain does
     (``parallel.offload``, :mod:`meshtrain.planner.cost.offload`); the published stacks are
@@ -216,6 +222,7 @@ MESHTRAIN = RuntimeTraits()
 """meshtrain itself. No kernel-efficiency entries: there is no published meshtrain GPU run to fit
 on, so every GPU profile's own figures apply (and a calibrated profile's measured ones)."""
 MEGATRON_2021 = RuntimeTraits(flash_attention=False, overlap_dp=False, pp_scatter_gather=True,
+                              pp_early_grad_sends=False,
                               backward_transient_blocks=1.0, grad_reduce_bytes=4,
                               elementwise_traffic=3.0,
                               optimizer_bytes_per_param=30.0, zero_stages=(0,),
@@ -258,6 +265,7 @@ ZeRO-1 over data parallelism, reduced after the pipeline, not overlapped. Its A1
 fitted on MT-NLG's smallest run (:data:`meshtrain.planner.tables.stacks.MEGATRON_DEEPSPEED_A100`:
 lower than megatron-2021's for the same kernels, the engine's unpriced cost folded in)."""
 MEGATRON_CORE_2024 = RuntimeTraits(
+    pp_early_grad_sends=False,
     backward_transient_blocks=1.0,
     flash_attention=True, overlap_dp=True, zero_stages=(0, 1), context_parallel=True,
     pp_schedules=("1f1b", "interleaved-1f1b"), sequence_parallel=True,
@@ -296,6 +304,7 @@ same year, with that stack's H100 fit: nothing is fitted on Meta's runs, which s
 Its pipeline order is Megatron's (the paper's tunable number of consecutive micro-batches
 ``N`` priced at ``N = pp``, Megatron-Core's default)."""
 TORCHTITAN_2024 = RuntimeTraits(selective_policy="op", loss_bytes_per_logit=12.0,
+                                pp_early_grad_sends=False,
                                 backward_transient_blocks=1.0, loss_saved_bytes_per_logit=4.0,
                                 zero3_split_blocks=False,
                                 fp32_params=True, offload=False,
