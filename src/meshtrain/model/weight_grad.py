@@ -1,4 +1,5 @@
-"""Deferred weight gradients: the zero-bubble pipeline's real ``I``/``W`` split.
+"""Deferred weight gradients: the pipeline's real ``I``/``W`` split (zero-bubble schedules, 1F1B's
+early gradient sends).
 
 Linear layers (``nn.Linear`` through :func:`linear`, the tensor-parallel column/row/head-select
 layers, the MoE expert matmuls through :func:`grouped_expert_matmul`) use a custom autograd

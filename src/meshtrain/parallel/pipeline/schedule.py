@@ -128,7 +128,8 @@ class Schedule:
     @property
     def defers_weight_grads(self) -> bool:
         """Whether any rank runs a deferred weight-gradient pass (``W``: the zero-bubble
-        schedules); only then do the stages' matmuls need the deferrable backward."""
+        schedules, and 1F1B's early gradient sends); only then do the stages' matmuls need the
+        deferrable backward."""
         return any(a.kind is ActionKind.W for acts in self.actions for a in acts)
 
     def compute_actions(self, rank: int) -> list[Action]:

@@ -75,5 +75,5 @@ def split_model(model: nn.Module, stages_here: list[int], layers_per_stage: list
         model.norm = None
         model.output = None
     if defer_weight_grads:
-        make_deferrable(model)  # linear weight grads can wait for the W pass (zero-bubble)
+        make_deferrable(model)  # linear weight grads can wait for a W pass
     return {s: StageChunk(model, s, layers_per_stage[s], s == 0, s == last) for s in stages_here}

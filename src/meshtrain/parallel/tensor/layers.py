@@ -78,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _copy_bias(linear, slice(lo, lo + rows))
         if self.bias is not None:
             self.param_shardings["bias"] = tp_split(self.bias, (out_features,), 0, lo)
-        self.defer_weight_grads = False  # make_deferrable: a zero-bubble pipeline's W pass
+        self.defer_weight_grads = False  # make_deferrable: a pipeline's W pass
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[lo:lo + rows])
@@ -110,7 +110,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _copy_bias(linear)
         if self.bias is not None:
             self.param_shardings["bias"] = tp_replicated(partial_grad=sequence_parallel)
-        self.defer_weight_grads = False  # make_deferrable: a zero-bubble pipeline's W pass
+        self.defer_weight_grads = False  # make_deferrable: a pipeline's W pass
         if not linear.weight.is_meta:
             with torch.no_grad():
                 self.weight.copy_(linear.weight[:, lo:lo + cols])
