@@ -27,8 +27,9 @@ def measured_bubble(events, pp: int) -> float:
 
 
 def stage_times_from(events, num_stages: int) -> list[StageTimes]:
-    """Mean measured F / B-or-I / W duration of each stage (a full B counts as b + w with
-    w = the stage's mean W time where measured, else 0)."""
+    """Mean measured F / B-or-I / W duration of each stage: ``b`` is the mean over the stage's
+    ``I`` actions and its whole ``B`` actions less ``w`` (the stage's mean ``W``, 0 where none
+    ran), as a rank of 1F1B with early gradient sends runs both."""
     per: dict[tuple[int, ActionKind], list[float]] = {}
     for _, action, t0, t1 in events:
         per.setdefault((action.stage, action.kind), []).append(t1 - t0)
@@ -40,7 +41,8 @@ def stage_times_from(events, num_stages: int) -> list[StageTimes]:
     times = []
     for s in range(num_stages):
         w = mean(s, ActionKind.W)
-        b = mean(s, ActionKind.I) if (s, ActionKind.I) in per else mean(s, ActionKind.B) - w
+        backward = per.get((s, ActionKind.I), []) + [d - w for d in per.get((s, ActionKind.B), [])]
+        b = statistics.fmean(backward) if backward else 0.0
         times.append(StageTimes(f=mean(s, ActionKind.F), b=max(b, 0.0), w=w))
     return times
 

@@ -79,7 +79,7 @@ class PipelineExecutor:
         self._w_queues: dict[tuple[int, int], WeightGradQueue] = {}
         # (micro-batch, stage) pairs whose backward runs whole on a rank that also splits some:
         # their forwards need no deferrable matmuls
-        self._whole = set()
+        self._whole: set[tuple[int, int]] = set()
         if schedule.defers_weight_grads:
             self._whole = {(a.microbatch, a.stage) for a in schedule.actions[pp_rank]
                            if a.kind is ActionKind.B}
