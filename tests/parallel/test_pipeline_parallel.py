@@ -83,6 +83,45 @@ def test_measured_timeline_written(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
+def count_deferrable_forwards(config_dict: dict) -> dict:
+    """One training step; how many linear forwards went through the deferrable function, and
+    how many linear layers this rank's stage holds (in all, and inside its blocks)."""
+    import meshtrain.model.weight_grad as weight_grad
+    from meshtrain.config import config_from_dict
+    from meshtrain.run.worker import build_mesh
+    from meshtrain.training.trainer import Trainer
+
+    config = config_from_dict(config_dict)
+    trainer = Trainer(config, build_mesh(config))
+    calls = []
+    original = weight_grad._deferrable_linear
+    weight_grad._deferrable_linear = lambda *args: calls.append(1) or original(*args)
+    try:
+        trainer.train_step()
+    finally:
+        weight_grad._deferrable_linear = original
+    def linears(module):
+        return sum(isinstance(m, weight_grad.DeferrableLinear) for m in module.modules())
+
+    return {"calls": len(calls), "layers": linears(trainer.model),
+            "in_blocks": linears(trainer.model.layers)}
+
+
+def test_1f1b_runs_only_the_split_micro_batches_through_the_deferrable_layers():
+    """1F1B with early gradient sends at pp 2, 4 micro-batches: rank 1 splits only its last
+    backward, so one micro-batch's forward (and nothing else) takes the deferrable function;
+    rank 0 splits none. Under full checkpointing the recompute of the whole backwards stays
+    plain as their forwards were (else the recompute would save other tensors and fail)."""
+    for extra in ((), ("parallel.activation_checkpointing=full",)):
+        config = tiny_config("parallel.pp=2", "parallel.microbatches=4", "model.n_layers=4",
+                             *extra, nproc=2)
+        first, last = run_distributed(2, count_deferrable_forwards, config.to_dict())
+        assert first["calls"] == 0 and first["layers"] > 0
+        # checkpointing reruns the split micro-batch's blocks (not the head) in its I
+        recompute = last["in_blocks"] if extra else 0
+        assert last["calls"] == last["layers"] + recompute and last["in_blocks"] > 0
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["parallel.pp=2", "model.n_layers=1"], "fewer than the 2 pipeline stages"),
     (["parallel.pp=2", "parallel.pp_split=3,2"], "adding up to model.n_layers"),
