@@ -100,6 +100,7 @@ def count_deferrable_forwards(config_dict: dict) -> dict:
         trainer.train_step()
     finally:
         weight_grad._deferrable_linear = original
+
     def linears(module):
         return sum(isinstance(m, weight_grad.DeferrableLinear) for m in module.modules())
 

@@ -181,7 +181,7 @@ class PipelineExecutor:
             x = outputs[(mb, s - 1)].detach().requires_grad_()
             inputs[(mb, s)] = x
         layout = None if self.layout_fn is None else self.layout_fn(tokens.to(self.device))
-        with plain_matmuls() if (mb, s) in self._whole else contextlib.nullcontext():
+        with self._matmuls(mb, s):
             out = chunk(x, layout)
         aux = self.aux_loss_fn(chunk) if self.aux_loss_fn is not None else None
         if aux is not None:
@@ -194,6 +194,12 @@ class PipelineExecutor:
             self._aux[(mb, s)] = aux
         outputs[(mb, s)] = out
         return torch.zeros((), device=self.device)
+
+    def _matmuls(self, mb: int, s: int):
+        """The context for micro-batch ``mb``'s forward (and a whole backward's recompute) at
+        stage ``s``: plain linear layers where its backward runs whole on a rank that splits
+        others (:attr:`_whole`), else the deferrable ones."""
+        return plain_matmuls() if (mb, s) in self._whole else contextlib.nullcontext()
 
     def _grad_of_output(self, mb, s, grads_out, grads_in) -> torch.Tensor | None:
         if s == self.schedule.last_stage:
@@ -217,8 +223,7 @@ class PipelineExecutor:
         roots, grads = self._roots(mb, s, outputs, grads_out, grads_in)
         x = inputs.pop((mb, s), None)
         if full:
-            # plain here too where the forward was: activation checkpointing recomputes it now
-            with plain_matmuls() if (mb, s) in self._whole else contextlib.nullcontext():
+            with self._matmuls(mb, s):  # activation checkpointing recomputes the forward now
                 torch.autograd.backward(roots, grads)
         else:
             with deferring(self._w_queues.setdefault((mb, s), WeightGradQueue())):
