@@ -341,9 +341,10 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
             self._next_launch += 1
 
     def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
-        """Autograd normally accumulates in place into the bound view; if it swapped in a new
-        tensor (e.g. after a user set ``.grad``), fold it back into the flat buffer. With
-        separate (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
+        """Autograd accumulates in place into the bound view; the step's first gradient of a
+        parameter (``.grad`` dropped by :meth:`zero_grad`), or one a user set, is a new tensor:
+        copy it over the parameter's slice of the flat buffer and bind the slice. With separate
+        (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
         view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
         grad = slot.param.grad
         if self._separate_grads(bucket):
@@ -381,8 +382,19 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                 s.param.grad = None
         return buf
 
+    def _zero_missing_grads(self, b: FlatBucket) -> None:
+        """Zero (and bind) the slice of each parameter of ``b`` that got no gradient since
+        :meth:`zero_grad`: it still holds the previous step's sum."""
+        for s in b.slots:
+            if s.param.grad is None:
+                view = b.grad_buffer[s.offset:s.offset + s.numel]
+                view.zero_()
+                s.param.grad = view.view(s.shape)
+
     def _launch(self, b: FlatBucket) -> None:
         comm = self.comms[b.axis]
+        if self.stage < 2 and not self._separate_grads(b):
+            self._zero_missing_grads(b)
         if self.stage == 0:
             handle = comm.all_reduce(b.grad_buffer, async_op=True)
             post = lambda: None  # noqa: E731
@@ -464,12 +476,20 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                     comm.all_gather_into(b.param_buffer, b.shard(b.param_buffer).clone())
 
     def zero_grad(self) -> None:
-        """Reset gradient buffers for the next step."""
+        """Reset gradient buffers for the next step.
+
+        Stages 0-1 with gradients in the parameters' dtype write nothing: every ``.grad`` is
+        dropped, autograd hands over each parameter's first gradient of the next step, and
+        :meth:`_keep_grad_in_buffer` copies it over the parameter's slice of the buffer (one
+        pass, where zeroing the buffer and adding into it take two). A parameter that gets no
+        gradient is zeroed before its bucket's reduction (:meth:`_zero_missing_grads`)."""
         for b in self.buckets:
             if self.stage < 2:
-                b.grad_buffer.zero_()
-                if not self._separate_grads(b):
-                    b.bind_grads(b.grad_buffer)
+                if self._separate_grads(b):
+                    b.grad_buffer.zero_()
+                else:
+                    for slot in b.slots:
+                        slot.param.grad = None
             else:
                 self._zero_grad_shard(b)
                 for slot in b.slots:
