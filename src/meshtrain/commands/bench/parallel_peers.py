@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshtrain.commands.bench.peers import adamw, local_value, make_step, train_data
+from meshtrain.commands.bench.peers import (
+    adamw,
+    local_value,
+    make_step,
+    no_phase,
+    train_data,
+)
 from meshtrain.commands.bench.workers import load_bench_config, preload_tokens, timed_run
 from meshtrain.config import Config
 from meshtrain.training.lr_schedule import learning_rate
@@ -160,9 +166,17 @@ def pipeline_stage_model(config: Config, stage: int, num_stages: int) -> torch.n
 
 def pipelining_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     """The ``pp`` suite's peer: ``PipelineStage`` + ``Schedule1F1B``, one stage per rank."""
+    config, base = _start(config_dict)
+    step, _ = pipelining_step(config)
+    return _run(config, step, base, warmup, steps)
+
+
+def pipelining_step(config: Config, phase=no_phase):
+    """This rank's step of the ``pp`` peer and its ``PipelineStage`` (whose
+    ``forward_one_chunk`` / ``backward_one_chunk`` :mod:`.side_by_side` times). ``phase(name)``
+    is entered around the schedule, the clipping, the AdamW step and ``zero_grad``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    config, base = _start(config_dict)
     train = config.train
     rank, world = dist.get_rank(), dist.get_world_size()
     data = train_data(config)  # meshtrain's micro-batches; the schedule re-cuts their concatenation
@@ -186,21 +200,25 @@ def pipelining_worker(config_dict: dict, warmup: int, steps: int) -> dict:
         inputs = torch.cat([x for x, _ in micro])
         targets = torch.cat([t for _, t in micro])
         losses: list[torch.Tensor] = []
-        if first:
-            schedule.step(inputs, return_outputs=False)
-        elif last:
-            schedule.step(target=targets, losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        with phase("schedule"):
+            if first:
+                schedule.step(inputs, return_outputs=False)
+            elif last:
+                schedule.step(target=targets, losses=losses, return_outputs=False)
+            else:
+                schedule.step(return_outputs=False)
         if train.grad_clip > 0:
-            clip_global_norm(params, train.grad_clip, sum_over_world=True)
+            with phase("clipping"):
+                clip_global_norm(params, train.grad_clip, sum_over_world=True)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(index, train)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("AdamW"):
+            optimizer.step()
+        with phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
         total = torch.stack([loss.detach() for loss in losses]).sum() if losses \
             else torch.zeros(())
         dist.all_reduce(total)  # the loss lives on the last stage
         return float(total)
 
-    return _run(config, step, base, warmup, steps)
+    return step, stage

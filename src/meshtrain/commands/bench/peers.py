@@ -123,9 +123,14 @@ def default_clip(model: torch.nn.Module, max_norm: float) -> None:
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
 
 
+def no_phase(name: str) -> contextlib.AbstractContextManager:
+    """The ``phase`` of an untimed step: enters nothing."""
+    return contextlib.nullcontext()
+
+
 def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_scale: int = 1,
               clip=default_clip, loss_context=contextlib.nullcontext,
-              device: torch.device | None = None):
+              device: torch.device | None = None, phase=no_phase):
     """A plain training step over ``data``'s micro-batches: forward, loss, backward, clip, AdamW.
 
     ``logits_of(model, inputs)`` returns the logits; each micro-batch's summed loss is divided by
@@ -136,7 +141,9 @@ def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_
     micro-batches go (the model's device; default: where the data is). With
     ``train.precision = "bf16"`` the forward runs under ``torch.autocast`` to bf16 (weights,
     gradients and Adam state stay fp32), as a PyTorch or Hugging Face user's mixed precision
-    does; the loss is taken in fp32.
+    does; the loss is taken in fp32. ``phase(name)`` is entered around each part of the step
+    (``forward``, ``backward``, ``clipping``, ``AdamW``, ``zero_grad``):
+    :mod:`meshtrain.commands.bench.side_by_side` times them; by default it does nothing.
     """
     optimizer = adamw(model, train)
     autocast = train.precision == "bf16"
@@ -147,20 +154,25 @@ def make_step(model: torch.nn.Module, logits_of, data, train: TrainConfig, loss_
         tokens = sum(targets.numel() for _, targets in microbatches)
         total = torch.zeros((), device=device)
         for inputs, targets in microbatches:
-            with (torch.autocast(inputs.device.type, dtype=torch.bfloat16) if autocast
-                  else contextlib.nullcontext()):
+            with phase("forward"), (torch.autocast(inputs.device.type, dtype=torch.bfloat16)
+                                    if autocast else contextlib.nullcontext()):
                 logits = logits_of(model, inputs)
             with loss_context():
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                       reduction="sum") / tokens
-                loss.backward()
+                with phase("forward"):  # the loss: the forward's last part
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                           reduction="sum") / tokens
+                with phase("backward"):
+                    loss.backward()
             total += local_value(loss.detach())
         if train.grad_clip > 0:
-            clip(model, train.grad_clip)
+            with phase("clipping"):
+                clip(model, train.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(index, train)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("AdamW"):
+            optimizer.step()
+        with phase("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
         if loss_scale > 1:  # report the global mean loss, as meshtrain does
             torch.distributed.all_reduce(total)
             total /= loss_scale
@@ -209,12 +221,12 @@ def ddp_worker(config_dict: dict, warmup: int, steps: int) -> dict:
     """The ``dp`` suite's peer: ``DistributedDataParallel`` around the meshtrain model, with
     ``gradient_as_bucket_view=True`` (PyTorch's advice for speed and memory: gradients are views
     into the reduction buckets, not copied into them)."""
-    from meshtrain.model import build_model
+    return _ddp_run(config_dict, warmup, steps, meshtrain_model, model_logits)
 
-    def build(config):
-        return build_model(config.model, seed=config.train.seed)
 
-    return _ddp_run(config_dict, warmup, steps, build, lambda mod, inputs: mod(inputs))
+def model_logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The logits of meshtrain's model (or a wrapper around it) for ``inputs``."""
+    return model(inputs)
 
 
 def ddp_hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
@@ -227,18 +239,31 @@ def ddp_hf_llama_worker(config_dict: dict, warmup: int, steps: int) -> dict:
 
 
 def _ddp_run(config_dict: dict, warmup: int, steps: int, build, logits_of) -> dict:
-    """One rank of DDP (``gradient_as_bucket_view``, the suite's bucket size) around
-    ``build(config)``, trained in the plain loop of :func:`make_step`."""
+    """One rank of DDP around ``build(config)`` (:func:`ddp_step`), timed."""
+    config = load_bench_config(config_dict)
+    preload_tokens(config)
+    base = peak_memory_bytes(torch.device("cpu"))
+    step = ddp_step(config, build, logits_of)
+    tokens = config.train.global_batch * config.train.seq_len
+    return timed_run(step, warmup, steps, tokens, base)
+
+
+def ddp_step(config: Config, build, logits_of, phase=no_phase):
+    """This rank's step of DDP (``gradient_as_bucket_view``, the suite's bucket size) around
+    ``build(config)``, trained in the plain loop of :func:`make_step` (``phase``: see there)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    config = load_bench_config(config_dict)
     rank, world = dist.get_rank(), dist.get_world_size()
-    preload_tokens(config)
     data = train_data(config, rank, world)
-    base = peak_memory_bytes(torch.device("cpu"))
     model = DistributedDataParallel(build(config), bucket_cap_mb=config.parallel.dp_bucket_mb,
                                     gradient_as_bucket_view=True)
-    step = make_step(model, logits_of, data, config.train, loss_scale=world)
-    tokens = config.train.global_batch * config.train.seq_len
-    return timed_run(step, warmup, steps, tokens, base)
+    return make_step(model, logits_of, data, config.train, loss_scale=world, phase=phase)
+
+
+def meshtrain_model(config: Config) -> torch.nn.Module:
+    """meshtrain's model of the bench shape with its name-seeded initial weights (what the DDP
+    peer of the ``dp`` suite trains)."""
+    from meshtrain.model import build_model
+
+    return build_model(config.model, seed=config.train.seed)
