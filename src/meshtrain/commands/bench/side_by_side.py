@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import time
@@ -105,7 +106,7 @@ class PhaseClock:
         record = dict(self._current)
         record["step"] = time.perf_counter() - start
         record["cpu"] = time.process_time() - cpu
-        record["rest"] = record["step"] - sum(v for k, v in self._current.items())
+        record["rest"] = record["step"] - sum(self._current.values())
         self.steps.append(record)
 
     def summary(self) -> dict:
@@ -177,13 +178,8 @@ def side_by_side_worker(suite: str, config_dict: dict, warmup: int, rounds: int)
         theirs.wrap(stage, "forward_one_chunk", "F", action=True)
         theirs.wrap(stage, "backward_one_chunk", "B", action=True)
     _time_meshtrain(trainer, ours)
-    count = {"peer": 0}
-
-    def peer_step() -> None:
-        peer(count["peer"])
-        count["peer"] += 1
-
-    sides = {"meshtrain": (ours, trainer.train_step), "peer": (theirs, peer_step)}
+    index = itertools.count()  # the peer's step number (its learning-rate schedule)
+    sides = {"meshtrain": (ours, trainer.train_step), "peer": (theirs, lambda: peer(next(index)))}
     try:
         for _ in range(warmup):
             for clock, step in sides.values():

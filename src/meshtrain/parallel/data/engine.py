@@ -50,6 +50,7 @@ import torch
 
 from meshtrain.parallel.data.buckets import FlatBucket, bucket_by_size_and_axis
 from meshtrain.parallel.data.grad_accounting import GradientAccounting
+from meshtrain.parallel.data.grad_buffers import GradientBuffers
 from meshtrain.parallel.data.mapped import (
     MappedBuffer,
     mapped_buffers_supported,
@@ -73,7 +74,7 @@ class OptimizerShard:
     bucket: FlatBucket
 
 
-class DataParallelEngine(GradientAccounting, ShardStorage):
+class DataParallelEngine(GradientBuffers, GradientAccounting, ShardStorage):
     """Owns the flat buffers of every bucket, the gradient hooks and the ZeRO bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, mesh, stage: int, bucket_bytes: int,
@@ -205,11 +206,6 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
             if self.gatherer is not None:
                 self.gatherer.shards_may_have_changed = True
 
-    def _separate_grads(self, b: FlatBucket) -> bool:
-        """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
-        (fp32 main gradients of bf16 parameters): autograd's ``.grad`` cannot be a view of it."""
-        return self.grad_dtype != b.dtype
-
     @torch.no_grad()
     def _init_bucket(self, b: FlatBucket) -> None:
         b.mapped = None
@@ -340,20 +336,6 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
             self._launch(self.buckets[order[self._next_launch]])
             self._next_launch += 1
 
-    def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
-        """Autograd accumulates in place into the bound view; the step's first gradient of a
-        parameter (``.grad`` dropped by :meth:`zero_grad`), or one a user set, is a new tensor:
-        copy it over the parameter's slice of the flat buffer and bind the slice. With separate
-        (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
-        view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
-        grad = slot.param.grad
-        if self._separate_grads(bucket):
-            view.add_(grad.reshape(-1))
-            slot.param.grad = None
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad.reshape(-1))
-            slot.param.grad = view.view(slot.shape)
-
     def stage_gradients(self, b: FlatBucket) -> None:
         """Before bucket ``b``'s backward (ZeRO-3: when its block is re-gathered): bind its
         parameters' ``.grad`` to a zeroed staging buffer, so autograd accumulates in place there
@@ -381,15 +363,6 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                 view.add_(s.param.grad.reshape(-1))
                 s.param.grad = None
         return buf
-
-    def _zero_missing_grads(self, b: FlatBucket) -> None:
-        """Zero (and bind) the slice of each parameter of ``b`` that got no gradient since
-        :meth:`zero_grad`: it still holds the previous step's sum."""
-        for s in b.slots:
-            if s.param.grad is None:
-                view = b.grad_buffer[s.offset:s.offset + s.numel]
-                view.zero_()
-                s.param.grad = view.view(s.shape)
 
     def _launch(self, b: FlatBucket) -> None:
         comm = self.comms[b.axis]
@@ -474,36 +447,6 @@ class DataParallelEngine(GradientAccounting, ShardStorage):
                     comm.all_gather_in_place(b.param_buffer)
                 else:
                     comm.all_gather_into(b.param_buffer, b.shard(b.param_buffer).clone())
-
-    def zero_grad(self) -> None:
-        """Reset gradient buffers for the next step.
-
-        Stages 0-1 with gradients in the parameters' dtype write nothing: every ``.grad`` is
-        dropped, autograd hands over each parameter's first gradient of the next step, and
-        :meth:`_keep_grad_in_buffer` copies it over the parameter's slice of the buffer (one
-        pass, where zeroing the buffer and adding into it take two). A parameter that gets no
-        gradient is zeroed before its bucket's reduction (:meth:`_zero_missing_grads`)."""
-        for b in self.buckets:
-            if self.stage < 2:
-                if self._separate_grads(b):
-                    b.grad_buffer.zero_()
-                else:
-                    for slot in b.slots:
-                        slot.param.grad = None
-            else:
-                self._zero_grad_shard(b)
-                for slot in b.slots:
-                    slot.param.grad = None
-        self._accumulated.clear()
-
-    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """``param``'s accumulated gradient on this rank, shaped like it, in ``grad_dtype``
-        (stages 0-1, which hold full gradients: a view of the gradient buffer)."""
-        if self.stage >= 2:
-            raise ValueError(f"ZeRO stage {self.stage} holds only gradient shards")
-        slot = self._slot_of[id(param)]
-        view = self._bucket_of[id(param)].grad_buffer[slot.offset:slot.offset + slot.numel]
-        return view.view(slot.shape)
 
     # ------------------------------------------------------------------ reporting
     def memory(self) -> dict[str, int]:

@@ -1,0 +1,77 @@
+"""Where a data-parallel rank's gradients live between and across steps.
+
+:class:`GradientBuffers` is the part of
+:class:`~meshtrain.parallel.data.engine.DataParallelEngine` that keeps each parameter's
+gradient in its bucket's flat buffer at ZeRO 0-1 and resets the buffers for the next step.
+
+At ZeRO 0-1 a parameter's ``.grad`` is a view of its slice of the bucket's gradient buffer,
+which autograd accumulates into in place. :meth:`GradientBuffers.zero_grad` does not clear the
+buffers: it drops every ``.grad``, autograd hands over each parameter's first gradient of the
+next step as a new tensor, and :meth:`GradientBuffers._keep_grad_in_buffer` copies it over the
+slice and binds the slice again (one pass over the gradients, where zeroing the buffer and
+adding into it take two). A parameter that gets no gradient in a step still has the previous
+step's sum in its slice; :meth:`GradientBuffers._zero_missing_grads` zeroes it before the
+bucket is reduced. Gradients kept in another dtype than the parameters (fp32 main gradients of
+bf16 parameters) cannot be views: they are added into a zeroed buffer and ``.grad`` dropped.
+ZeRO 2-3 hold only gradient shards (:class:`~.shard_storage.ShardStorage`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtrain.parallel.data.buckets import FlatBucket
+
+
+class GradientBuffers:
+    """Gradient buffers of the engine's buckets (a mixin of the engine: it reads ``stage``,
+    ``grad_dtype``, ``buckets`` and the parameter-to-slot maps)."""
+
+    def _separate_grads(self, b: FlatBucket) -> bool:
+        """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
+        (fp32 main gradients of bf16 parameters): autograd's ``.grad`` cannot be a view of it."""
+        return self.grad_dtype != b.dtype
+
+    def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
+        """Autograd accumulates in place into the bound view; the step's first gradient of a
+        parameter (``.grad`` dropped by :meth:`zero_grad`), or one a user set, is a new tensor:
+        copy it over the parameter's slice of the flat buffer and bind the slice. With separate
+        (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
+        view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
+        grad = slot.param.grad
+        if self._separate_grads(bucket):
+            view.add_(grad.reshape(-1))
+            slot.param.grad = None
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad.reshape(-1))
+            slot.param.grad = view.view(slot.shape)
+
+    def _zero_missing_grads(self, b: FlatBucket) -> None:
+        """Zero (and bind) the slice of each parameter of ``b`` that got no gradient since
+        :meth:`zero_grad`: it still holds the previous step's sum."""
+        for s in b.slots:
+            if s.param.grad is None:
+                view = b.grad_buffer[s.offset:s.offset + s.numel]
+                view.zero_()
+                s.param.grad = view.view(s.shape)
+
+    def zero_grad(self) -> None:
+        """Reset the gradients for the next step: drop every ``.grad``; zero only what is added
+        into (separate-dtype buffers at ZeRO 0-1, the gradient shards at ZeRO 2-3)."""
+        for b in self.buckets:
+            if self.stage >= 2:
+                self._zero_grad_shard(b)
+            elif self._separate_grads(b):
+                b.grad_buffer.zero_()
+            for slot in b.slots:
+                slot.param.grad = None
+        self._accumulated.clear()
+
+    def gradient_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s accumulated gradient on this rank, shaped like it, in ``grad_dtype``
+        (stages 0-1, which hold full gradients: a view of the gradient buffer)."""
+        if self.stage >= 2:
+            raise ValueError(f"ZeRO stage {self.stage} holds only gradient shards")
+        slot = self._slot_of[id(param)]
+        view = self._bucket_of[id(param)].grad_buffer[slot.offset:slot.offset + slot.numel]
+        return view.view(slot.shape)
