@@ -3,7 +3,10 @@
 gloo matches messages by tag and buffers sends; NCCL matches them per pair of ranks in issue
 order and may hold a send until its receive is posted. Here tags are stripped by patching
 ``torch.distributed`` itself (not through meshtrain's switch), and the suite's default
-``MESHTRAIN_P2P_SEMANTICS=nccl-rendezvous`` makes sends wait for their receives. Parity is
+``MESHTRAIN_P2P_SEMANTICS=nccl-rendezvous`` makes sends wait for their receives. Pipelines on one
+host move their messages through shared memory by default
+(:mod:`meshtrain.parallel.pipeline.shared_memory_p2p`), which matches them per pair in order as
+NCCL does; the rendezvous emulation applies there too. Parity is
 meshtrain.commands.verify's fp32 tolerance (2e-4 on the loss, 1e-3 relative on the gradient norm).
 """
 
@@ -116,9 +119,12 @@ def _cases(pp: int, *extra: str, nproc: int | None = None):
             for name, v in SCHEDULES]
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "gloo"])
 @pytest.mark.parametrize("pp", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: make bench
-def test_every_schedule_matches_one_process_without_tags(pp):
-    cases = _cases(pp)
+def test_every_schedule_matches_one_process_without_tags(pp, shared):
+    # shared memory (the default on one host) matches each pair's messages in order, as NCCL
+    # does; gloo does with its tags stripped
+    cases = _cases(pp, f"parallel.pp_shared_memory={str(shared).lower()}")
     results = run_distributed(pp, train_untagged, [c.to_dict() for c in cases], STEPS,
                               "nccl-rendezvous", timeout=900)[0]
     _assert_match(cases, results)
@@ -130,7 +136,9 @@ def test_gloo_only_placement_of_zb_v_swaps_messages_under_nccl_order():
     expects GRAD0 (same shape) and trains a different model."""
     from meshtrain.commands.verify import reference_config, run_layout
 
-    (case,) = [c for c in _cases(2, "train.lr=3e-2") if c.parallel.pp_schedule == "zb-v"]
+    # gloo's own transport: its tags are what this test is about (shared memory matches in order)
+    (case,) = [c for c in _cases(2, "train.lr=3e-2", "parallel.pp_shared_memory=false")
+               if c.parallel.pp_schedule == "zb-v"]
     reference = [r["loss"] for r in run_layout(reference_config(case), 1, STEPS)]
     tagged = run_distributed(2, train_gloo_only_placement, [case.to_dict()], STEPS, "tagged",
                              timeout=600)[0][0]

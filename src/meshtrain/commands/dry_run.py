@@ -79,6 +79,7 @@ def build_rank(config: Config, world: int, rank: int) -> DryRank:
 
     config.train.timeline_step = 0  # writes no file
     config.parallel.dp_shared_memory = False  # shared memory needs real peers and real storage
+    config.parallel.pp_shared_memory = False
     config.train.compile = False  # torch.compile changes no buffer
     mesh = build_mesh(config, dry_run=(rank, world))
     trainer = Trainer(config, mesh, with_data=False)  # model state only: no data is read

@@ -54,6 +54,11 @@ class ParallelConfig(Layout):
     """Reduce data-parallel gradients (fp32 on CPU, ZeRO stages 0-1) through shared memory
     instead of gloo's loopback TCP when every rank of the group runs on this host; false = always
     the process group's own collectives. See :mod:`meshtrain.parallel.shared_memory`."""
+    pp_shared_memory: bool = True
+    """Move pipeline activations and gradients between stages (CPU tensors) through shared
+    memory instead of gloo's loopback TCP when every rank of the pipeline group runs on this
+    host; false = always the process group's point-to-point calls. See
+    :mod:`meshtrain.parallel.pipeline.shared_memory_p2p`."""
     grad_reduce_dtype: str = "fp32"
     """dtype gradients are accumulated over micro-batches and reduced over data-parallel ranks
     in: ``fp32`` (default: with bf16 parameters a separate fp32 gradient buffer, as Megatron's

@@ -242,6 +242,9 @@ class CountedComm:
         self.shared_memory = None
         """A :class:`~meshtrain.parallel.shared_memory.SharedMemoryReducer` attached by
         :meth:`~meshtrain.parallel.shared_memory.SharedMemoryReducer.connect`, or None."""
+        self.shared_p2p = None
+        """A :class:`~meshtrain.parallel.pipeline.shared_memory_p2p.SharedMemoryP2P` attached by
+        its ``connect``, or None: :meth:`exchange` then moves CPU tensors through it."""
 
     @property
     def active(self) -> bool:
@@ -452,7 +455,8 @@ class CountedComm:
         them as one group, so two neighbours' sends and receives complete together).
 
         Each op is ``("send" | "recv", tensor, axis rank of the peer, tag)``; returns one work
-        handle per op, in order. Counted as sends and receives of the axis.
+        handle per op, in order. Counted as sends and receives of the axis. With a
+        :attr:`shared_p2p` transport attached, CPU tensors go through shared memory instead.
         """
         p2p = []
         for op, tensor, peer, tag in ops:
@@ -462,5 +466,10 @@ class CountedComm:
             entry.done = None
             p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
                                   group=self.group, tag=tag))
-        return ([_TimedWork(work, self.log, self.axis) for work in dist.batch_isend_irecv(p2p)]
-                if p2p else [])
+        if not p2p:
+            return []
+        if self.shared_p2p is not None and all(t.device.type == "cpu" for _, t, _, _ in ops):
+            works = self.shared_p2p.post(list(ops))
+        else:
+            works = dist.batch_isend_irecv(p2p)
+        return [_TimedWork(work, self.log, self.axis) for work in works]

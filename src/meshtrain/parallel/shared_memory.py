@@ -89,14 +89,15 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _peer_path(pid: int, fd: int) -> str:
+def peer_path(pid: int, fd: int) -> str:
+    """Where another process's open descriptor ``fd`` can be opened from this one."""
     return f"/proc/{pid}/fd/{fd}"
 
 
 def _read_token(pid: int, fd: int) -> bytes | None:
     """The first bytes of another process's memfd, or None when it cannot be opened here."""
     try:
-        peer = os.open(_peer_path(pid, fd), os.O_RDONLY)
+        peer = os.open(peer_path(pid, fd), os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -105,7 +106,8 @@ def _read_token(pid: int, fd: int) -> bytes | None:
         os.close(peer)
 
 
-def _close_all(fds: list[int]) -> None:
+def close_all(fds: list[int]) -> None:
+    """Close every descriptor of ``fds``, ignoring those already closed."""
     for fd in fds:
         try:
             os.close(fd)
@@ -124,7 +126,7 @@ class PipeBarrier:
         self._arrived = [0] * len(global_ranks)
         self._count = 0
         self._partial = b""
-        self.close = weakref.finalize(self, _close_all, [read_fd, *to_peer.values()])
+        self.close = weakref.finalize(self, close_all, [read_fd, *to_peer.values()])
         """Close this rank's pipe ends now (they close with the object otherwise); the other
         ranks' next barrier then fails as if this process had exited."""
 
@@ -172,9 +174,14 @@ class PipeBarrier:
                 f"{ranks} (the process exited){f': {error}' if error else ''}")
 
 
-def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
-    """Probe whether every rank of ``comm`` can map this rank's memory and, if so, open the
-    barrier pipes between them (collective; every rank gets the same verdict)."""
+def open_host_pipes(comm) -> tuple[int, dict[int, int], int, list[int]] | None:
+    """Probe whether every rank of ``comm`` can map this rank's memory and, if so, open one pipe
+    per rank that every other rank writes into (collective; every rank gets the same verdict).
+
+    Returns ``(read_fd, to_peer, rank, global_ranks)``: this rank's read end, a write end into
+    each other rank's pipe by its axis rank, this rank's axis rank and every axis rank's global
+    rank; the caller owns the descriptors. None when the group cannot share memory (across
+    hosts, separate PID namespaces, ``/proc`` restricted, no ``memfd``)."""
     token = secrets.token_bytes(_TOKEN_BYTES)
     own: list[int] = []
     opened: list[int] = []
@@ -199,7 +206,7 @@ def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
             try:
                 for k, (pid, _, _, peer_read) in enumerate(peers):
                     if k != rank:
-                        to_peer[k] = os.open(_peer_path(pid, peer_read), os.O_WRONLY)
+                        to_peer[k] = os.open(peer_path(pid, peer_read), os.O_WRONLY)
                         opened.append(to_peer[k])
             except OSError:
                 ok = False
@@ -207,12 +214,20 @@ def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
         if not ok:
             return None
         global_ranks = [dist.get_global_rank(comm.group, k) for k in range(comm.size)]
-        barrier = PipeBarrier(read_fd, to_peer, rank, global_ranks, comm.axis, timeout_s)
         own.remove(read_fd)
-        opened.clear()  # the barrier owns them now
-        return barrier
+        opened.clear()  # the caller owns them now
+        return read_fd, to_peer, rank, global_ranks
     finally:
-        _close_all(own + opened)
+        close_all(own + opened)
+
+
+def _connect_channels(comm, timeout_s: float) -> PipeBarrier | None:
+    """The group's :class:`PipeBarrier` (:func:`open_host_pipes`), or None."""
+    pipes = open_host_pipes(comm)
+    if pipes is None:
+        return None
+    read_fd, to_peer, rank, global_ranks = pipes
+    return PipeBarrier(read_fd, to_peer, rank, global_ranks, comm.axis, timeout_s)
 
 
 class SharedWork:
@@ -283,7 +298,7 @@ class SharedMemoryReducer:
         try:
             os.ftruncate(fd, nbytes)
             peers = comm.all_gather_json([os.getpid(), fd])
-            views = [torch.from_file(_peer_path(pid, peer_fd), shared=True, size=numel,
+            views = [torch.from_file(peer_path(pid, peer_fd), shared=True, size=numel,
                                      dtype=dtype) for pid, peer_fd in peers]
             self.barrier.wait()  # every rank mapped every buffer: the fds may close
         finally:

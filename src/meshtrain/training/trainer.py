@@ -42,6 +42,8 @@ from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_sum
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
+from meshtrain.parallel.pipeline.shared_memory_p2p import SharedMemoryP2P
+from meshtrain.parallel.shared_memory import DEFAULT_TIMEOUT_S
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.replan.layout_change import take_change
 from meshtrain.replan.monitor import ReplanMonitor
@@ -157,7 +159,10 @@ class Trainer:
         readers = batch_readers(self.mesh.dp, self.mesh.replicas)
         micro = train.global_batch // (readers * par.microbatches)
         seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
-        executor = PipelineExecutor(schedule, chunks, self.mesh.comm("pp"), self.mesh.pp_rank,
+        pp_comm = self.mesh.comm("pp")
+        if par.pp_shared_memory and self.device.type == "cpu" and pp_comm.shared_p2p is None:
+            SharedMemoryP2P.connect(pp_comm, self.mesh.timeout_s or DEFAULT_TIMEOUT_S)
+        executor = PipelineExecutor(schedule, chunks, pp_comm, self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)
         executor.aux_loss_fn = self._stage_aux_loss
         executor.layout_fn = self.document_layout_fn
