@@ -110,14 +110,18 @@ def test_a_message_that_does_not_match_its_receive_names_both():
     assert size == "pipeline message #1 from rank 0 is 16 bytes; this rank's receive expects 20"
 
 
-def silent_sender(exits: bool) -> str:
+def silent_sender(how: str) -> str:
     comm = _pp_comm()
     transport = SharedMemoryP2P.connect(comm, timeout_s=2)
-    if dist.get_rank() == 1:  # never sends; rank 0 must not hang
-        if exits:
-            transport.close()  # what the kernel does to the pipes of a process that exits
-        time.sleep(0.5 if exits else 3)
-        return "silent"
+    if dist.get_rank() == 1:  # never sends, or sends and exits at once; rank 0 must not hang
+        if how == "sent then exited":
+            comm.exchange([("send", torch.ones(3), 0, 0)])
+        if how != "silent":
+            transport.close()  # what the kernel does to the pipes and memory of an exited process
+        time.sleep(3 if how == "silent" else 0.5)
+        return "done"
+    if how == "sent then exited":
+        time.sleep(0.3)
     (work,) = comm.exchange([("recv", torch.empty(3), 1, 0)])
     start = time.monotonic()
     try:
@@ -127,13 +131,17 @@ def silent_sender(exits: bool) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("exits", [False, True])
-def test_a_receive_from_a_silent_or_dead_rank_fails_naming_it(exits):
-    outcome = run_distributed(2, silent_sender, exits)[0]
+@pytest.mark.parametrize("how", ["silent", "exited", "sent then exited"])
+def test_a_receive_from_a_silent_or_dead_rank_fails_naming_it(how):
+    outcome = run_distributed(2, silent_sender, how)[0]
     seconds, message = outcome.split(" s: ", 1)
-    if exits:  # noticed at once, without waiting for the timeout
+    if how == "exited":  # noticed at once, without waiting for the timeout
         assert message == ("pipeline message #1 from rank 1: connection closed (the process "
                            "exited)") and float(seconds) < 1.5, outcome
+    elif how == "sent then exited":
+        assert message.startswith("pipeline message #1 from rank 1: the sender's buffer is gone "
+                                  "(the process exited)"), outcome
+        assert float(seconds) < 1.5, outcome
     else:
         assert message == ("pipeline message #1 from rank 1 did not arrive within 2 s "
                            "(train.collective_timeout_s)")

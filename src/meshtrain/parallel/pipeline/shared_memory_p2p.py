@@ -147,7 +147,7 @@ class _Link:
                                                                                        offset)
                 if kind == _DATA:
                     self.inbox[(sender, seq)] = (tag, pid, fd, capacity, nbytes)
-                else:  # _RELEASE of this rank's slot ``fd``
+                elif fd in self.slots:  # _RELEASE of this rank's slot ``fd``
                     self.slots[fd].busy = False
             block = False  # then take whatever else is already there
 
@@ -198,8 +198,12 @@ class _Link:
             raise P2PTransferError(f"{what} is {nbytes} bytes; this rank's receive expects {want}")
         source = self.mapped.get((pid, fd))
         if source is None:
-            source = torch.from_file(peer_path(pid, fd), shared=True, size=capacity,
-                                     dtype=torch.uint8)
+            try:
+                source = torch.from_file(peer_path(pid, fd), shared=True, size=capacity,
+                                         dtype=torch.uint8)
+            except RuntimeError as error:  # its slot went with the process
+                raise P2PTransferError(f"{what}: the sender's buffer is gone (the process "
+                                       f"exited): {error}") from None
             self.mapped[(pid, fd)] = source
         _as_bytes(handle.buf).copy_(source[:nbytes])
         try:  # the message is in; a sender that has closed its end needs no release
