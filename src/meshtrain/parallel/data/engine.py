@@ -159,9 +159,8 @@ class DataParallelEngine(GradientBuffers, GradientAccounting, ShardStorage):
         self._syncing = True
         self._streaming = False
         self._fresh: list[set[int]] = [set() for _ in self.buckets]
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._grad_hooks: list | None = None
+        self.register_grad_hooks()
         self._norm_runs = [self._runs(b, self._counts_in_norm) for b in self.buckets]
         self._partial_runs = [self._runs(b, self._has_partial_grad) for b in self.buckets]
         self._tied_buckets = [b.index for b in self.buckets
@@ -263,6 +262,7 @@ class DataParallelEngine(GradientBuffers, GradientAccounting, ShardStorage):
     # ------------------------------------------------------------------ gradient sync
     def start_microbatch(self, is_last: bool) -> None:
         """Call before each micro-batch's forward; ``is_last`` on the step's final one."""
+        self.register_grad_hooks()
         self._syncing = is_last or self.stage >= 2
         self._ready_count = [0] * len(self.buckets)
         self._next_launch = 0
@@ -281,6 +281,8 @@ class DataParallelEngine(GradientBuffers, GradientAccounting, ShardStorage):
         self._fresh = [set() for _ in self.buckets]
         if self.gatherer is not None:
             self.gatherer.begin_pipelined_step()
+        if self.accumulate_without_hooks and self.bind_zeroed_grads():
+            self.remove_grad_hooks()
 
     def sync_all(self) -> None:
         """Reduce every bucket now (in order) and wait; when streaming (stages 2-3 under a

@@ -14,6 +14,11 @@ step's sum in its slice; :meth:`GradientBuffers._zero_missing_grads` zeroes it b
 bucket is reduced. Gradients kept in another dtype than the parameters (fp32 main gradients of
 bf16 parameters) cannot be views: they are added into a zeroed buffer and ``.grad`` dropped.
 ZeRO 2-3 hold only gradient shards (:class:`~.shard_storage.ShardStorage`).
+
+A pipeline's step runs several micro-batches' backward passes (and deferred weight gradients)
+and reduces once at its end, so at ZeRO 0-1 it needs no per-parameter work during backward:
+:meth:`GradientBuffers.bind_zeroed_grads` zeroes the buffers and binds every ``.grad`` before
+the step, and the engine removes its hooks until a step that is not pipelined.
 """
 
 from __future__ import annotations
@@ -25,7 +30,42 @@ from meshtrain.parallel.data.buckets import FlatBucket
 
 class GradientBuffers:
     """Gradient buffers of the engine's buckets (a mixin of the engine: it reads ``stage``,
-    ``grad_dtype``, ``buckets`` and the parameter-to-slot maps)."""
+    ``grad_dtype``, ``buckets`` and the parameter-to-slot maps, and registers its
+    ``_on_grad_ready`` as every parameter's post-accumulate hook)."""
+
+    accumulate_without_hooks = True
+    """Pipelined steps at ZeRO 0-1 (:meth:`bind_zeroed_grads`) run their backward passes with no
+    per-parameter hook: the hooks' Python, called between large kernels, cost ~20 us a call, ~1 ms
+    of a pipeline stage's step at the bench shape (docs/performance.md)."""
+
+    def register_grad_hooks(self) -> None:
+        """Make ``_on_grad_ready`` every parameter's post-accumulate hook (again, after
+        :meth:`remove_grad_hooks`)."""
+        if self._grad_hooks is None:
+            self._grad_hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                                for b in self.buckets for slot in b.slots]
+
+    def remove_grad_hooks(self) -> None:
+        """Drop the hooks until :meth:`register_grad_hooks` (the next step that is not
+        pipelined calls it)."""
+        for handle in self._grad_hooks or ():
+            handle.remove()
+        self._grad_hooks = None
+
+    def bind_zeroed_grads(self) -> bool:
+        """Before a pipelined step at ZeRO 0-1 with gradients in the parameters' dtype: zero each
+        gradient buffer and bind every ``.grad`` to its slice, so that autograd adds every
+        micro-batch's gradient (and every deferred ``W``) in place. Returns False, binding
+        nothing, where gradients are kept otherwise (ZeRO 2-3, fp32 gradients of bf16
+        parameters)."""
+        if self.stage >= 2 or any(self._separate_grads(b) for b in self.buckets):
+            return False
+        for b in self.buckets:
+            b.grad_buffer.zero_()
+            for slot in b.slots:
+                view = b.grad_buffer[slot.offset:slot.offset + slot.numel]
+                slot.param.grad = view.view(slot.shape)
+        return True
 
     def _separate_grads(self, b: FlatBucket) -> bool:
         """Whether ``b``'s gradients live in a buffer of another dtype than its parameters
