@@ -14,6 +14,7 @@ loss and gradient are the same quantities in fp32 (rows summed in another order:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from meshtrain.config import runtime_facts
 
@@ -69,5 +70,10 @@ def token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor,
                             ignore_index: int) -> torch.Tensor:
     """Summed cross-entropy of ``logits`` ``[tokens, vocab]`` (any float dtype) against
     ``targets`` ``[tokens]``, skipping ``ignore_index``, as an fp32 scalar
-    (:class:`ChunkedCrossEntropy`)."""
+    (:class:`ChunkedCrossEntropy`). fp32 logits that fit in one chunk go to PyTorch's fused
+    ``F.cross_entropy`` instead: the same quantities, and what it keeps for backward (one fp32
+    ``log_softmax`` of the logits) is no more than one chunk; at 512 rows of a 512-token
+    vocabulary it takes 0.68 against 0.80 ms forward and backward."""
+    if logits.dtype == torch.float32 and logits.shape[0] <= _rows_per_chunk(logits.shape[1]):
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     return ChunkedCrossEntropy.apply(logits, targets, ignore_index)
