@@ -35,7 +35,7 @@ class GradientBuffers:
 
     accumulate_without_hooks = True
     """Pipelined steps at ZeRO 0-1 (:meth:`bind_zeroed_grads`) run their backward passes with no
-    per-parameter hook: the hooks' Python, called between large kernels, cost ~20 us a call, ~1 ms
+    per-parameter hook: the hooks' Python, called between large kernels, cost ~20 us a call, ~2 ms
     of a pipeline stage's step at the bench shape (docs/performance.md)."""
 
     def register_grad_hooks(self) -> None:
