@@ -2,11 +2,11 @@
 
 Through gloo, a pipeline message crosses loopback TCP on gloo's threads, and a send completes
 only once the receiver has posted its receive: both processes' gloo threads must get the CPU
-while their main threads compute. On a CPU whose cores all run compute, a stage's next forward
-or backward then starts 2-18 ms (median 6) per step after the tensor it needs was computed
-(``docs/performance.md``). When every rank of a pipeline group runs on this host,
-:class:`SharedMemoryP2P` moves each message without any help from the receiver's or the sender's
-other threads:
+while their main threads compute. On a CPU whose cores all run compute, the last stage of a
+two-stage 1F1B step then starts its forwards and backwards 2-18 ms (median 6) late in all, after
+the tensors they need were computed (``docs/performance.md``). When every rank of a pipeline
+group runs on this host, :class:`SharedMemoryP2P` moves each message without any help from the
+receiver's or the sender's other threads:
 
 1. **send**: the sender copies its tensor into one of its own slots (a ``memfd`` of at least the
    message's size, reused once released) and writes a ``data`` record (sequence number, tag, the
