@@ -14,7 +14,11 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.parallel.comm import CommLog, CountedComm
-from meshtrain.parallel.pipeline.shared_memory_p2p import P2PTransferError, SharedMemoryP2P
+from meshtrain.parallel.pipeline.shared_memory_p2p import (
+    P2PTransferError,
+    SharedMemoryP2P,
+    transport_summary,
+)
 from tests.distributed import run_distributed
 from tests.helpers import assert_layouts_match_one_process, tiny_config
 
@@ -159,11 +163,14 @@ def probe_fails_on_one_rank() -> tuple[bool, bool]:
         transport = SharedMemoryP2P.connect(comm, timeout_s=30)
     finally:
         shm._read_token = original  # the worker process serves later tests
-    return transport is None, comm.shared_p2p is None
+    return (transport is None, comm.shared_p2p is None,
+            transport_summary(comm, True, torch.device("cpu")))
 
 
 def test_group_keeps_gloo_when_any_rank_cannot_share():
-    assert run_distributed(2, probe_fails_on_one_rank) == [(True, True), (True, True)]
+    why = ("pipeline messages go through gloo (the ranks cannot map each other's memory: "
+           "several hosts, or no /proc access)")
+    assert run_distributed(2, probe_fails_on_one_rank) == [(True, True, why), (True, True, why)]
 
 
 SCHEDULES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]
@@ -182,7 +189,7 @@ def train_with_and_without_shared_memory(schedule: str, virtual: int) -> tuple[l
         trainer = Trainer(config, build_mesh(config))
         runs.append([(r["loss"], r["grad_norm"]) for r in
                      (trainer.train_step() for _ in range(3))])
-        attached.append(trainer.mesh.comm("pp").shared_p2p is not None)
+        attached.append(transport_summary(trainer.mesh.comm("pp"), shared, trainer.device))
     return runs[0], runs[1], attached
 
 
@@ -190,7 +197,8 @@ def train_with_and_without_shared_memory(schedule: str, virtual: int) -> tuple[l
 def test_training_through_shared_memory_is_bitwise_gloo(schedule, virtual):
     for with_shm, without, attached in run_distributed(2, train_with_and_without_shared_memory,
                                                        schedule, virtual):
-        assert attached == [True, False]
+        assert attached == ["pipeline messages go through shared memory (2 ranks on one host)",
+                            "pipeline messages go through gloo (parallel.pp_shared_memory = false)"]
         assert with_shm == without  # bit for bit: same losses and gradient norms
 
 

@@ -42,8 +42,7 @@ from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_sum
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.mesh import ParallelMesh
 from meshtrain.parallel.pipeline.executor import PipelineExecutor
-from meshtrain.parallel.pipeline.shared_memory_p2p import SharedMemoryP2P
-from meshtrain.parallel.shared_memory import DEFAULT_TIMEOUT_S
+from meshtrain.parallel.pipeline.shared_memory_p2p import connect_transport, transport_summary
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.replan.layout_change import take_change
 from meshtrain.replan.monitor import ReplanMonitor
@@ -160,8 +159,8 @@ class Trainer:
         micro = train.global_batch // (readers * par.microbatches)
         seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
         pp_comm = self.mesh.comm("pp")
-        if par.pp_shared_memory and self.device.type == "cpu" and pp_comm.shared_p2p is None:
-            SharedMemoryP2P.connect(pp_comm, self.mesh.timeout_s or DEFAULT_TIMEOUT_S)
+        connect_transport(pp_comm, par.pp_shared_memory and self.device.type == "cpu",
+                          self.mesh.timeout_s)
         executor = PipelineExecutor(schedule, chunks, pp_comm, self.mesh.pp_rank,
                                     (micro, seq, self.config.model.dim), self.dtype, self.device)
         executor.aux_loss_fn = self._stage_aux_loss
@@ -442,9 +441,10 @@ class Trainer:
             writer = MetricsWriter(self.run_dir, train.steps, self.step,
                                    open_trackers(self.config, resuming=self.step > 0))
             self.energy_total_j = writer.resumed_energy_j
-            summary = reduction_summary(self.engine)
-            if summary:
-                print(f"meshtrain: {summary}", file=sys.stderr, flush=True)
+            for summary in (reduction_summary(self.engine), transport_summary(
+                    self.mesh.comm("pp"), self.config.parallel.pp_shared_memory, self.device)):
+                if summary:
+                    print(f"meshtrain: {summary}", file=sys.stderr, flush=True)
         history = []
         layout_change = take_change()  # parallel.elastic re-planned this start: on the next line
         self.energy.read()  # the first step's energy starts here, not when the trainer was built

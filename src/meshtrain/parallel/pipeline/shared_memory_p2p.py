@@ -38,7 +38,12 @@ from collections import Counter
 
 import torch
 
-from meshtrain.parallel.shared_memory import close_all, open_host_pipes, peer_path
+from meshtrain.parallel.shared_memory import (
+    DEFAULT_TIMEOUT_S,
+    close_all,
+    open_host_pipes,
+    peer_path,
+)
 
 _RECORD = struct.Struct("<8q")  # kind, sender, seq, tag, pid, fd, capacity, nbytes
 _DATA, _RELEASE = 1, 2
@@ -248,3 +253,24 @@ class SharedMemoryP2P:
         return [self._link.send(tensor, peer, tag) if op == "send"
                 else self._link.post_receive(tensor, peer, tag)
                 for op, tensor, peer, tag in ops]
+
+
+def connect_transport(comm, requested: bool, timeout_s: float | None) -> None:
+    """Attach a :class:`SharedMemoryP2P` to the ``pp`` comm when ``requested``
+    (``parallel.pp_shared_memory`` on a CPU run) and the group's ranks share this host; once per
+    comm (collective on its group). ``timeout_s``: the mesh's collective timeout (None: 30
+    minutes)."""
+    if requested and comm.shared_p2p is None:
+        SharedMemoryP2P.connect(comm, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+
+
+def transport_summary(comm, requested: bool, device: torch.device) -> str | None:
+    """One line for the run's log on how a CPU pipeline's messages travel, and why not through
+    shared memory when they do not; None without pipeline parallelism or off CPU."""
+    if not comm.active or device.type != "cpu":
+        return None
+    if comm.shared_p2p is not None:
+        return f"pipeline messages go through shared memory ({comm.size} ranks on one host)"
+    reason = ("parallel.pp_shared_memory = false" if not requested else
+              "the ranks cannot map each other's memory: several hosts, or no /proc access")
+    return f"pipeline messages go through gloo ({reason})"
