@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -9,6 +10,24 @@ from types import ModuleType
 
 from meshtrain.config import Config, config_from_dict, load_config
 from meshtrain.validation.run_config import validate_config
+
+
+@contextlib.contextmanager
+def peer_memory_hidden_on_rank(rank: int):
+    """Inside the block, distributed rank ``rank`` acts as if it ran on another host: it cannot
+    read the other ranks' memory, so :mod:`meshtrain.parallel.shared_memory`'s probe fails there
+    (restored afterwards: a pooled worker serves later tests)."""
+    import torch.distributed as dist
+
+    import meshtrain.parallel.shared_memory as shm
+
+    original = shm._read_token
+    if dist.get_rank() == rank:
+        shm._read_token = lambda pid, fd: None
+    try:
+        yield
+    finally:
+        shm._read_token = original
 
 
 def tiny_config(*overrides: str, nproc: int | None = None, run_dir: str | None = None) -> Config:

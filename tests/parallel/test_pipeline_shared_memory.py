@@ -20,7 +20,11 @@ from meshtrain.parallel.pipeline.shared_memory_p2p import (
     transport_summary,
 )
 from tests.distributed import run_distributed
-from tests.helpers import assert_layouts_match_one_process, tiny_config
+from tests.helpers import (
+    assert_layouts_match_one_process,
+    peer_memory_hidden_on_rank,
+    tiny_config,
+)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
@@ -152,17 +156,10 @@ def test_a_receive_from_a_silent_or_dead_rank_fails_naming_it(how):
         assert 1.5 < float(seconds) < 8
 
 
-def probe_fails_on_one_rank() -> tuple[bool, bool]:
-    import meshtrain.parallel.shared_memory as shm
-
-    original = shm._read_token
-    if dist.get_rank() == 1:  # as if rank 1 ran on another host: it cannot see rank 0's memory
-        shm._read_token = lambda pid, fd: None
-    try:
+def probe_fails_on_one_rank() -> tuple[bool, bool, str | None]:
+    with peer_memory_hidden_on_rank(1):
         comm = _pp_comm()
         transport = SharedMemoryP2P.connect(comm, timeout_s=30)
-    finally:
-        shm._read_token = original  # the worker process serves later tests
     return (transport is None, comm.shared_p2p is None,
             transport_summary(comm, True, torch.device("cpu")))
 

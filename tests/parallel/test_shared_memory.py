@@ -19,7 +19,11 @@ from meshtrain.parallel.comm import CommLog, CountedComm
 from meshtrain.parallel.data.checks import reduces_in_shared_memory, reduction_summary
 from meshtrain.parallel.shared_memory import PipeBarrier, SharedMemoryReducer
 from tests.distributed import run_distributed
-from tests.helpers import assert_layouts_match_one_process, tiny_config
+from tests.helpers import (
+    assert_layouts_match_one_process,
+    peer_memory_hidden_on_rank,
+    tiny_config,
+)
 
 
 def _world_comm(log: CommLog | None = None) -> CountedComm:
@@ -98,16 +102,9 @@ def test_reducer_matches_gloo_and_rank_order_sum(world):
 
 
 def probe_fails_on_one_rank() -> tuple[bool, bool]:
-    import meshtrain.parallel.shared_memory as shm
-
-    original = shm._read_token
-    if dist.get_rank() == 1:  # as if rank 1 ran on another host: it cannot see rank 0's memory
-        shm._read_token = lambda pid, fd: None
-    try:
+    with peer_memory_hidden_on_rank(1):
         comm = _world_comm()
         reducer = SharedMemoryReducer.connect(comm)
-    finally:
-        shm._read_token = original  # the worker process serves later tests
     return reducer is None, comm.shared_memory is None
 
 

@@ -458,18 +458,18 @@ class CountedComm:
         handle per op, in order. Counted as sends and receives of the axis. With a
         :attr:`shared_p2p` transport attached, CPU tensors go through shared memory instead.
         """
-        p2p = []
-        for op, tensor, peer, tag in ops:
-            other = dist.get_global_rank(self.group, peer)
+        if not ops:
+            return []
+        peers = [dist.get_global_rank(self.group, peer) for _, _, peer, _ in ops]
+        for (op, tensor, _, _), other in zip(ops, peers, strict=True):
             entry = self.log.record(self.axis, op, tensor.shape, tensor.dtype,
                                     self._nbytes(tensor), 2, peer=other)
             entry.done = None
-            p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
-                                  group=self.group, tag=tag))
-        if not p2p:
-            return []
         if self.shared_p2p is not None and all(t.device.type == "cpu" for _, t, _, _ in ops):
             works = self.shared_p2p.post(list(ops))
         else:
-            works = dist.batch_isend_irecv(p2p)
+            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, other,
+                           group=self.group, tag=tag)
+                for (op, tensor, _, tag), other in zip(ops, peers, strict=True)])
         return [_TimedWork(work, self.log, self.axis) for work in works]

@@ -24,7 +24,6 @@ import torch
 
 from meshtrain import faults
 from meshtrain.config import Config
-from meshtrain.config.layout_rules import batch_readers
 from meshtrain.data.packing import IGNORE_INDEX
 from meshtrain.data.prefetch import BatchPrefetcher
 from meshtrain.data.tokenizer import load_tokenizer
@@ -35,14 +34,13 @@ from meshtrain.parallel import (
     ParallelPlan,
     data_parallel_engine,
     parallelize,
-    pipeline_stages,
     timing,
 )
 from meshtrain.parallel.data.checks import check_replicas_in_sync, reduction_summary
 from meshtrain.parallel.expert.placement import ExpertPlacer
 from meshtrain.parallel.mesh import ParallelMesh
-from meshtrain.parallel.pipeline.executor import PipelineExecutor
-from meshtrain.parallel.pipeline.shared_memory_p2p import connect_transport, transport_summary
+from meshtrain.parallel.pipeline.executor import executor_for
+from meshtrain.parallel.pipeline.shared_memory_p2p import transport_summary
 from meshtrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from meshtrain.replan.layout_change import take_change
 from meshtrain.replan.monitor import ReplanMonitor
@@ -100,7 +98,10 @@ class Trainer:
         self.model = parallelize(model, mesh, self.plan)
         # First vocabulary id of this rank's logits slice (the head is split like the embedding).
         self.vocab_start = mesh.tp_rank * (config.model.vocab_size // mesh.tp)
-        self.pipeline = self._build_pipeline()
+        self.pipeline = executor_for(self.model, config, mesh, self.dtype)
+        if self.pipeline is not None:
+            self.pipeline.aux_loss_fn = self._stage_aux_loss
+            self.pipeline.layout_fn = self.document_layout_fn
         self.engine = data_parallel_engine(self.model)
         self.optimizer = FlatAdamW(self.engine, train)
         self.outer = None  # DiLoCo's outer step between replica groups (replicas > 1)
@@ -135,8 +136,8 @@ class Trainer:
         self.energy_total_j = 0.0
         self.stop_signals = None
         """A :class:`~meshtrain.training.preemption.StopSignals` whose first signal stops the run
-        after
-        the current step, with a checkpoint (the worker sets it); None = no signal handling."""
+        after the current step, with a checkpoint (the worker sets it); None = no signal
+        handling."""
         self.stop_signal = 0
         """The signal some rank received, as all ranks agreed at the end of the last step."""
         self.preempted: dict | None = None
@@ -148,24 +149,6 @@ class Trainer:
         self.replan = ReplanMonitor.build(config, mesh) if with_data else None
         self.replanned: dict | None = None
         """Set when :meth:`fit` stopped to relaunch at a re-planned layout (``replan_every``)."""
-
-    def _build_pipeline(self) -> PipelineExecutor | None:
-        stages = pipeline_stages(self.model)
-        if stages is None:
-            return None
-        schedule, chunks = stages
-        train, par = self.config.train, self.config.parallel
-        readers = batch_readers(self.mesh.dp, self.mesh.replicas)
-        micro = train.global_batch // (readers * par.microbatches)
-        seq = train.seq_len // self.mesh.cp // (self.mesh.tp if par.sequence_parallel else 1)
-        pp_comm = self.mesh.comm("pp")
-        connect_transport(pp_comm, par.pp_shared_memory and self.device.type == "cpu",
-                          self.mesh.timeout_s)
-        executor = PipelineExecutor(schedule, chunks, pp_comm, self.mesh.pp_rank,
-                                    (micro, seq, self.config.model.dim), self.dtype, self.device)
-        executor.aux_loss_fn = self._stage_aux_loss
-        executor.layout_fn = self.document_layout_fn
-        return executor
 
     def layout_of(self, tokens: torch.Tensor):
         """The sequence layout of a micro-batch's input ``tokens`` (None: plain causal)."""

@@ -281,7 +281,7 @@ class DataParallelEngine(GradientBuffers, GradientAccounting, ShardStorage):
         self._fresh = [set() for _ in self.buckets]
         if self.gatherer is not None:
             self.gatherer.begin_pipelined_step()
-        if self.accumulate_without_hooks and self.bind_zeroed_grads():
+        if self.bind_zeroed_grads():
             self.remove_grad_hooks()
 
     def sync_all(self) -> None:

@@ -33,11 +33,6 @@ class GradientBuffers:
     ``grad_dtype``, ``buckets`` and the parameter-to-slot maps, and registers its
     ``_on_grad_ready`` as every parameter's post-accumulate hook)."""
 
-    accumulate_without_hooks = True
-    """Pipelined steps at ZeRO 0-1 (:meth:`bind_zeroed_grads`) run their backward passes with no
-    per-parameter hook: the hooks' Python, called between large kernels, cost ~20 us a call, ~2 ms
-    of a pipeline stage's step at the bench shape (docs/performance.md)."""
-
     def register_grad_hooks(self) -> None:
         """Make ``_on_grad_ready`` every parameter's post-accumulate hook (again, after
         :meth:`remove_grad_hooks`)."""
@@ -47,7 +42,9 @@ class GradientBuffers:
 
     def remove_grad_hooks(self) -> None:
         """Drop the hooks until :meth:`register_grad_hooks` (the next step that is not
-        pipelined calls it)."""
+        pipelined calls it). Pipelined steps at ZeRO 0-1 (:meth:`bind_zeroed_grads`) need none:
+        the hooks' Python, called between large kernels, cost ~20 us a call, ~2 ms of a pipeline
+        stage's step at the bench shape (docs/performance.md)."""
         for handle in self._grad_hooks or ():
             handle.remove()
         self._grad_hooks = None
@@ -63,8 +60,7 @@ class GradientBuffers:
         for b in self.buckets:
             b.grad_buffer.zero_()
             for slot in b.slots:
-                view = b.grad_buffer[slot.offset:slot.offset + slot.numel]
-                slot.param.grad = view.view(slot.shape)
+                slot.param.grad = self._grad_slice(b, slot).view(slot.shape)
         return True
 
     def _separate_grads(self, b: FlatBucket) -> bool:
@@ -72,12 +68,17 @@ class GradientBuffers:
         (fp32 main gradients of bf16 parameters): autograd's ``.grad`` cannot be a view of it."""
         return self.grad_dtype != b.dtype
 
+    @staticmethod
+    def _grad_slice(b: FlatBucket, slot) -> torch.Tensor:
+        """``slot``'s parameter's slice of ``b``'s gradient buffer, flat."""
+        return b.grad_buffer[slot.offset:slot.offset + slot.numel]
+
     def _keep_grad_in_buffer(self, bucket: FlatBucket, slot) -> None:
         """Autograd accumulates in place into the bound view; the step's first gradient of a
         parameter (``.grad`` dropped by :meth:`zero_grad`), or one a user set, is a new tensor:
         copy it over the parameter's slice of the flat buffer and bind the slice. With separate
         (fp32) gradient buffers, add the micro-batch's gradient in and drop it."""
-        view = bucket.grad_buffer[slot.offset:slot.offset + slot.numel]
+        view = self._grad_slice(bucket, slot)
         grad = slot.param.grad
         if self._separate_grads(bucket):
             view.add_(grad.reshape(-1))
@@ -91,7 +92,7 @@ class GradientBuffers:
         :meth:`zero_grad`: it still holds the previous step's sum."""
         for s in b.slots:
             if s.param.grad is None:
-                view = b.grad_buffer[s.offset:s.offset + s.numel]
+                view = self._grad_slice(b, s)
                 view.zero_()
                 s.param.grad = view.view(s.shape)
 
@@ -113,5 +114,4 @@ class GradientBuffers:
         if self.stage >= 2:
             raise ValueError(f"ZeRO stage {self.stage} holds only gradient shards")
         slot = self._slot_of[id(param)]
-        view = self._bucket_of[id(param)].grad_buffer[slot.offset:slot.offset + slot.numel]
-        return view.view(slot.shape)
+        return self._grad_slice(self._bucket_of[id(param)], slot).view(slot.shape)

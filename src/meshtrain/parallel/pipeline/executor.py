@@ -47,6 +47,7 @@ from meshtrain.parallel.comm import CountedComm
 from meshtrain.parallel.pipeline.message_order import Message, exchanges, message_of
 from meshtrain.parallel.pipeline.p2p import Exchanger
 from meshtrain.parallel.pipeline.schedule import Action, ActionKind, Schedule
+from meshtrain.parallel.pipeline.shared_memory_p2p import connect_transport
 from meshtrain.parallel.pipeline.stage import StageChunk
 from meshtrain.parallel.timing import stamp
 
@@ -284,3 +285,25 @@ def grads_in_memory(grads_in: dict, mb: int, next_stage: int) -> torch.Tensor:
                            f"the schedule ran a backward before its successor's")
     return grad
 
+
+
+def executor_for(model: torch.nn.Module, config, mesh, dtype: torch.dtype
+                 ) -> PipelineExecutor | None:
+    """This rank's executor for ``model`` as :func:`~meshtrain.parallel.parallelize` split it
+    into pipeline stages (None when it did not): messages shaped ``[micro-batch, sequence
+    (/ tp under sequence parallelism), dim]``, through shared memory between the ranks of one
+    host on CPU (``parallel.pp_shared_memory``)."""
+    from meshtrain.config.layout_rules import batch_readers
+    from meshtrain.parallel.apply import pipeline_stages
+
+    stages = pipeline_stages(model)
+    if stages is None:
+        return None
+    schedule, chunks = stages
+    train, par = config.train, config.parallel
+    micro = train.global_batch // (batch_readers(mesh.dp, mesh.replicas) * par.microbatches)
+    seq = train.seq_len // mesh.cp // (mesh.tp if par.sequence_parallel else 1)
+    comm = mesh.comm("pp")
+    connect_transport(comm, par.pp_shared_memory and mesh.device.type == "cpu", mesh.timeout_s)
+    return PipelineExecutor(schedule, chunks, comm, mesh.pp_rank, (micro, seq, config.model.dim),
+                            dtype, mesh.device)
